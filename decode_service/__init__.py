@@ -1,0 +1,1 @@
+"""Decode workers: load selected chunk KV and run iterative masked denoising."""

@@ -1,0 +1,1 @@
+"""Triton kernels, each with its launcher and a pure-torch reference."""

@@ -1,0 +1,1 @@
+"""gRPC protocol definitions (pdllm.v1) and the Python stubs generated from them."""

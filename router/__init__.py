@@ -1,0 +1,1 @@
+"""Router: public gRPC front door; discovers workers and routes prefill/decode work."""

@@ -1,0 +1,1 @@
+"""Common code: model runtime, configs, sampler, KV format and KV tier, CLI."""

@@ -1,0 +1,1 @@
+"""Long-context evaluation: needle retrieval and multi-document QA, vanilla vs pdllm."""

@@ -1,0 +1,1 @@
+"""Masked-diffusion generation: the shared sampler and the vanilla decoder."""

@@ -1,0 +1,1 @@
+"""dLLM model runtime (Dream / LLaDA families) and checkpoint loading."""

@@ -1,0 +1,1 @@
+"""Training the shipped default model: synthetic long-context data, tokenizer, diffusion objective."""
