@@ -1,0 +1,1 @@
+"""Proto package root mirroring the proto package `pdllm` (see protos/generate.py for why it is nested)."""

@@ -1,0 +1,179 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerationParams(_message.Message):
+    __slots__ = ("gen_length", "steps", "block_length", "threshold", "temperature", "seed")
+    GEN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    gen_length: int
+    steps: int
+    block_length: int
+    threshold: float
+    temperature: float
+    seed: int
+    def __init__(self, gen_length: _Optional[int] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., threshold: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class MethodParams(_message.Message):
+    __slots__ = ("method", "chunk_size", "top_k", "top_b", "kv_mode", "score_mode", "pseudo_label_tokens", "pseudo_label_rounds", "retention_score")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_B_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MODE_FIELD_NUMBER: _ClassVar[int]
+    PSEUDO_LABEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PSEUDO_LABEL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SCORE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    chunk_size: int
+    top_k: int
+    top_b: int
+    kv_mode: str
+    score_mode: str
+    pseudo_label_tokens: int
+    pseudo_label_rounds: int
+    retention_score: str
+    def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    context: str
+    question: str
+    instruction: str
+    generation: GenerationParams
+    method: MethodParams
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., context: _Optional[str] = ..., question: _Optional[str] = ..., instruction: _Optional[str] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., method: _Optional[_Union[MethodParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "model", "text", "token_ids", "finish_reason", "trace")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    trace: Trace
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("partial", "final")
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    partial: PartialOutput
+    final: GenerateResponse
+    def __init__(self, partial: _Optional[_Union[PartialOutput, _Mapping]] = ..., final: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class PartialOutput(_message.Message):
+    __slots__ = ("request_id", "step", "total_steps", "block_index", "token_ids", "unmasked", "text")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNMASKED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    step: int
+    total_steps: int
+    block_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    unmasked: int
+    text: str
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., block_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., unmasked: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class ChunkScore(_message.Message):
+    __slots__ = ("chunk_id", "self_information", "pseudo_label", "total", "selected", "num_tokens", "kept_tokens")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    SELF_INFORMATION_FIELD_NUMBER: _ClassVar[int]
+    PSEUDO_LABEL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    self_information: float
+    pseudo_label: float
+    total: float
+    selected: bool
+    num_tokens: int
+    kept_tokens: int
+    def __init__(self, chunk_id: _Optional[int] = ..., self_information: _Optional[float] = ..., pseudo_label: _Optional[float] = ..., total: _Optional[float] = ..., selected: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., kept_tokens: _Optional[int] = ...) -> None: ...
+
+class PhaseTimings(_message.Message):
+    __slots__ = ("queue_s", "prefill_s", "score_s", "select_s", "build_s", "decode_s", "ttft_s", "total_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    SCORE_S_FIELD_NUMBER: _ClassVar[int]
+    SELECT_S_FIELD_NUMBER: _ClassVar[int]
+    BUILD_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    prefill_s: float
+    score_s: float
+    select_s: float
+    build_s: float
+    decode_s: float
+    ttft_s: float
+    total_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+
+class Trace(_message.Message):
+    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MODE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SCORES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    kv_mode: str
+    score_mode: str
+    prompt_tokens: int
+    context_tokens: int
+    num_chunks: int
+    selected_chunk_ids: _containers.RepeatedScalarFieldContainer[int]
+    chunk_scores: _containers.RepeatedCompositeFieldContainer[ChunkScore]
+    kept_tokens: int
+    timings: PhaseTimings
+    peak_memory_bytes: int
+    cache_hits: int
+    cache_misses: int
+    steps: int
+    prefill_worker: str
+    decode_worker: str
+    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...

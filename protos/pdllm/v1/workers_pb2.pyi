@@ -1,0 +1,132 @@
+from . import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvSpec(_message.Message):
+    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "position_scheme")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    POSITION_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    position_scheme: str
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., position_scheme: _Optional[str] = ...) -> None: ...
+
+class ChunkHandle(_message.Message):
+    __slots__ = ("key", "chunk_id", "token_ids", "positions", "kept_indices", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    chunk_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    kept_indices: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, key: _Optional[str] = ..., chunk_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., kept_indices: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "model", "instruction_ids", "context_ids", "question_ids", "method", "generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_IDS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    instruction_ids: _containers.RepeatedScalarFieldContainer[int]
+    context_ids: _containers.RepeatedScalarFieldContainer[int]
+    question_ids: _containers.RepeatedScalarFieldContainer[int]
+    method: _generation_pb2.MethodParams
+    generation: _generation_pb2.GenerationParams
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "kv_spec", "selected", "chunk_scores", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_SPEC_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_spec: KvSpec
+    selected: _containers.RepeatedCompositeFieldContainer[ChunkHandle]
+    chunk_scores: _containers.RepeatedCompositeFieldContainer[_generation_pb2.ChunkScore]
+    timings: _generation_pb2.PhaseTimings
+    cache_hits: int
+    cache_misses: int
+    peak_memory_bytes: int
+    worker: str
+    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "model", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_SPEC_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    STREAM_PARTIALS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    kv_spec: KvSpec
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkHandle]
+    instruction_ids: _containers.RepeatedScalarFieldContainer[int]
+    question_ids: _containers.RepeatedScalarFieldContainer[int]
+    generation: _generation_pb2.GenerationParams
+    method: _generation_pb2.MethodParams
+    stream_partials: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ...) -> None: ...
+
+class DecodeResult(_message.Message):
+    __slots__ = ("request_id", "token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    steps: int
+    timings: _generation_pb2.PhaseTimings
+    cache_hits: int
+    cache_misses: int
+    peak_memory_bytes: int
+    worker: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("partial", "final")
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    partial: _generation_pb2.PartialOutput
+    final: DecodeResult
+    def __init__(self, partial: _Optional[_Union[_generation_pb2.PartialOutput, _Mapping]] = ..., final: _Optional[_Union[DecodeResult, _Mapping]] = ...) -> None: ...
