@@ -68,12 +68,15 @@ class ModelConfig:
         """Map a ``config.json`` dict (Qwen2, Dream, LLaMA or LLaDA) onto a ModelConfig."""
         model_type = str(cfg.get("model_type", "")).lower()
         archs = [a.lower() for a in cfg.get("architectures") or []]
-        if model_type in ("dream", "qwen2") or any("dream" in a for a in archs):
+        # model_type decides the field names; architectures only disambiguate an unknown model_type.
+        if model_type in ("dream", "qwen2"):
             return cls._from_qwen2_like(cfg, model_id)
-        if model_type == "llada" or any("llada" in a for a in archs):
-            return cls._from_llada(cfg, model_id)
         if model_type == "llama":
             return cls._from_llama(cfg, model_id)
+        if model_type == "llada" or any("llada" in a for a in archs):
+            return cls._from_llada(cfg, model_id)
+        if any("dream" in a for a in archs):
+            return cls._from_qwen2_like(cfg, model_id)
         raise ModelConfigError(
             f"unknown architecture model_type={cfg.get('model_type')!r} architectures={cfg.get('architectures')}"
             " (supported: Dream/Qwen2, LLaDA/LLaMA)"

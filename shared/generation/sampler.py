@@ -1,0 +1,199 @@
+"""The shared unmasking logic of masked-diffusion decoding.
+
+Every decoder — vanilla, Prefilling-dLLM, and the decode-side policies that come later — differs only in
+how it computes logits for the masked response positions. What to unmask next is decided here, once:
+:class:`DenoiseState` holds one request's response tokens and steps through semi-autoregressive blocks,
+either with LLaDA/Dream's fixed schedule (low-confidence remasking: the top-k most confident predictions
+are kept per step) or with Fast-dLLM's confidence threshold (all predictions above tau, at least one).
+:func:`denoise` is the loop that drives a state with any logits function.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    gen_length: int = 32
+    steps: int = 32
+    # None: one block spanning the whole response.
+    block_length: int | None = None
+    # None: fixed schedule (steps); else unmask every prediction with confidence > threshold (>= 1 per step).
+    threshold: float | None = None
+    # 0: greedy. Otherwise sample from softmax(logits / temperature) with a generator seeded by `seed`.
+    temperature: float = 0.0
+    seed: int = 0
+    # Stop after the block in which an EOS was produced; the result is trimmed at the first EOS.
+    stop_at_eos: bool = True
+
+    @property
+    def block(self) -> int:
+        return self.block_length or self.gen_length
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block
+
+    def validate(self) -> None:
+        if self.gen_length <= 0:
+            raise ValueError(f"gen_length must be positive, got {self.gen_length}")
+        if self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.block <= 0:
+            raise ValueError(f"block_length must be positive, got {self.block_length}")
+        if self.gen_length % self.block:
+            raise ValueError(
+                f"gen_length={self.gen_length} is not divisible by block_length={self.block_length}"
+            )
+        if self.threshold is None and self.steps % self.num_blocks:
+            raise ValueError(
+                f"steps={self.steps} must be a multiple of the number of blocks ({self.num_blocks} = "
+                f"gen_length {self.gen_length} / block_length {self.block})"
+            )
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+def step_schedule(block_length: int, steps_per_block: int) -> list[int]:
+    """Tokens to unmask at each step of a block: as even as possible, earlier steps take the remainder.
+
+    More steps than tokens would only add forwards that unmask nothing, so steps are capped at the
+    block length.
+    """
+    steps = min(steps_per_block, block_length)
+    base, rem = divmod(block_length, steps)
+    return [base + 1 if i < rem else base for i in range(steps)]
+
+
+class DenoiseState:
+    """One request's response under iterative unmasking (response-relative positions 0..gen_length-1)."""
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        mask_id: int,
+        eos_id: int | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.mask_id = mask_id
+        self.eos_id = eos_id
+        self.tokens = torch.full((config.gen_length,), mask_id, dtype=torch.long, device=device)
+        self.block = 0
+        self.step_in_block = 0
+        self.steps_taken = 0
+        self._schedule = step_schedule(config.block, config.steps // config.num_blocks)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._stopped = False
+
+    @property
+    def done(self) -> bool:
+        return self._stopped or self.block >= self.config.num_blocks
+
+    def positions(self) -> torch.Tensor:
+        """Masked positions of the current block: the rows the next logits must cover, in order."""
+        lo = self.block * self.config.block
+        window = self.tokens[lo : lo + self.config.block]
+        return (window == self.mask_id).nonzero().flatten() + lo
+
+    def update(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply one step's logits (``[len(positions()), V]``); returns the newly unmasked positions."""
+        positions = self.positions()
+        if logits.shape[0] != positions.shape[0]:
+            raise ValueError(f"expected logits for {positions.shape[0]} positions, got {logits.shape[0]}")
+        tokens, confidence = self._predict(logits)
+        if self.config.threshold is None:
+            k = min(self._schedule[self.step_in_block], positions.shape[0])
+            if self.step_in_block == len(self._schedule) - 1:
+                k = positions.shape[0]
+            chosen = torch.topk(confidence, k).indices
+        else:
+            chosen = (confidence > self.config.threshold).nonzero().flatten()
+            if chosen.numel() == 0:
+                chosen = confidence.argmax().view(1)
+        picked = positions[chosen]
+        self.tokens[picked] = tokens[chosen]
+        self.steps_taken += 1
+        self.step_in_block += 1
+        lo = self.block * self.config.block
+        if not bool((self.tokens[lo : lo + self.config.block] == self.mask_id).any()):
+            self._finish_block()
+        return picked
+
+    def _predict(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.to(torch.float32, copy=True)
+        # Predicting [MASK] would leave the position masked and stall the schedule.
+        logits[:, self.mask_id] = float("-inf")
+        if self.config.temperature == 0:
+            probs = torch.softmax(logits, dim=-1)
+            confidence, tokens = probs.max(dim=-1)
+            return tokens, confidence
+        probs = torch.softmax(logits / self.config.temperature, dim=-1)
+        # Sampling on the CPU with our own generator keeps seeds reproducible across devices.
+        tokens = torch.multinomial(probs.cpu(), 1, generator=self._generator).flatten().to(logits.device)
+        return tokens, probs.gather(-1, tokens[:, None]).flatten()
+
+    def _finish_block(self) -> None:
+        end = (self.block + 1) * self.config.block
+        self.block += 1
+        self.step_in_block = 0
+        if self.config.stop_at_eos and self.eos_id is not None:
+            self._stopped = bool((self.tokens[:end] == self.eos_id).any())
+
+    def result(self) -> list[int]:
+        """The response ids, trimmed at the first EOS (and at the first still-masked token)."""
+        out: list[int] = []
+        for t in self.tokens.tolist():
+            if t == self.eos_id or t == self.mask_id:
+                break
+            out.append(t)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    raw_tokens: list[int]
+    steps: int
+    decode_seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(response tokens [G], positions to predict [n]) -> logits [n, V]."""
+
+
+def denoise(
+    config: GenerationConfig,
+    mask_id: int,
+    eos_id: int | None,
+    logits_fn: LogitsFn,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> GenerationResult:
+    """Drive one :class:`DenoiseState` to completion with ``logits_fn``."""
+    state = DenoiseState(config, mask_id, eos_id, device)
+    start = time.perf_counter()
+    total = config.gen_length if config.threshold is not None else min(config.steps, config.gen_length)
+    with tqdm(total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False) as bar:
+        while not state.done:
+            state.update(logits_fn(state.tokens, state.positions()))
+            bar.update(1)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return GenerationResult(
+        token_ids=state.result(),
+        raw_tokens=state.tokens.tolist(),
+        steps=state.steps_taken,
+        decode_seconds=elapsed,
+    )
