@@ -1,0 +1,258 @@
+"""Split-S decode attention over a paged chunk-KV pool plus each request's own local KV (Triton).
+
+Layout (all tensors on one device; ``B`` requests, ragged query lengths):
+
+- ``q``: ``[total_q, Hq, D]``, request ``b``'s queries are rows ``q_offsets[b]:q_offsets[b+1]``; RoPE applied.
+- ``k_pages, v_pages``: one layer of the pool, ``[num_pages, Hkv, page_size, D]`` with the last two dims
+  contiguous (one page of one head is a contiguous ``page_size x D`` tile), ``page_size`` a power of two.
+- ``page_table``: int32 ``[B, max_pages]``; request ``b``'s logical KV slot ``j`` (``j < kv_lens[b]``) is slot
+  ``j % page_size`` of page ``page_table[b, j // page_size]``.
+- ``page_fill``: optional int32 ``[B, max_pages]``: only the first ``page_fill[b, p]`` slots of a page are
+  tokens (chunks that end mid-page leave holes); None = every slot below ``kv_lens[b]`` is a token.
+- ``k_local, v_local``: ``[total_q, Hkv, D]`` packed like ``q`` (the request's query + response tokens), or
+  None. Attention is bidirectional: every query sees all of its request's paged tokens and local tokens.
+- returns ``[total_q, Hq, D]`` in ``q``'s dtype. A request with no keys at all gets zeros.
+
+GQA: a program owns one (request, KV head) and stacks the ``G = Hq / Hkv`` query heads of that KV head
+as extra query rows (row ``r`` = token ``r // G``, head ``h*G + r % G``), so each K/V tile is loaded once
+for the whole group and never repeated in memory.
+
+Split-S / flash-decoding: the logical KV range (paged slots, then local tokens) is cut into splits of a
+common size; programs are (row block, split, request x KV head). Each writes its fp32 partial output and
+base-2 log-sum-exp; a second small kernel merges the splits. With one split the first kernel writes the
+final output directly. The split count comes from the work (:func:`plan_splits`), so a batch of one still
+spreads over all SMs. fp32 accumulation throughout; bf16/fp16 (or fp32) inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdllm.kernels.split_s_reference import (
+    SplitPlan,
+    SplitSConfig,
+    check_inputs,
+    naive_attention,
+    plan_splits,
+    split_s_attention_reference,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
+    triton = None
+
+__all__ = [
+    "SplitPlan",
+    "SplitSConfig",
+    "naive_attention",
+    "plan_splits",
+    "split_s_attention",
+    "split_s_attention_reference",
+]
+
+LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale):
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no valid key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _split_s_kernel(
+        Q, KP, VP, PT, PF, KVL, QO, KL, VL, OP, LSE, OUT,
+        qk_scale, split_size,
+        s_qt, s_qh, s_kp, s_kh, s_pt, s_lt, s_lh, s_ops, s_opt, s_oph, s_lss, s_lst, s_ot, s_oh,
+        G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_LOCAL: tl.constexpr, HAS_FILL: tl.constexpr, SINGLE: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_bh = tl.program_id(2)
+        b = pid_bh // HKV
+        h = pid_bh % HKV
+        q_start = tl.load(QO + b)
+        lq = tl.load(QO + b + 1) - q_start
+        if pid_m * BLOCK_M < lq * G:
+            kv_len = tl.load(KVL + b)
+            total = kv_len
+            if HAS_LOCAL:
+                total = kv_len + lq
+            n_begin = pid_s * split_size
+            n_end = tl.minimum(n_begin + split_size, total)
+
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < lq * G
+            tok = (q_start + offs_m // G).to(tl.int64)
+            head = h * G + offs_m % G
+            offs_d = tl.arange(0, D)
+            q = tl.load(
+                Q + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            arange_n = tl.arange(0, BLOCK_N)
+            paged_end = tl.minimum(n_end, kv_len)
+            for n0 in range(n_begin, paged_end, BLOCK_N):
+                offs_n = n0 + arange_n
+                valid = offs_n < paged_end
+                if BLOCK_N <= PAGE:
+                    # Splits and blocks start at multiples of BLOCK_N, so a block never crosses a page:
+                    # one page id per block and a contiguous tile.
+                    slot = n0 // PAGE
+                    page = tl.load(PT + b * s_pt + slot).to(tl.int64)
+                    in_page = n0 % PAGE + arange_n
+                    if HAS_FILL:
+                        valid = valid & (in_page < tl.load(PF + b * s_pt + slot))
+                    row = page * s_kp + h * s_kh + in_page * D
+                else:
+                    slot = offs_n // PAGE
+                    page = tl.load(PT + b * s_pt + slot, mask=valid, other=0).to(tl.int64)
+                    if HAS_FILL:
+                        valid = valid & (offs_n % PAGE < tl.load(PF + b * s_pt + slot, mask=valid, other=0))
+                    row = page * s_kp + h * s_kh + (offs_n % PAGE) * D
+                k = tl.load(KP + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(VP + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale)
+            if HAS_LOCAL:
+                for n0 in range(tl.maximum(n_begin, kv_len), n_end, BLOCK_N):
+                    offs_n = n0 + arange_n
+                    valid = offs_n < n_end
+                    row = (q_start + offs_n - kv_len).to(tl.int64) * s_lt + h * s_lh
+                    k = tl.load(KL + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+                    v = tl.load(VL + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+                    m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale)
+
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            if SINGLE:
+                ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
+                tl.store(ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            else:
+                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
+                ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
+                tl.store(ptr, o, mask=row_ok[:, None])
+                tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_kernel(OP, LSE, OUT, n_split, n_rows, s_ops, s_lss, BLOCK_R: tl.constexpr, D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < n_rows
+        offs_d = tl.arange(0, D)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for s in range(0, n_split):
+            lse = tl.load(LSE + s * s_lss + rows, mask=ok, other=float("-inf"))
+            o = tl.load(OP + s * s_ops + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            w_sum = w_sum * alpha + w
+            m = m_new
+        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=ok[:, None])
+
+
+def _num_sms(device: torch.device, config: SplitSConfig) -> int:
+    if config.num_sms is not None:
+        return config.num_sms
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def split_s_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None = None,
+    v_local: torch.Tensor | None = None,
+    page_fill: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: SplitSConfig | None = None,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """Launch the split-S kernel (see the module docstring for layouts).
+
+    ``max_q_len``/``max_kv_len`` (per-request maxima) size the grid; pass them to avoid a device->host sync
+    and to keep the call capturable in a CUDA graph. Omitted, they are read from ``q_offsets``/``kv_lens``.
+    """
+    if triton is None:
+        raise RuntimeError("split_s_attention needs triton; use split_s_attention_reference on this machine")
+    check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
+    config = config or SplitSConfig()
+    total_q, hq, d = q.shape
+    _, hkv, page, _ = k_pages.shape
+    g = hq // hkv
+    batch = page_table.shape[0]
+    if k_pages.stride()[2:] != (d, 1) or v_pages.stride() != k_pages.stride():
+        raise ValueError("k_pages/v_pages must share strides with each page's [page_size, D] tile contiguous")
+    if q.stride(2) != 1 or (
+        k_local is not None and (k_local.stride(2) != 1 or v_local.stride() != k_local.stride())
+    ):
+        raise ValueError("q and k_local/v_local need a contiguous last dim (and equal local strides)")
+    page_table = page_table.contiguous()
+    if page_fill is not None:
+        page_fill = page_fill.contiguous()
+    if max_q_len is None:
+        max_q_len = int((q_offsets[1:] - q_offsets[:-1]).max()) if batch else 0
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max()) if batch else 0
+    has_local = k_local is not None
+    max_total = max_kv_len + (max_q_len if has_local else 0)
+    out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
+    if total_q == 0 or max_q_len == 0:
+        return out
+    plan = plan_splits(max_total, batch, hkv, max_q_len * g, config, _num_sms(q.device, config))
+    single = plan.num_splits == 1
+    if single:
+        o_part = lse = out  # unused by the kernel when SINGLE
+        ops = opt = oph = lss = lst = 0
+    else:
+        o_part = torch.empty(plan.num_splits, total_q, hq, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(plan.num_splits, total_q, hq, dtype=torch.float32, device=q.device)
+        ops, opt, oph, _ = o_part.stride()
+        lss, lst, _ = lse.stride()
+    kl = k_local if has_local else q
+    vl = v_local if has_local else q
+    fill = page_fill if page_fill is not None else page_table
+    scale = d**-0.5 if scale is None else scale
+    grid = (plan.m_blocks, plan.num_splits, batch * hkv)
+    _split_s_kernel[grid](
+        q, k_pages, v_pages, page_table, fill, kv_lens, q_offsets, kl, vl, o_part, lse, out,
+        scale * LOG2E, plan.split_size,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), page_table.stride(0),
+        kl.stride(0), kl.stride(1), ops, opt, oph, lss, lst, out.stride(0), out.stride(1),
+        G=g, HKV=hkv, D=d, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if not single:
+        n_rows = total_q * hq
+        block_r = 16
+        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
+            o_part, lse, out, plan.num_splits, n_rows, ops, lss, BLOCK_R=block_r, D=d, num_warps=4
+        )
+    return out

@@ -1,0 +1,237 @@
+"""Split planning, input checks and the two torch implementations of split-S decode attention.
+
+``split_s_attention_reference`` follows the kernel's algorithm (same split plan, per-split partial output
+and log-sum-exp, LSE merge) in fp32 torch; ``naive_attention`` is the independent check: gather each
+request's valid KV into one contiguous tensor and take ``softmax(QK^T)V`` in float64. Shapes and layouts
+are documented in :mod:`pdllm.kernels.split_s_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class SplitSConfig:
+    """Tiling and split policy. ``num_splits`` forces a split count; otherwise it comes from the work."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int | None = None
+    # Enough tokens per split that the fp32 partial writes stay small next to the KV reads.
+    min_split_tokens: int = 256
+    # Aim for this many programs per SM so that small batches still fill the chip.
+    programs_per_sm: float = 2.0
+    num_sms: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.min_split_tokens < 1:
+            raise ValueError("min_split_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    num_splits: int
+    split_size: int  # logical KV slots per split, a multiple of block_n
+    m_blocks: int  # query-row blocks per (request, kv head)
+
+
+def plan_splits(
+    max_total: int, batch: int, num_kv_heads: int, max_rows: int, config: SplitSConfig, num_sms: int
+) -> SplitPlan:
+    """Flash-decoding split choice: enough (request, head, row-block, split) programs to fill the SMs."""
+    m_blocks = max(1, -(-max_rows // config.block_m))
+    max_total = max(1, max_total)
+    if config.num_splits is not None:
+        n = config.num_splits
+    else:
+        base = batch * num_kv_heads * m_blocks
+        want = math.ceil(config.programs_per_sm * num_sms / base)
+        n = max(1, min(want, max_total // config.min_split_tokens))
+    size = -(-max_total // n)
+    size = -(-size // config.block_n) * config.block_n
+    return SplitPlan(num_splits=-(-max_total // size), split_size=size, m_blocks=m_blocks)
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None,
+    v_local: torch.Tensor | None,
+    page_fill: torch.Tensor | None,
+) -> None:
+    """Shape/dtype/device checks that need no device sync; raise ValueError with the offending shape."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, Hq, D], got {tuple(q.shape)}")
+    total_q, hq, d = q.shape
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"k_pages/v_pages must both be [num_pages, Hkv, page_size, D], got {tuple(k_pages.shape)} "
+            f"and {tuple(v_pages.shape)}"
+        )
+    _, hkv, page, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"head dim mismatch: q has {d}, pages have {dk}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {d} not supported (need one of {SUPPORTED_HEAD_DIMS})")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if page & (page - 1):
+        raise ValueError(f"page size must be a power of two, got {page}")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
+    if page_table.dim() != 2 or page_table.dtype != torch.int32:
+        raise ValueError(
+            f"page_table must be int32 [B, max_pages], got {page_table.dtype} {tuple(page_table.shape)}"
+        )
+    b = page_table.shape[0]
+    if kv_lens.shape != (b,) or kv_lens.dtype != torch.int32:
+        raise ValueError(f"kv_lens must be int32 [B={b}], got {kv_lens.dtype} {tuple(kv_lens.shape)}")
+    if q_offsets.shape != (b + 1,) or q_offsets.dtype != torch.int32:
+        raise ValueError(
+            f"q_offsets must be int32 [B+1={b + 1}], got {q_offsets.dtype} {tuple(q_offsets.shape)}"
+        )
+    if page_fill is not None and (page_fill.shape != page_table.shape or page_fill.dtype != torch.int32):
+        raise ValueError("page_fill must be int32 with the page table's shape")
+    if (k_local is None) != (v_local is None):
+        raise ValueError("k_local and v_local must both be given or both be None")
+    if k_local is not None and (
+        k_local.shape != (total_q, hkv, d) or v_local.shape != k_local.shape or k_local.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"k_local/v_local must be [{total_q}, {hkv}, {d}] {q.dtype}, got {tuple(k_local.shape)}"
+        )
+    tensors = [q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill]
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def _gather_request(
+    b: int,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_len: int,
+    page_fill: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Request ``b``'s logical paged KV, ``[Hkv, kv_len, D]`` each, plus its validity mask ``[kv_len]``."""
+    page = k_pages.shape[2]
+    n_pages = -(-kv_len // page)
+    ids = page_table[b, :n_pages].long()
+    k = k_pages[ids].permute(1, 0, 2, 3).reshape(k_pages.shape[1], n_pages * page, -1)[:, :kv_len]
+    v = v_pages[ids].permute(1, 0, 2, 3).reshape(v_pages.shape[1], n_pages * page, -1)[:, :kv_len]
+    slot = torch.arange(n_pages * page, device=k.device)
+    if page_fill is None:
+        valid = torch.ones(n_pages * page, dtype=torch.bool, device=k.device)
+    else:
+        valid = (slot % page) < page_fill[b, :n_pages].long().repeat_interleave(page)
+    return k, v, valid[:kv_len]
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None = None,
+    v_local: torch.Tensor | None = None,
+    page_fill: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``softmax(QK^T)V`` in float64 over each request's gathered valid KV (paged, then local)."""
+    check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
+    total_q, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64, device=q.device)
+    offs = q_offsets.tolist()
+    for b, kv_len in enumerate(kv_lens.tolist()):
+        q0, q1 = offs[b], offs[b + 1]
+        k, v, valid = _gather_request(b, k_pages, v_pages, page_table, kv_len, page_fill)
+        k, v = k[:, valid], v[:, valid]
+        if k_local is not None:
+            k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
+            v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
+        k = k.double().repeat_interleave(hq // hkv, 0)  # [Hq, L, D]
+        v = v.double().repeat_interleave(hq // hkv, 0)
+        qb = q[q0:q1].double().transpose(0, 1)  # [Hq, lq, D]
+        p = torch.softmax(qb @ k.transpose(1, 2) * scale, -1)
+        out[q0:q1] = (p @ v).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+def split_s_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None = None,
+    v_local: torch.Tensor | None = None,
+    page_fill: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: SplitSConfig | None = None,
+) -> torch.Tensor:
+    """The kernel's algorithm in torch: per-split partial attention (fp32) merged by log-sum-exp."""
+    check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
+    config = config or SplitSConfig()
+    total_q, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    offs = q_offsets.tolist()
+    lens = kv_lens.tolist()
+    lqs = [offs[i + 1] - offs[i] for i in range(len(lens))]
+    local = k_local is not None
+    max_total = max(n + (lq if local else 0) for n, lq in zip(lens, lqs))
+    plan = plan_splits(max_total, len(lens), hkv, max(lqs) * g, config, config.num_sms or 1)
+    n, size = plan.num_splits, plan.split_size
+    out = torch.zeros(total_q, hq, d, dtype=q.dtype, device=q.device)
+    for b, kv_len in enumerate(lens):
+        q0, q1 = offs[b], offs[b + 1]
+        if q1 == q0:
+            continue
+        k, v, valid = _gather_request(b, k_pages, v_pages, page_table, kv_len, page_fill)
+        if local:
+            k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
+            v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
+            valid = torch.cat([valid, valid.new_ones(q1 - q0)])
+        pad = n * size - k.shape[1]
+        k = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(hkv, n, size, d)
+        v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(hkv, n, size, d)
+        valid = torch.nn.functional.pad(valid, (0, pad)).view(n, size)
+        qb = q[q0:q1].float().view(q1 - q0, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, lq, D]
+        s = torch.einsum("hgqd,hnkd->hgqnk", qb, k) * scale
+        s = s.masked_fill(~valid, float("-inf"))
+        m = s.amax(-1)
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m_safe[..., None])
+        l_split = p.sum(-1)
+        o = torch.einsum("hgqnk,hnkd->hgqnd", p, v) / l_split.clamp_min(1e-30)[..., None]
+        lse = torch.where(l_split > 0, m_safe + torch.log(l_split), torch.full_like(m, float("-inf")))
+        top = lse.amax(-1, keepdim=True)
+        w = torch.exp(lse - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        merged = (w[..., None] * o).sum(-2) / w.sum(-1).clamp_min(1e-30)[..., None]  # [Hkv, G, lq, D]
+        out[q0:q1] = merged.permute(2, 0, 1, 3).reshape(q1 - q0, hq, d).to(q.dtype)
+    return out
