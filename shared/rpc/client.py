@@ -1,0 +1,178 @@
+"""`PdllmClient`: a small Python client for the public `pdllm.v1.Generation` service.
+
+Every gRPC failure surfaces as a PdllmError (InvalidRequestError for INVALID_ARGUMENT) whose str() is
+"CODE: server message"; text that cannot be sent at all (lone surrogates, NUL) is rejected locally with
+InvalidRequestError before any network traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
+from pdllm.shared.rpc.errors import PdllmError, error_from_rpc
+from pdllm.shared.rpc.validation import check_text
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    root_cert_path: Path | None = None  # None: the system trust store
+    server_name: str | None = None  # overrides the name checked against the certificate
+
+
+def build_generate_request(
+    context: str,
+    question: str,
+    *,
+    instruction: str | None = None,
+    request_id: str = "",
+    model: str = "",
+    gen_length: int | None = None,
+    steps: int | None = None,
+    block_length: int | None = None,
+    threshold: float | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    method: str = "",
+    chunk_size: int | None = None,
+    top_k: int | None = None,
+    top_b: int | None = None,
+    kv_mode: str = "",
+    score_mode: str = "",
+    pseudo_label_tokens: int | None = None,
+    pseudo_label_rounds: int | None = None,
+    retention_score: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest with only the given optional fields set (unset ones take server defaults)."""
+    texts = {"context": context, "question": question, "request_id": request_id, "model": model}
+    texts |= {
+        "method": method,
+        "kv_mode": kv_mode,
+        "score_mode": score_mode,
+        "retention_score": retention_score,
+    }
+    if instruction is not None:
+        texts["instruction"] = instruction
+    for field, value in texts.items():
+        check_text(field, value)
+    gen = {
+        "gen_length": gen_length,
+        "steps": steps,
+        "block_length": block_length,
+        "threshold": threshold,
+        "temperature": temperature,
+        "seed": seed,
+    }
+    meth = {
+        "chunk_size": chunk_size,
+        "top_k": top_k,
+        "top_b": top_b,
+        "pseudo_label_tokens": pseudo_label_tokens,
+        "pseudo_label_rounds": pseudo_label_rounds,
+    }
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        context=context,
+        question=question,
+        instruction=instruction,
+        generation=pb.GenerationParams(**{k: v for k, v in gen.items() if v is not None}),
+        method=pb.MethodParams(
+            method=method,
+            kv_mode=kv_mode,
+            score_mode=score_mode,
+            retention_score=retention_score,
+            **{k: v for k, v in meth.items() if v is not None},
+        ),
+    )
+
+
+class PdllmClient:
+    """Blocking client; use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        tls: ClientTls | bool | None = None,
+        timeout_s: float | None = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls:
+            spec = tls if isinstance(tls, ClientTls) else ClientTls()
+            roots = Path(spec.root_cert_path).read_bytes() if spec.root_cert_path else None
+            if spec.server_name:
+                options.append(("grpc.ssl_target_name_override", spec.server_name))
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(roots), options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout_s = timeout_s
+
+    def generate(
+        self, context: str, question: str, *, timeout_s: float | None = None, **params: object
+    ) -> pb.GenerateResponse:
+        """Run one request; `params` are build_generate_request's keyword arguments."""
+        return self.generate_request(build_generate_request(context, question, **params), timeout_s=timeout_s)
+
+    def generate_request(
+        self, request: pb.GenerateRequest, *, timeout_s: float | None = None
+    ) -> pb.GenerateResponse:
+        try:
+            return self._stub.Generate(request, timeout=timeout_s or self._timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise _with_request_id(error_from_rpc(err), request.request_id) from None
+
+    def generate_stream(
+        self, context: str, question: str, *, timeout_s: float | None = None, **params: object
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        """Yield partial outputs then the final message; closing the iterator early cancels the call."""
+        request = build_generate_request(context, question, **params)
+        return self.stream_request(request, timeout_s=timeout_s)
+
+    def stream_request(
+        self, request: pb.GenerateRequest, *, timeout_s: float | None = None
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        call = self._stub.GenerateStream(
+            request, timeout=timeout_s or self._timeout_s, metadata=self._metadata
+        )
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise _with_request_id(error_from_rpc(err), request.request_id) from None
+        finally:
+            call.cancel()  # no-op once finished; cancels the server-side work if the caller stopped early
+
+    def health(self, service: str = "", timeout_s: float = 5.0) -> str:
+        """The server's health status name for `service` ("SERVING", "NOT_SERVING", ...)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PdllmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _with_request_id(err: PdllmError, request_id: str) -> PdllmError:
+    err.request_id = request_id or None
+    return err

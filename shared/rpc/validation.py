@@ -1,0 +1,300 @@
+"""Validation of public GenerateRequests: resolve server defaults, then reject bad input with a clear message.
+
+Every rejection is an InvalidRequestError (INVALID_ARGUMENT on the wire) whose `kind` is a stable tag, so
+tests and clients can tell the cases apart without parsing messages. Malformed wire bytes (e.g. invalid
+UTF-8 in a string field) never reach this module: the server's interceptor rejects them while decoding.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.rpc.errors import InvalidRequestError
+
+METHODS = ("vanilla", "pdllm")
+KV_MODES = ("full-mask", "chunk-query", "chunk-only")
+SCORE_MODES = ("self-info", "pseudo-label")
+RETENTION_SCORES = ("bidirectional", "query-to-chunk")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]+")
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """Values used for fields the client leaves unset."""
+
+    model: str = ""
+    gen_length: int = 32
+    steps: int | None = None  # None: one step per answer token
+    block_length: int | None = None  # None: a single block; also used when the default does not divide
+    threshold: float | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    method: str = "pdllm"
+    chunk_size: int = 512
+    top_k: int = 4
+    top_b: int | None = None
+    kv_mode: str = "full-mask"
+    score_mode: str = "pseudo-label"
+    pseudo_label_tokens: int = 4
+    pseudo_label_rounds: int = 1
+    retention_score: str = "bidirectional"
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    models: tuple[str, ...] = ()  # accepted model names; empty = no check (single-model deployments)
+    max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of instruction + context + question
+    max_gen_length: int = 4096
+    min_chunk_size: int = 16
+    max_chunk_size: int = 16384
+    max_top_k: int = 1024
+    max_pseudo_label_tokens: int = 64
+    max_pseudo_label_rounds: int = 16
+    max_request_id_chars: int = 128
+    # LLaDA-style samplers split `steps` evenly over blocks.
+    require_steps_multiple_of_blocks: bool = True
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A validated request with every default filled in: what the engine should run."""
+
+    request_id: str
+    model: str
+    context: str
+    question: str
+    instruction: str | None
+    gen_length: int
+    steps: int
+    block_length: int
+    threshold: float | None
+    temperature: float
+    seed: int
+    method: str
+    chunk_size: int
+    top_k: int
+    top_b: int | None
+    kv_mode: str
+    score_mode: str
+    pseudo_label_tokens: int
+    pseudo_label_rounds: int
+    retention_score: str
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_text(field: str, value: object) -> None:
+    """Reject text that cannot travel as a proto3 string (lone surrogates) or that no tokenizer expects (NUL)."""
+    if not isinstance(value, str):
+        raise InvalidRequestError("not_text", f"{field} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(
+            "invalid_unicode",
+            f"{field} is not valid Unicode text: {err.reason} at character {err.start}",
+        ) from None
+    if "\x00" in value:
+        raise InvalidRequestError(
+            "nul_character", f"{field} contains a NUL character at {value.index(chr(0))}"
+        )
+
+
+def _fail(kind: str, message: str, request_id: str) -> None:
+    raise InvalidRequestError(kind, message, request_id=request_id or None)
+
+
+def _choice(field: str, value: str, default: str, allowed: tuple[str, ...], kind: str, rid: str) -> str:
+    resolved = value or default
+    if resolved not in allowed:
+        _fail(kind, f"{field} {resolved!r} is not supported; expected one of {', '.join(allowed)}", rid)
+    return resolved
+
+
+def _resolve_lengths(
+    gen: pb.GenerationParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str
+) -> tuple[int, int, int]:
+    gen_length = gen.gen_length if gen.HasField("gen_length") else defaults.gen_length
+    if gen_length <= 0:
+        _fail("gen_length_nonpositive", f"generation.gen_length must be > 0 (got {gen_length})", rid)
+    if gen_length > limits.max_gen_length:
+        _fail(
+            "gen_length_too_large",
+            f"generation.gen_length must be <= {limits.max_gen_length} (got {gen_length})",
+            rid,
+        )
+    if gen.HasField("block_length"):
+        block_length = gen.block_length
+        if block_length <= 0:
+            _fail(
+                "block_length_nonpositive", f"generation.block_length must be > 0 (got {block_length})", rid
+            )
+        if gen_length % block_length:
+            _fail(
+                "block_not_divisor",
+                f"generation.gen_length ({gen_length}) must be divisible by generation.block_length "
+                f"({block_length})",
+                rid,
+            )
+    else:
+        block_length = defaults.block_length or gen_length
+        if gen_length % block_length:
+            block_length = gen_length
+    num_blocks = gen_length // block_length
+    if gen.HasField("steps"):
+        steps = gen.steps
+        if steps <= 0:
+            _fail("steps_nonpositive", f"generation.steps must be > 0 (got {steps})", rid)
+        if steps > gen_length:
+            _fail(
+                "steps_too_many",
+                f"generation.steps must be <= generation.gen_length ({gen_length}) (got {steps})",
+                rid,
+            )
+        if limits.require_steps_multiple_of_blocks and steps % num_blocks:
+            _fail(
+                "steps_not_multiple_of_blocks",
+                f"generation.steps ({steps}) must be a multiple of the number of blocks ({num_blocks} = "
+                f"gen_length {gen_length} / block_length {block_length})",
+                rid,
+            )
+    else:
+        steps = defaults.steps or gen_length
+        if steps > gen_length or steps % num_blocks:
+            steps = gen_length
+    return gen_length, steps, block_length
+
+
+def _resolve_sampling(
+    gen: pb.GenerationParams, defaults: RequestDefaults, rid: str
+) -> tuple[float | None, float, int]:
+    threshold = gen.threshold if gen.HasField("threshold") else defaults.threshold
+    if threshold is not None and not (0.0 < threshold <= 1.0):
+        _fail("threshold_range", f"generation.threshold must be in (0, 1] (got {threshold})", rid)
+    temperature = gen.temperature if gen.HasField("temperature") else defaults.temperature
+    if not math.isfinite(temperature) or temperature < 0.0:
+        _fail(
+            "temperature_range",
+            f"generation.temperature must be a finite number >= 0 (got {temperature})",
+            rid,
+        )
+    seed = gen.seed if gen.HasField("seed") else defaults.seed
+    if seed < 0:
+        _fail("seed_negative", f"generation.seed must be >= 0 (got {seed})", rid)
+    return threshold, temperature, seed
+
+
+def _bounded(field: str, value: int, low: int, high: int, kind: str, rid: str) -> int:
+    if not low <= value <= high:
+        _fail(kind, f"{field} must be in [{low}, {high}] (got {value})", rid)
+    return value
+
+
+def resolve_generate_request(
+    req: pb.GenerateRequest,
+    limits: ValidationLimits | None = None,
+    defaults: RequestDefaults | None = None,
+) -> ResolvedRequest:
+    limits = limits or ValidationLimits()
+    defaults = defaults or RequestDefaults()
+    rid = req.request_id
+    if len(rid) > limits.max_request_id_chars:
+        _fail(
+            "request_id_too_long",
+            f"request_id must be at most {limits.max_request_id_chars} characters (got {len(rid)})",
+            "",
+        )
+    if rid and not _REQUEST_ID.fullmatch(rid):
+        _fail("request_id_chars", "request_id may only contain letters, digits and . _ : -", "")
+    for field in ("context", "question", "instruction"):
+        check_text(field, getattr(req, field))
+    if not req.context.strip():
+        _fail("empty_context", "context must not be empty", rid)
+    if not req.question.strip():
+        _fail("empty_question", "question must not be empty", rid)
+    prompt_bytes = sum(len(getattr(req, f).encode("utf-8")) for f in ("instruction", "context", "question"))
+    if prompt_bytes > limits.max_prompt_bytes:
+        _fail(
+            "prompt_too_large",
+            f"instruction + context + question is {prompt_bytes} bytes; the limit is {limits.max_prompt_bytes}",
+            rid,
+        )
+    model = req.model or defaults.model
+    if limits.models and model not in limits.models:
+        _fail(
+            "unknown_model", f"model {model!r} is not served here; available: {', '.join(limits.models)}", rid
+        )
+
+    gen_length, steps, block_length = _resolve_lengths(req.generation, limits, defaults, rid)
+    threshold, temperature, seed = _resolve_sampling(req.generation, defaults, rid)
+
+    m = req.method
+    method = _choice("method.method", m.method, defaults.method, METHODS, "unknown_method", rid)
+    kv_mode = _choice("method.kv_mode", m.kv_mode, defaults.kv_mode, KV_MODES, "unknown_kv_mode", rid)
+    score_mode = _choice(
+        "method.score_mode", m.score_mode, defaults.score_mode, SCORE_MODES, "unknown_score_mode", rid
+    )
+    retention_score = _choice(
+        "method.retention_score",
+        m.retention_score,
+        defaults.retention_score,
+        RETENTION_SCORES,
+        "unknown_retention_score",
+        rid,
+    )
+    chunk_size = m.chunk_size if m.HasField("chunk_size") else defaults.chunk_size
+    _bounded(
+        "method.chunk_size", chunk_size, limits.min_chunk_size, limits.max_chunk_size, "chunk_size_range", rid
+    )
+    top_k = m.top_k if m.HasField("top_k") else defaults.top_k
+    _bounded("method.top_k", top_k, 1, limits.max_top_k, "top_k_range", rid)
+    top_b = m.top_b if m.HasField("top_b") else defaults.top_b
+    if top_b is not None:
+        _bounded("method.top_b", top_b, 1, chunk_size, "top_b_range", rid)
+    plt = m.pseudo_label_tokens if m.HasField("pseudo_label_tokens") else defaults.pseudo_label_tokens
+    _bounded(
+        "method.pseudo_label_tokens", plt, 0, limits.max_pseudo_label_tokens, "pseudo_label_tokens_range", rid
+    )
+    plr = m.pseudo_label_rounds if m.HasField("pseudo_label_rounds") else defaults.pseudo_label_rounds
+    _bounded(
+        "method.pseudo_label_rounds", plr, 1, limits.max_pseudo_label_rounds, "pseudo_label_rounds_range", rid
+    )
+
+    return ResolvedRequest(
+        request_id=rid,
+        model=model,
+        context=req.context,
+        question=req.question,
+        instruction=req.instruction if req.HasField("instruction") else None,
+        gen_length=gen_length,
+        steps=steps,
+        block_length=block_length,
+        threshold=threshold,
+        temperature=temperature,
+        seed=seed,
+        method=method,
+        chunk_size=chunk_size,
+        top_k=top_k,
+        top_b=top_b,
+        kv_mode=kv_mode,
+        score_mode=score_mode,
+        pseudo_label_tokens=plt,
+        pseudo_label_rounds=plr,
+        retention_score=retention_score,
+    )
+
+
+def validate_generate_request(
+    req: pb.GenerateRequest,
+    limits: ValidationLimits | None = None,
+    defaults: RequestDefaults | None = None,
+) -> None:
+    """Raise InvalidRequestError (INVALID_ARGUMENT) describing the first problem with `req`, if any."""
+    resolve_generate_request(req, limits, defaults)
