@@ -57,13 +57,15 @@ def _rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
             f"rope_scaling type {rope_type!r} is not supported (static types: "
             f"{sorted(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')})"
         )
+    rope_kwargs: dict = {"rope_theta": config.rope_theta, "rope_scaling": dict(scaling)}
+    if hasattr(LlamaConfig(), "rope_parameters"):  # transformers >= 5 spelling
+        rope_kwargs = {"rope_parameters": {**scaling, "rope_theta": config.rope_theta}}
     hf = LlamaConfig(
         hidden_size=config.num_heads * config.head_dim,
         num_attention_heads=config.num_heads,
         head_dim=config.head_dim,
-        rope_theta=config.rope_theta,
-        rope_scaling=dict(scaling),
         max_position_embeddings=config.max_position_embeddings,
+        **rope_kwargs,
     )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
     return inv_freq.float(), float(attention_scaling)

@@ -1,0 +1,188 @@
+"""The ``pdllm`` command line: generate, train, eval, serve, ask.
+
+Every subcommand turns expected failures (bad arguments, missing files, unloadable checkpoints) into
+one ``error: ...`` line and exit code 2; stack traces are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .generation.sampler import GenerationConfig
+
+EXIT_USAGE = 2
+
+# Subcommands whose implementation lives in another module: name -> (module, help).
+DELEGATED: dict[str, tuple[str, str]] = {
+    "train": ("pdllm.shared.training.train", "train the small dLLM the project ships"),
+    "eval": ("pdllm.shared.eval.run", "long-context accuracy: vanilla vs pdllm"),
+    "serve": ("pdllm.shared.serve", "run a router / prefill / decode worker, or all in one"),
+    "ask": ("pdllm.shared.rpc.ask", "ask a running server a long-context question"),
+}
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--gen-length", type=int, default=32, help="response tokens (default 32)")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen length)")
+    g.add_argument(
+        "--block-length", type=int, default=None, help="semi-autoregressive block (default: whole)"
+    )
+    g.add_argument("--threshold", type=float, default=None, help="confidence threshold tau (Fast-dLLM)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _generation_config(args: argparse.Namespace) -> GenerationConfig:
+    cfg = GenerationConfig(
+        gen_length=args.gen_length,
+        steps=args.steps if args.steps is not None else args.gen_length,
+        block_length=args.block_length,
+        threshold=args.threshold,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="answer a question about a (long) context, in process")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--context-file", type=Path, help="UTF-8 text file holding the context")
+    src.add_argument("--context", help="the context itself")
+    p.add_argument("--question", required=True)
+    p.add_argument("--instruction", default=None, help="optional instruction before the context")
+    p.add_argument("--method", choices=["vanilla", "pdllm"], default="pdllm")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    _add_generation_args(p)
+    m = p.add_argument_group("pdllm method")
+    m.add_argument("--chunk-size", type=int, default=None, help="C: context tokens per chunk")
+    m.add_argument("--top-k", type=int, default=None, help="K: chunks kept for decoding")
+    m.add_argument("--top-b", type=int, default=None, help="B: tokens kept per chunk (default: all)")
+    m.add_argument("--kv-mode", choices=["full-mask", "chunk-query", "chunk-only"], default=None)
+    m.add_argument("--score-mode", choices=["pseudo-label", "self-info", "query-only"], default=None)
+    m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _read_context(args: argparse.Namespace) -> str:
+    if args.context is not None:
+        return args.context
+    try:
+        return args.context_file.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ValueError(f"{args.context_file}: no such file") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{args.context_file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .model.loader import load_model
+    from .prompt import encode_prompt
+
+    gen = _generation_config(args)
+    context = _read_context(args)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    load_s = time.perf_counter() - t0
+    if loaded.tokenizer is None:
+        raise ValueError(f"{loaded.path}: no tokenizer files; `generate` needs text in and out")
+    ids = encode_prompt(loaded.tokenizer, context, args.question, args.instruction)
+    timings: dict[str, float] = {"load": load_s}
+    trace: dict | None = None
+    if args.method == "vanilla":
+        from .generation.vanilla import generate_vanilla
+
+        result = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, progress=True)
+        timings["decode"] = result.decode_seconds
+    else:
+        from .engine import EngineConfig, PrefillingEngine
+
+        overrides = {
+            "chunk_size": args.chunk_size,
+            "top_k": args.top_k,
+            "top_b": args.top_b,
+            "kv_mode": args.kv_mode,
+            "score_mode": args.score_mode,
+        }
+        engine_cfg = EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+        engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)
+        result, tr = engine.generate(
+            ids.context, ids.query, gen, instruction_ids=ids.instruction or None, progress=True
+        )
+        trace = tr.to_dict()
+        timings.update(trace.get("timings", {}))
+    answer = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+    prompt_tokens = len(ids.instruction) + len(ids.context) + len(ids.query)
+    if args.json:
+        out = {"answer": answer, "method": args.method, "prompt_tokens": prompt_tokens, "timings": timings}
+        if trace is not None:
+            out["trace"] = trace
+        print(json.dumps(out))
+        return 0
+    print(answer)
+    print(f"\n[{args.method}] prompt tokens: {prompt_tokens}, steps: {result.steps}", file=sys.stderr)
+    print("timings: " + ", ".join(f"{k} {v:.3f}s" for k, v in timings.items()), file=sys.stderr)
+    if trace is not None:
+        print("trace: " + json.dumps({k: v for k, v in trace.items() if k != "timings"}), file=sys.stderr)
+    return 0
+
+
+def _delegate(module: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                raise ValueError(f"this build of pdllm has no `{module}` yet") from exc
+            raise
+        return int(mod.main(argv) or 0)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdllm", description="Prefill/decode-disaggregated inference for diffusion LMs on long contexts."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _build_generate_parser(sub)
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        runner = _delegate(DELEGATED[argv[0]][0])
+        rest = argv[1:]
+        return _guarded(lambda: runner(rest))
+    args = build_parser().parse_args(argv)
+    return _guarded(lambda: cmd_generate(args))
+
+
+def _guarded(fn: Callable[[], int]) -> int:
+    from .model.config import ModelConfigError
+    from .model.loader import CheckpointError
+
+    try:
+        return fn()
+    except (ValueError, CheckpointError, ModelConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

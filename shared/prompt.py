@@ -1,0 +1,48 @@
+"""How a request (instruction, context, question) becomes token ids.
+
+One rendering for every method: vanilla sees ``[BOS] instruction context query``; Prefilling-dLLM
+sees the same instruction and query, with the context split into BOS-prefixed chunks between them.
+The query suffix format is the one the shipped model was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QUERY_TEMPLATE = "\nQuestion: {question}\nAnswer:"
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    instruction: list[int]
+    context: list[int]
+    query: list[int]
+
+    def vanilla(self, bos_id: int | None) -> list[int]:
+        """The full prompt a vanilla decoder encodes every step."""
+        head = [bos_id] if bos_id is not None else []
+        return head + self.instruction + self.context + self.query
+
+
+def encode_prompt(
+    tokenizer: Any,
+    context: str,
+    question: str,
+    instruction: str | None = None,
+    query_template: str = QUERY_TEMPLATE,
+) -> PromptIds:
+    """Tokenize the three parts separately (so chunk boundaries never straddle the query)."""
+    if not context.strip():
+        raise ValueError("context is empty")
+    if not question.strip():
+        raise ValueError("question is empty")
+
+    def enc(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    return PromptIds(
+        instruction=enc(instruction or ""),
+        context=enc(context),
+        query=enc(query_template.format(question=question.strip())),
+    )
