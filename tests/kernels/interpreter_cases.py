@@ -45,6 +45,28 @@ def case_split_s() -> None:
         assert torch.isfinite(got).all()
 
 
+def case_retention() -> None:
+    from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention_reference
+    from pdllm.kernels.retention_scores import retention_scores, retention_scores_reference
+
+    gen = torch.Generator().manual_seed(1)
+    for lens, qlens, hq, hkv, causal, block in [
+        ([40, 70, 9], [8, 21, 9], 8, 2, False, 16),
+        ([33, 50], [5, 17], 7, 1, True, 32),
+        ([90], [30], 4, 4, False, 32),
+    ]:
+        total = sum(lens)
+        q = torch.randn(total, hq, 32, generator=gen)
+        k = torch.randn(total, hkv, 32, generator=gen)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        ql = torch.tensor(qlens, dtype=torch.int32)
+        lse = chunk_prefill_attention_reference(q, k, k, cu, causal=causal, return_lse=True)[1]
+        want = retention_scores_reference(q, k, cu, ql, causal=causal)
+        got = retention_scores(q, k, cu, ql, lse=lse, causal=causal, block_n=block, block_m=16)
+        assert _rel(got, want) < 1e-5, (lens, _rel(got, want))
+        assert bool((got[cu[1] - ql[0] : cu[1]] == 0).all())
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1")
