@@ -1,0 +1,258 @@
+"""``pdllm eval``: exact-match accuracy over context length x needle depth, vanilla vs pdllm.
+
+Reproduces the paper's lost-in-the-middle experiment (§6.4, Figure 6) on the shipped model: for each
+task, length (multiples of the training length) and gold-fact depth, ``--samples`` seeded samples are
+answered by each method and scored by exact match. Writes ``<out>/<name>.json`` (top-level
+``train_length``; one row per method/task/length/depth), a Markdown table and one heatmap PNG per task
+with the methods side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..generation.sampler import GenerationConfig
+from ..generation.vanilla import generate_vanilla
+from ..model.loader import LoadedModel, load_model
+from ..prompt import encode_prompt
+from .tasks import TASKS, Sample, make_sample
+
+METHODS = ("vanilla", "pdllm")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    gen_length: int = 8
+    chunk_size: int | None = None  # default: train_length // 4
+    top_k: int | None = None  # default: as many chunks as fit in the training length with the query
+    score_mode: str = "pseudo-label"
+    kv_mode: str = "full-mask"
+
+    def method_params(self, train_length: int, query_tokens: int) -> tuple[int, int]:
+        c = self.chunk_size or max(train_length // 4, 16)
+        k = self.top_k or max(1, (train_length - query_tokens - self.gen_length) // (c + 1))
+        return c, k
+
+
+Answerer = Callable[[Sample], str]
+
+
+def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Answerer:
+    """A function sample -> decoded answer text for ``method`` on ``loaded``."""
+    tok = loaded.tokenizer
+    gen = GenerationConfig(gen_length=settings.gen_length, steps=settings.gen_length)
+    if method == "vanilla":
+
+        def vanilla(sample: Sample) -> str:
+            ids = encode_prompt(tok, sample.context, sample.question)
+            out = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen)
+            return tok.decode(out.token_ids, skip_special_tokens=True)
+
+        return vanilla
+    if method != "pdllm":
+        raise ValueError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
+    from ..engine import EngineConfig, PrefillingEngine
+
+    engines: dict[tuple[int, int], PrefillingEngine] = {}
+
+    def pdllm(sample: Sample) -> str:
+        ids = encode_prompt(tok, sample.context, sample.question)
+        c, k = settings.method_params(train_length, len(ids.query))
+        if (c, k) not in engines:
+            cfg = EngineConfig(chunk_size=c, top_k=k, score_mode=settings.score_mode, kv_mode=settings.kv_mode)
+            engines[(c, k)] = PrefillingEngine(loaded.model, tok, cfg)
+        out, _ = engines[(c, k)].generate(ids.context, ids.query, gen)
+        return tok.decode(out.token_ids, skip_special_tokens=True)
+
+    return pdllm
+
+
+def exact_match(prediction: str, answer: str) -> bool:
+    return prediction.strip() == answer.strip()
+
+
+def run_grid(
+    loaded: LoadedModel,
+    methods: list[str],
+    tasks: list[str],
+    lengths: list[int],
+    depths: list[float],
+    samples: int,
+    settings: EvalSettings,
+    train_length: int,
+    progress: bool = True,
+) -> list[dict]:
+    answerers = {m: make_answerer(loaded, m, settings, train_length) for m in methods}
+    rows: list[dict] = []
+    total = len(methods) * len(tasks) * len(lengths) * len(depths) * samples
+    with tqdm(total=total, disable=not progress, desc="eval", unit="sample", file=sys.stderr) as bar:
+        for task in tasks:
+            for length in lengths:
+                for depth in depths:
+                    cell = [make_sample(task, length, depth, seed, loaded.tokenizer) for seed in range(samples)]
+                    for method in methods:
+                        start = time.perf_counter()
+                        hits = 0
+                        for s in cell:
+                            hits += exact_match(answerers[method](s), s.answer)
+                            bar.update(1)
+                        rows.append(
+                            {
+                                "method": method,
+                                "task": task,
+                                "context_length": length,
+                                "depth": depth,
+                                "accuracy": hits / samples,
+                                "samples": samples,
+                                "seconds": round(time.perf_counter() - start, 3),
+                            }
+                        )
+                    bar.set_postfix_str(
+                        " ".join(f"{r['method']}={r['accuracy']:.2f}" for r in rows[-len(methods) :])
+                    )
+    return rows
+
+
+def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
+    lines = [f"# {header['title']}", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items() if k != "title"]
+    for task in sorted({r["task"] for r in rows}):
+        depths = sorted({r["depth"] for r in rows if r["task"] == task})
+        lines += ["", f"## {task} (exact match, %)", ""]
+        lines.append("| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
+        lines.append("| --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
+        for method in sorted({r["method"] for r in rows}):
+            for length in sorted({r["context_length"] for r in rows if r["task"] == task}):
+                cells = [
+                    r["accuracy"]
+                    for d in depths
+                    for r in rows
+                    if (r["task"], r["method"], r["context_length"], r["depth"]) == (task, method, length, d)
+                ]
+                if cells:
+                    body = " | ".join(f"{100 * a:.0f}" for a in cells)
+                    lines.append(f"| {method} | {length} | {body} | {100 * sum(cells) / len(cells):.1f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for task in sorted({r["task"] for r in rows}):
+        methods = sorted({r["method"] for r in rows if r["task"] == task}, key=METHODS.index)
+        lengths = sorted({r["context_length"] for r in rows if r["task"] == task})
+        depths = sorted({r["depth"] for r in rows if r["task"] == task})
+        fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 3.6), squeeze=False)
+        for ax, method in zip(axes[0], methods):
+            grid = torch.full((len(lengths), len(depths)), float("nan"))
+            for r in rows:
+                if r["task"] == task and r["method"] == method:
+                    grid[lengths.index(r["context_length"]), depths.index(r["depth"])] = r["accuracy"]
+            im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
+            ax.set_xlabel("gold fact depth")
+            ax.set_ylabel("context tokens")
+            ax.set_title(f"{method} — {task}")
+            for i in range(len(lengths)):
+                for j in range(len(depths)):
+                    if not torch.isnan(grid[i, j]):
+                        ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=6)
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact match")
+        path = out_dir / f"{name}_{task}.png"
+        fig.savefig(path, dpi=130, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdllm eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--methods", default="vanilla,pdllm")
+    p.add_argument("--tasks", default="needle,multidoc")
+    p.add_argument("--train-length", type=int, default=None, help="default: the model's max positions")
+    p.add_argument("--length-multiples", default="0.5,1,2,4,8,16", help="context lengths / train length")
+    p.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
+    p.add_argument("--gen-length", type=int, default=8)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--score-mode", default="pseudo-label")
+    p.add_argument("--kv-mode", default="full-mask")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--name", default="longctx_eval")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    tasks = [t for t in args.tasks.split(",") if t]
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r} (expected one of {', '.join(METHODS)})")
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r} (expected one of {', '.join(TASKS)})")
+    if args.samples <= 0:
+        raise ValueError("--samples must be positive")
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    if loaded.tokenizer is None:
+        raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")
+    train_length = args.train_length or loaded.config.max_position_embeddings
+    lengths = [int(round(m * train_length)) for m in _floats(args.length_multiples)]
+    settings = EvalSettings(
+        gen_length=args.gen_length,
+        chunk_size=args.chunk_size,
+        top_k=args.top_k,
+        score_mode=args.score_mode,
+        kv_mode=args.kv_mode,
+    )
+    start = time.perf_counter()
+    rows = run_grid(loaded, methods, tasks, lengths, _floats(args.depths), args.samples, settings, train_length)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    c, k = settings.method_params(train_length, 16)
+    header = {
+        "title": f"Long-context retrieval: {', '.join(methods)} on {loaded.path.name}",
+        "model": loaded.config.model_id,
+        "train_length": train_length,
+        "device": device,
+        "date": dt.date.today().isoformat(),
+        "command": "pdllm eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "pdllm": f"chunk_size={c} top_k~{k} score_mode={settings.score_mode} kv_mode={settings.kv_mode}",
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+    write_markdown(rows, header, args.out / f"{args.name}.md")
+    for path in write_heatmaps(rows, args.out, args.name):
+        print(f"wrote {path}", file=sys.stderr)
+    print((args.out / f"{args.name}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
