@@ -96,10 +96,18 @@ class KVTierCollector:
         self._health = dict(health or {})
         self._namespace = namespace
 
+    def describe(self) -> list[Any]:
+        # Lets the registry reject a second collector exporting the same names, without probing stores.
+        return list(self._families({tier: KVStats() for tier in self._sources}, {}))
+
     def collect(self) -> Iterator[Any]:
+        snapshots = {tier: source() for tier, source in self._sources.items()}
+        health = {tier: probe() for tier, probe in self._health.items()}
+        yield from self._families(snapshots, health)
+
+    def _families(self, snapshots: Mapping[str, KVStats], health: Mapping[str, bool]) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snapshots = {tier: source() for tier, source in self._sources.items()}
         for field in dataclasses.fields(KVStats):
             name = f"{self._namespace}_{field.name}"
             family_type = GaugeMetricFamily if field.name in _GAUGES else CounterMetricFamily
@@ -111,8 +119,8 @@ class KVTierCollector:
             healthy = GaugeMetricFamily(
                 f"{self._namespace}_healthy", "1 when the tier's backend answers", labels=["tier"]
             )
-            for tier, probe in self._health.items():
-                healthy.add_metric([tier], 1.0 if probe() else 0.0)
+            for tier, ok in health.items():
+                healthy.add_metric([tier], 1.0 if ok else 0.0)
             yield healthy
 
 
