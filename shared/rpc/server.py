@@ -70,6 +70,19 @@ def service_spec(
     return ServiceSpec(name=full_name, register=lambda server: add_to_server(servicer, server))
 
 
+def termination_event(context: grpc.ServicerContext) -> threading.Event:
+    """An event set when the call ends for any reason (finished, client cancelled, deadline, server stop).
+
+    Hand it to work running off the handler thread (batched engines): once it is set, nobody will read the
+    result, so the work can be dropped. A streaming handler's generator is additionally closed
+    (GeneratorExit) when grpc stops pulling from it; `context.is_active()` answers the same question by polling.
+    """
+    event = threading.Event()
+    if not context.add_callback(event.set):
+        event.set()  # the call had already terminated
+    return event
+
+
 def _address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"

@@ -17,7 +17,7 @@ import grpc
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
-from pdllm.shared.rpc.server import ServiceSpec, service_spec
+from pdllm.shared.rpc.server import ServiceSpec, service_spec, termination_event
 from pdllm.shared.rpc.validation import ResolvedRequest, ValidationLimits, resolve_generate_request
 
 MODEL = "tiny-echo"
@@ -78,6 +78,14 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     ) -> Iterator[pb.GenerateStreamResponse]:
         req = self._run(request, context)
         tokens = self._answer(req)
+        # grpc stops pulling from this generator once the client is gone, so cancellation is seen through the
+        # termination event (the pattern real workers use for work running on other threads).
+        terminated = termination_event(context)
+        completed = threading.Event()
+        terminated_early = threading.Thread(
+            target=lambda: terminated.wait() and not completed.is_set() and self.cancelled.set(), daemon=True
+        )
+        terminated_early.start()
         self.started.set()
         slots = [-1] * len(tokens)
         per_step = max(1, -(-len(tokens) // req.steps))
@@ -100,6 +108,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
                 )
             )
         self.completed_streams += 1
+        completed.set()
         yield pb.GenerateStreamResponse(final=self._final(req, tokens))
 
 

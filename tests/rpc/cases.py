@@ -1,0 +1,73 @@
+"""Bad-input cases shared by the validation unit tests and the over-the-wire tests.
+
+Each case is (kind, edit, phrase): `edit` breaks one thing in an otherwise valid request, `kind` is the
+InvalidRequestError.kind the validator must report and `phrase` must appear in the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from tests.rpc.fake_generation import MODEL
+
+Edit = Callable[[pb.GenerateRequest], None]
+
+
+def valid_request() -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id="req-1",
+        model=MODEL,
+        context="The access code of Mira Halden is 4711. " * 20,
+        question="What is the access code of Mira Halden?",
+        generation=pb.GenerationParams(gen_length=32, steps=16, block_length=8),
+        method=pb.MethodParams(method="pdllm", chunk_size=64, top_k=2),
+    )
+
+
+def _set(path: str, value: object) -> Edit:
+    def edit(req: pb.GenerateRequest) -> None:
+        target = req
+        *parents, leaf = path.split(".")
+        for name in parents:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+
+    return edit
+
+
+BAD_INPUTS: list[tuple[str, Edit, str]] = [
+    ("empty_context", _set("context", ""), "context must not be empty"),
+    ("empty_context", _set("context", " \n\t "), "context must not be empty"),
+    ("empty_question", _set("question", ""), "question must not be empty"),
+    ("prompt_too_large", _set("context", "x" * 70_000), "limit is 65536"),
+    ("nul_character", _set("question", "what\x00is"), "NUL"),
+    ("request_id_too_long", _set("request_id", "r" * 129), "at most 128"),
+    ("request_id_chars", _set("request_id", "bad id!"), "request_id may only contain"),
+    ("unknown_model", _set("model", "gpt-17"), "'gpt-17' is not served here"),
+    ("gen_length_nonpositive", _set("generation.gen_length", 0), "gen_length must be > 0"),
+    ("gen_length_nonpositive", _set("generation.gen_length", -8), "gen_length must be > 0"),
+    ("gen_length_too_large", _set("generation.gen_length", 1 << 20), "gen_length must be <= 4096"),
+    ("block_length_nonpositive", _set("generation.block_length", 0), "block_length must be > 0"),
+    ("block_not_divisor", _set("generation.block_length", 12), "divisible by generation.block_length (12)"),
+    ("steps_nonpositive", _set("generation.steps", -1), "steps must be > 0"),
+    ("steps_too_many", _set("generation.steps", 64), "steps must be <= generation.gen_length (32)"),
+    ("steps_not_multiple_of_blocks", _set("generation.steps", 6), "multiple of the number of blocks (4"),
+    ("threshold_range", _set("generation.threshold", 0.0), "threshold must be in (0, 1]"),
+    ("threshold_range", _set("generation.threshold", 1.5), "threshold must be in (0, 1]"),
+    ("threshold_range", _set("generation.threshold", float("nan")), "threshold must be in (0, 1]"),
+    ("temperature_range", _set("generation.temperature", -0.1), "temperature must be a finite number >= 0"),
+    ("temperature_range", _set("generation.temperature", float("inf")), "temperature must be a finite"),
+    ("seed_negative", _set("generation.seed", -3), "seed must be >= 0"),
+    ("unknown_method", _set("method.method", "beam"), "method.method 'beam' is not supported"),
+    ("unknown_kv_mode", _set("method.kv_mode", "half-mask"), "expected one of full-mask, chunk-query"),
+    ("unknown_score_mode", _set("method.score_mode", "bm25"), "method.score_mode 'bm25'"),
+    ("unknown_retention_score", _set("method.retention_score", "random"), "method.retention_score"),
+    ("top_k_range", _set("method.top_k", 0), "method.top_k must be in [1, 1024]"),
+    ("chunk_size_range", _set("method.chunk_size", 4), "method.chunk_size must be in [16, 16384]"),
+    ("chunk_size_range", _set("method.chunk_size", 1 << 20), "method.chunk_size must be in [16, 16384]"),
+    ("top_b_range", _set("method.top_b", 65), "method.top_b must be in [1, 64]"),
+    ("top_b_range", _set("method.top_b", 0), "method.top_b must be in [1, 64]"),
+    ("pseudo_label_tokens_range", _set("method.pseudo_label_tokens", 65), "pseudo_label_tokens must be in"),
+    ("pseudo_label_rounds_range", _set("method.pseudo_label_rounds", 0), "pseudo_label_rounds must be in"),
+]

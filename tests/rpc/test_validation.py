@@ -1,0 +1,86 @@
+"""Request validation: every bad-input kind is detected with its message; defaults resolve as documented."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.rpc.client import build_generate_request
+from pdllm.shared.rpc.errors import InvalidRequestError
+from pdllm.shared.rpc.validation import (
+    RequestDefaults,
+    ValidationLimits,
+    resolve_generate_request,
+    validate_generate_request,
+)
+from tests.rpc.cases import BAD_INPUTS, valid_request
+from tests.rpc.fake_generation import MODEL
+
+LIMITS = ValidationLimits(models=(MODEL,), max_prompt_bytes=65536)
+
+
+def test_valid_request_resolves_exactly() -> None:
+    resolved = resolve_generate_request(valid_request(), LIMITS)
+    assert (resolved.gen_length, resolved.steps, resolved.block_length) == (32, 16, 8)
+    assert (resolved.method, resolved.chunk_size, resolved.top_k, resolved.top_b) == ("pdllm", 64, 2, None)
+    assert (resolved.kv_mode, resolved.score_mode, resolved.retention_score) == (
+        "full-mask",
+        "pseudo-label",
+        "bidirectional",
+    )
+    assert (resolved.threshold, resolved.temperature, resolved.seed) == (None, 0.0, 0)
+    assert resolved.instruction is None and resolved.model == MODEL
+
+
+def test_unset_fields_take_defaults_and_zero_is_kept_where_meaningful() -> None:
+    req = pb.GenerateRequest(context="c", question="q", instruction="")
+    req.generation.temperature = 0.0
+    req.generation.seed = 0
+    defaults = RequestDefaults(gen_length=24, block_length=16, steps=12, temperature=0.7, seed=9, model="m")
+    resolved = resolve_generate_request(req, ValidationLimits(), defaults)
+    # 16 does not divide 24, so the default block falls back to one block; steps 12 then fits.
+    assert (resolved.gen_length, resolved.block_length, resolved.steps) == (24, 24, 12)
+    assert (resolved.temperature, resolved.seed) == (0.0, 0)  # explicitly set zeros are not defaults
+    assert resolved.instruction == "" and resolved.model == "m"
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit", "phrase"), BAD_INPUTS, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(BAD_INPUTS)]
+)
+def test_bad_input_is_rejected_with_its_kind(kind: str, edit, phrase: str) -> None:
+    req = valid_request()
+    validate_generate_request(req, LIMITS)  # the baseline is valid, so the edit alone causes the error
+    edit(req)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_generate_request(req, LIMITS)
+    assert info.value.kind == kind
+    assert phrase in info.value.message
+    assert info.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_at_least_twenty_distinct_kinds() -> None:
+    assert len({kind for kind, _, _ in BAD_INPUTS}) >= 25
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind"),
+    [
+        ({"context": "bad \ud800 surrogate"}, "invalid_unicode"),
+        ({"question": "\udfff"}, "invalid_unicode"),
+        ({"instruction": "nul\x00"}, "nul_character"),
+        ({"context": b"bytes are not text"}, "not_text"),
+    ],
+)
+def test_client_rejects_unsendable_text_locally(kwargs: dict, kind: str) -> None:
+    args = {"context": "c", "question": "q"} | kwargs
+    with pytest.raises(InvalidRequestError) as info:
+        build_generate_request(args.pop("context"), args.pop("question"), **args)
+    assert info.value.kind == kind
+
+
+def test_build_generate_request_sets_only_given_optionals() -> None:
+    req = build_generate_request("c", "q", gen_length=16, temperature=0.0, top_b=8, kv_mode="chunk-only")
+    assert req.generation.HasField("gen_length") and req.generation.HasField("temperature")
+    assert not req.generation.HasField("steps") and not req.generation.HasField("seed")
+    assert req.method.top_b == 8 and not req.method.HasField("top_k")
+    assert req.method.kv_mode == "chunk-only" and not req.HasField("instruction")
