@@ -1,0 +1,283 @@
+"""Train the shipped model: ``python -m pdllm.shared.training.train --config <json> [--out DIR]``.
+
+Writes ``DIR/checkpoint/`` (loadable by ``load_model``), ``DIR/train_log.jsonl``, ``DIR/loss_curve.png`` and
+``DIR/summary.json``. With ``--max-minutes`` the cosine schedule is fitted to the time budget (steps/s is
+measured over the first steps) and the checkpoint is written before the budget runs out, and every
+``save_every_minutes`` while training, so a killed run still leaves a model behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..eval.tasks import TaskFactory, split_train_eval_sentences
+from ..model.config import ModelConfig
+from ..model.loader import DTYPES, save_checkpoint
+from ..model.transformer import DiffusionLM
+from .config import TrainConfig, TrainConfigError, load_config, to_dict
+from .corpus import tokenize_haystack
+from .data import MODES, Batch, BatchBuilder, BatchStream
+from .objective import LossOutput, compute_loss
+from .tokenizer import load_tokenizer
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+SAVE_RESERVE_S = 15.0  # time kept back at the end of a --max-minutes budget for the final save
+
+
+def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
+    m = cfg.model
+    return ModelConfig(
+        family="dream",
+        vocab_size=len(tokenizer),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        rope_theta=m.rope_theta,
+        max_position_embeddings=m.max_position_embeddings,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        shift_logits=True,
+        mask_token_id=tokenizer.mask_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        model_id=cfg.name,
+    )
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    def move(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device, non_blocking=True)
+
+    return Batch(
+        mode=batch.mode,
+        ids=move(batch.ids),
+        loss_region=move(batch.loss_region),
+        answer_region=move(batch.answer_region),
+        segments=move(batch.segments),
+        sees_query=move(batch.sees_query),
+    )
+
+
+@dataclass
+class Meter:
+    """Per-mode running sums kept on the device, read (one sync) only when a log line is written."""
+
+    sums: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, mode: str, res: LossOutput) -> None:
+        vals = torch.stack([res.loss.detach(), res.ce, res.answer_correct.float(), res.answer_total.float()])
+        self.sums[mode] = self.sums[mode] + vals if mode in self.sums else vals
+        self.counts[mode] = self.counts.get(mode, 0) + 1
+
+    def flush(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for mode, vals in self.sums.items():
+            loss, ce, correct, total = vals.tolist()
+            n = self.counts[mode]
+            out[mode] = {"loss": loss / n, "ce": ce / n, "batches": n}
+            if total:
+                out[mode]["answer_acc"] = correct / total
+        self.sums.clear()
+        self.counts.clear()
+        return out
+
+
+def save(model: DiffusionLM, out: Path, tokenizer, dtype: str) -> Path:
+    to_save = copy.deepcopy(model).to(device="cpu", dtype=DTYPES[dtype])
+    return save_checkpoint(to_save, out / "checkpoint", tokenizer)
+
+
+def plot_curve(log_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in MODES:
+        pts = [(r["step"], r["modes"][mode]) for r in records if mode in r.get("modes", {})]
+        if not pts:
+            continue
+        ax1.plot([s for s, _ in pts], [m["ce"] for _, m in pts], label=mode)
+        acc = [(s, m["answer_acc"]) for s, m in pts if "answer_acc" in m]
+        if acc:
+            ax2.plot([s for s, _ in acc], [a for _, a in acc], label=mode)
+    ax1.set(
+        xlabel="step", ylabel="cross-entropy (predicted tokens)", yscale="log", title="loss by batch mode"
+    )
+    ax2.set(xlabel="step", ylabel="answer-token accuracy (masked)", ylim=(0, 1.02), title="answer accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def train(
+    cfg: TrainConfig, out: Path, max_minutes: float | None, device_name: str, progress: bool = True
+) -> dict:
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    device = torch.device(device_name)
+    tokenizer = load_tokenizer()
+    train_sentences, _ = split_train_eval_sentences()
+    haystack = tokenize_haystack(tokenizer, train_sentences)
+    builder = BatchBuilder(
+        cfg.data, TaskFactory(tokenizer, haystack), tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    loader = torch.utils.data.DataLoader(
+        BatchStream(builder, cfg.seed),
+        batch_size=None,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=4 if cfg.num_workers else None,
+        persistent_workers=cfg.num_workers > 0,
+    )
+    model_cfg = build_model_config(cfg, tokenizer)
+    model = DiffusionLM(model_cfg)
+    model.init_weights(cfg.seed)
+    model.to(device)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=device.type == "cuda",
+    )
+    forward_model = torch.compile(model) if cfg.compile else model
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    log_path = out / "train_log.jsonl"
+    log_path.write_text("")
+    meter = Meter()
+    total = cfg.max_steps
+    budget = max_minutes * 60.0 - SAVE_RESERVE_S if max_minutes else None
+    tokens_seen = 0
+    last_save = time.perf_counter()
+    t_probe: tuple[int, float] | None = None
+    stats = {
+        "params": model.num_parameters(),
+        "model_config": model_cfg.to_hf_dict(),
+        "train_config": to_dict(cfg),
+    }
+    bar = tqdm(
+        total=total, disable=not progress, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout
+    )
+    step = 0
+    for step, batch in enumerate(loader):
+        elapsed = time.perf_counter() - start
+        if step >= total or (budget is not None and elapsed >= budget):
+            break
+        if budget is not None and step == 10:
+            t_probe = (step, elapsed)
+        if budget is not None and t_probe is not None and step == 60:
+            rate = (step - t_probe[0]) / max(elapsed - t_probe[1], 1e-6)
+            total = min(cfg.max_steps, int(step + rate * (budget - elapsed) * 0.97))
+            bar.total = total
+        lr = lr_at(step, total, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = _to_device(batch, device)
+        with autocast:
+            res = compute_loss(forward_model, batch, model_cfg.mask_token_id, cfg.mask_eps, gen)
+        opt.zero_grad(set_to_none=True)
+        res.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        tokens_seen += batch.ids.numel()
+        meter.add(batch.mode, res)
+        if step % cfg.log_every == 0 or step == total - 1:
+            rec = {
+                "step": step,
+                "lr": lr,
+                "elapsed_s": round(time.perf_counter() - start, 2),
+                "tokens": tokens_seen,
+                "grad_norm": float(grad_norm),
+                "modes": meter.flush(),
+            }
+            with log_path.open("a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            acc = {k: round(v["answer_acc"], 3) for k, v in rec["modes"].items() if "answer_acc" in v}
+            bar.set_postfix(acc=acc, lr=f"{lr:.1e}")
+        bar.update(1)
+        if time.perf_counter() - last_save > cfg.save_every_minutes * 60:
+            save(model, out, tokenizer, cfg.save_dtype)
+            last_save = time.perf_counter()
+    bar.close()
+    path = save(model, out, tokenizer, cfg.save_dtype)
+    stats.update(
+        steps=step,
+        planned_steps=total,
+        tokens=tokens_seen,
+        seconds=round(time.perf_counter() - start, 1),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        checkpoint=str(path),
+    )
+    (out / "summary.json").write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        plot_curve(log_path, out / "loss_curve.png")
+    except ImportError:
+        print("matplotlib is not installed: no loss curve written", file=sys.stderr)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train the shipped masked-diffusion model")
+    parser.add_argument("--config", type=Path, help="training config JSON (see shared/training/configs/)")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU config (configs/smoke.json), < 60 s")
+    parser.add_argument("--out", type=Path, default=Path("runs/train"), help="output directory")
+    parser.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget for training")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the config's)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.config is None and not args.smoke:
+        parser.error("give --config FILE or --smoke")
+    try:
+        cfg = load_config(args.config or CONFIG_DIR / "smoke.json")
+    except TrainConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = args.device or cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: device {device!r} requested but CUDA is not available", file=sys.stderr)
+        return 2
+    stats = train(cfg, args.out, args.max_minutes, device, progress=not args.no_progress)
+    print(json.dumps({k: stats[k] for k in ("params", "steps", "tokens", "seconds", "checkpoint")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
