@@ -1,0 +1,107 @@
+"""Step 7: iterative denoising over static prefix KV, recomputing only the query suffix and response.
+
+The loop is :func:`pdllm.shared.generation.sampler.denoise` (the shared unmasking logic) driven by a
+logits function that forwards ``[query suffix, response]`` at positions after the static prefix. What the
+tokens attend to is decided by a :class:`DecodePolicy`: the default attends to every static segment every
+step; decode-side methods (FOCUS eviction, DyLLM salient tokens, Sparse-dLLM, Polestar refresh, Fast-dLLM
+dual cache) are other policies over the same :class:`StaticKV`, not copies of this loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from pdllm.decode_service.attention import BufferedAttention, SegmentedAttention
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.transformer import DiffusionLM
+
+
+@dataclass
+class StaticKV:
+    """What prefill hands to decode.
+
+    ``segments``: chunk-KV-layout tensors ``[layers, 2, Hkv, L, D]`` (instruction first if any, then the
+    selected chunks in document order, top-B already applied); ``query_start``: position of the first
+    query-suffix token; ``contiguous``: the same KV as one tensor when a single build forward produced it
+    (lets :class:`BufferedAttention` skip the merge), else None.
+    """
+
+    segments: list[torch.Tensor]
+    query_start: int
+    contiguous: torch.Tensor | None = None
+    kept_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(s.shape[3]) for s in self.segments)
+
+
+class DecodePolicy(Protocol):
+    """Decides, step by step, which static KV the decode tokens attend to (and may update its state)."""
+
+    def begin(self, static: StaticKV, local_tokens: int) -> None: ...
+
+    def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend: ...
+
+
+@dataclass
+class StaticPolicy:
+    """Prefilling-dLLM's own decode: every step attends to all static segments (``mode``: how)."""
+
+    mode: str = "segments"
+    _backend: AttentionBackend | None = None
+
+    def begin(self, static: StaticKV, local_tokens: int) -> None:
+        if self.mode == "segments":
+            self._backend = SegmentedAttention(static.segments)
+        elif self.mode == "buffer":
+            kv = static.contiguous
+            if kv is None:
+                kv = torch.cat(static.segments, dim=3)
+            self._backend = BufferedAttention(kv, local_tokens)
+        else:
+            raise ValueError(f"decode attention mode must be 'segments' or 'buffer', got {self.mode!r}")
+
+    def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend:
+        assert self._backend is not None, "begin() must run before backend()"
+        return self._backend
+
+
+@torch.inference_mode()
+def decode(
+    model: DiffusionLM,
+    query_ids: list[int],
+    static: StaticKV,
+    gen: GenerationConfig,
+    policy: DecodePolicy | None = None,
+    progress: bool = False,
+) -> GenerationResult:
+    device = next(model.parameters()).device
+    gen.validate()
+    policy = policy or StaticPolicy()
+    q = len(query_ids)
+    local = torch.full((q + gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=device)
+    local[:q] = torch.as_tensor(query_ids, device=device)
+    positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
+    policy.begin(static, local.shape[0])
+    step = 0
+
+    def logits_fn(response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        nonlocal step
+        local[q:] = response
+        backend = policy.backend(step, local)
+        step += 1
+        return model(local[None], positions, backend, logits_at=(at + q)[None])[0]
+
+    return denoise(
+        gen,
+        model.config.mask_token_id,
+        model.config.eos_token_id,
+        logits_fn,
+        device=device,
+        progress=progress,
+    )

@@ -1,0 +1,160 @@
+"""Steps 5b-6, fast path: build the static decode KV of the selected chunks (+ top-B retention).
+
+``full-mask``: one bidirectional forward over ``[instruction, chunks, query, MASK * gen_length]`` at the
+continuous positions; the instruction + chunk part of its K/V is kept. ``chunk-query``: the same without
+the masked response. ``chunk-only``: no forward over the chunks at all; the step-3 KV is reused with K
+re-rotated from chunk-local to continuous positions (RoPE composes, so rotating by the start offset is
+exact up to rounding), the instruction is encoded alone. Retention scores follow ``reference.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdllm.decode_service.attention import SegmentedAttention
+from pdllm.decode_service.decode import StaticKV
+from pdllm.prefill_service.attention import RetentionProbe
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.prefill_service.layout import DecodeLayout, Request, keep_top_b
+from pdllm.shared.model.attention import AttentionBackend, DenseAttention
+from pdllm.shared.model.transformer import DiffusionLM
+
+
+@dataclass
+class _Capture:
+    """Keeps the first ``n`` tokens' K/V of every layer in ``out[layer, 0|1]``."""
+
+    inner: AttentionBackend
+    out: torch.Tensor
+    n: int
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.out[layer, 0] = k[0, :, : self.n]
+        self.out[layer, 1] = v[0, :, : self.n]
+        return self.inner(layer, q, k, v)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rotate_keys(model: DiffusionLM, segment: torch.Tensor, delta: int) -> torch.Tensor:
+    """Chunk KV with K moved ``delta`` positions further (pure rotation: RoPE's scaling is already in K)."""
+    if delta == 0:
+        return segment
+    inv_freq = model.model.rotary_emb.inv_freq.float()
+    angles = torch.cat([delta * inv_freq, delta * inv_freq])
+    k = segment[:, 0].float()
+    k = k * angles.cos() + _rotate_half(k) * angles.sin()
+    return torch.stack([k.to(segment.dtype), segment[:, 1]], dim=1)
+
+
+def _empty(model: DiffusionLM, n: int) -> torch.Tensor:
+    cfg = model.config
+    p = next(model.parameters())
+    return torch.empty(cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim, dtype=p.dtype, device=p.device)
+
+
+@torch.inference_mode()
+def build_static(
+    model: DiffusionLM,
+    request: Request,
+    layout: DecodeLayout,
+    config: EngineConfig,
+    local_segments: Sequence[torch.Tensor] = (),
+) -> StaticKV:
+    """``local_segments``: step-3 KV of the selected chunks (document order), needed by chunk-only only."""
+    if config.kv_mode == "chunk-only":
+        return _chunk_only(model, request, layout, config, local_segments)
+    device = next(model.parameters()).device
+    mask_id = model.config.mask_token_id
+    ids = list(request.instruction)
+    for i in layout.chunk_ids:
+        ids += request.chunks[i]
+    ids += request.query
+    if config.kv_mode == "full-mask":
+        ids += [mask_id] * layout.gen_length
+    s, q = layout.static_len, layout.query_len
+    static = _empty(model, s)
+    mass = torch.zeros(len(ids), dtype=torch.float64, device=device)
+    inner: AttentionBackend = DenseAttention()
+    if config.top_b is not None:
+        inner = RetentionProbe(
+            slice(s, s + q), config.retention_score == "bidirectional", config.retention_block, mass
+        )
+    tokens = torch.tensor(ids, device=device)[None]
+    model.hidden_states(tokens, torch.arange(len(ids), device=device)[None], _Capture(inner, static, s))
+    return _assemble(layout, config, static, mass)
+
+
+def _assemble(
+    layout: DecodeLayout, config: EngineConfig, static: torch.Tensor, mass: torch.Tensor
+) -> StaticKV:
+    segments = [static[:, :, :, : layout.instruction_len]] if layout.instruction_len else []
+    kept_counts = []
+    for a, n in zip(layout.chunk_starts, layout.chunk_lens, strict=True):
+        if config.top_b is None or config.top_b >= n:
+            segments.append(static[:, :, :, a : a + n])
+            kept_counts.append(n)
+            continue
+        keep = keep_top_b(mass[a : a + n], config.top_b)
+        segments.append(static[:, :, :, a + keep])
+        kept_counts.append(int(keep.numel()))
+    contiguous = static if sum(kept_counts) == sum(layout.chunk_lens) else None
+    return StaticKV(segments, layout.static_len, contiguous, kept_counts)
+
+
+def _chunk_only(
+    model: DiffusionLM,
+    request: Request,
+    layout: DecodeLayout,
+    config: EngineConfig,
+    local_segments: Sequence[torch.Tensor],
+) -> StaticKV:
+    if len(local_segments) != len(layout.chunk_ids):
+        raise ValueError("chunk-only KV build needs the step-3 KV of every selected chunk")
+    device = next(model.parameters()).device
+    parts = []
+    if layout.instruction_len:
+        instr = _empty(model, layout.instruction_len)
+        tokens = torch.tensor(request.instruction, device=device)[None]
+        model.hidden_states(tokens, attention=_Capture(DenseAttention(), instr, layout.instruction_len))
+        parts.append(instr)
+    for seg, a in zip(local_segments, layout.chunk_starts, strict=True):
+        parts.append(rotate_keys(model, seg, a))
+    static = torch.cat(parts, dim=3)
+    mass = torch.zeros(layout.static_len, dtype=torch.float64, device=device)
+    if config.top_b is not None:
+        _probe_first_step(model, request, layout, static, mass)
+    return _assemble(layout, config, static, mass)
+
+
+@dataclass
+class _QueryToStatic:
+    """First decode forward (all-masked response): accumulates the query rows' softmax mass on static keys."""
+
+    static: torch.Tensor
+    query_len: int
+    mass: torch.Tensor
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        g = q.shape[1] // k.shape[1]
+        keys = torch.cat([self.static[layer, 0][None], k], dim=2)[0].repeat_interleave(g, dim=0).float()
+        logits = (q[0, :, : self.query_len].float() @ keys.transpose(1, 2)) * q.shape[-1] ** -0.5
+        probs = torch.softmax(logits, dim=-1)[:, :, : self.static.shape[3]]
+        self.mass += probs.sum(dim=(0, 1)).to(self.mass.dtype)
+        return SegmentedAttention([self.static])(layer, q, k, v)
+
+
+def _probe_first_step(
+    model: DiffusionLM, request: Request, layout: DecodeLayout, static: torch.Tensor, mass: torch.Tensor
+) -> None:
+    device = static.device
+    ids = request.query + [model.config.mask_token_id] * layout.gen_length
+    tokens = torch.tensor(ids, device=device)[None]
+    positions = layout.local_positions(device)[None]
+    model.hidden_states(tokens, positions, _QueryToStatic(static, layout.query_len, mass))

@@ -1,0 +1,89 @@
+"""Step 4, fast path: score every chunk from its banked causal KV, batched over chunks.
+
+Equal to :func:`reference.reference_scores` (see its docstring for the conventions), computed without
+re-encoding any chunk: the pseudo-label draft forwards only ``query window + labels`` per chunk over the
+chunk's full KV; the NLL forward forwards ``[last chunk token, query window, labels]`` causally over the
+chunk's KV without its last token, so the state that predicts the first query token is recomputed exactly
+(that one token is cheaper than carrying hidden states through the chunk store).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdllm.prefill_service.attention import BankPrefixAttention, ChunkBank
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.prefill_service.layout import Request
+from pdllm.prefill_service.reference import ChunkScore, draft_config
+from pdllm.shared.generation.sampler import DenoiseState
+from pdllm.shared.model.transformer import DiffusionLM
+
+
+@torch.inference_mode()
+def score_chunks(
+    model: DiffusionLM, request: Request, config: EngineConfig, bank: ChunkBank
+) -> list[ChunkScore]:
+    window = config.scoring_window()
+    query = request.query[-window:] if window else request.query
+    out: list[ChunkScore] = []
+    for a in range(0, request.num_chunks, config.prefill_batch):
+        rows = slice(a, min(a + config.prefill_batch, request.num_chunks))
+        out += _score_group(model, request, config, bank, rows, query)
+    return out
+
+
+def _score_group(
+    model: DiffusionLM, request: Request, config: EngineConfig, bank: ChunkBank, rows: slice, query: list[int]
+) -> list[ChunkScore]:
+    device = bank.kv.device
+    lens = torch.tensor(bank.lens[rows], device=device)
+    n, width, q = lens.shape[0], int(lens.max()), len(query)
+    span = torch.arange(width, device=device)
+    query_t = torch.tensor(query, device=device)
+    labels = torch.empty(n, 0, dtype=torch.long, device=device)
+    pseudo = config.score_mode == "pseudo-label"
+    if pseudo:
+        labels = _draft(model, config, bank, rows, lens, span, query_t)
+    last = torch.tensor([request.chunks[i][-1] for i in range(rows.start, rows.stop)], device=device)
+    tokens = torch.cat([last[:, None], query_t.expand(n, -1), labels], dim=1)
+    positions = lens[:, None] - 1 + torch.arange(tokens.shape[1], device=device)
+    attention = BankPrefixAttention(bank, rows, span[None] < (lens[:, None] - 1), local_causal=True)
+    hidden = model.hidden_states(tokens, positions, attention)
+    logits = model.lm_head(hidden[:, :-1]).float()
+    token_nll = -torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    s_i = token_nll[:, :q].mean(dim=1).tolist()
+    s_p = token_nll[:, q:].mean(dim=1).tolist() if pseudo else [None] * n
+    label_lists = labels.tolist()
+    return [
+        ChunkScore(chunk=rows.start + j, s_i=s_i[j], s_p=s_p[j], labels=label_lists[j] if pseudo else [])
+        for j in range(n)
+    ]
+
+
+def _draft(
+    model: DiffusionLM,
+    config: EngineConfig,
+    bank: ChunkBank,
+    rows: slice,
+    lens: torch.Tensor,
+    span: torch.Tensor,
+    query: torch.Tensor,
+) -> torch.Tensor:
+    """Pseudo-labels per chunk, unmasked by the shared sampler (one state per chunk, batched forwards)."""
+    device = lens.device
+    n, q, p = lens.shape[0], query.shape[0], config.pseudo_labels
+    mask_id = model.config.mask_token_id
+    states = [DenoiseState(draft_config(config), mask_id, None, device) for _ in range(n)]
+    tokens = torch.cat([query.expand(n, -1), torch.full((n, p), mask_id, device=device)], dim=1)
+    positions = lens[:, None] + torch.arange(q + p, device=device)
+    attention = BankPrefixAttention(bank, rows, span[None] < lens[:, None], local_causal=False)
+    label_rows = (q + torch.arange(p, device=device)).expand(n, -1)
+    while not all(s.done for s in states):
+        for j, state in enumerate(states):
+            tokens[j, q:] = state.tokens
+        hidden = model.hidden_states(tokens, positions, attention)
+        logits = model.logits_from_hidden(hidden, label_rows)
+        for j, state in enumerate(states):
+            if not state.done:
+                state.update(logits[j, state.positions()])
+    return torch.stack([s.tokens for s in states])

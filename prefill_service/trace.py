@@ -1,0 +1,79 @@
+"""Per-request trace: what the engine decided and where the time and memory went."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PHASES = ("prefill", "score", "select", "build", "decode")
+
+
+@dataclass
+class Trace:
+    num_chunks: int = 0
+    context_tokens: int = 0
+    chunk_scores: list[dict[str, float | int | None]] = field(default_factory=list)
+    selected: list[int] = field(default_factory=list)
+    kept_tokens: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_memory_bytes: int = 0
+    memory_kind: str = "cpu-rss-delta"
+    cache_hits: int = 0
+    cache_misses: int = 0
+    prefill_skipped: bool = False
+    decode_steps: int = 0
+
+    @contextmanager
+    def phase(self, name: str, device: torch.device) -> Iterator[None]:
+        """Time one phase; on CUDA synchronise first so the time belongs to this phase."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_chunks": self.num_chunks,
+            "context_tokens": self.context_tokens,
+            "chunk_scores": self.chunk_scores,
+            "selected": self.selected,
+            "kept_tokens": self.kept_tokens,
+            "timings": dict(self.timings),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_kind": self.memory_kind,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "prefill_skipped": self.prefill_skipped,
+            "decode_steps": self.decode_steps,
+        }
+
+
+class MemoryMeter:
+    """Peak memory of a request: CUDA allocator peak, or growth of the process's peak RSS on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._rss0 = _peak_rss()
+
+    def peak(self) -> tuple[int, str]:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device)), "cuda-max-allocated"
+        return max(0, _peak_rss() - self._rss0), "cpu-rss-delta"
+
+
+def _peak_rss() -> int:
+    # ru_maxrss is in KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,162 @@
+"""The in-process Prefilling-dLLM engine: prefill -> score -> select -> KV build -> decode.
+
+``PrefillingEngine.generate`` runs one request end to end on the fast path; ``prefill`` and ``decode`` are
+the same two halves the prefill and decode services run on different workers (``PrefillResult.static`` is
+what travels between them). The specification both halves must match is
+``pdllm.prefill_service.reference``. Phases and conventions are documented in the modules they live in:
+``prefill_service.layout`` (prompt layout, positions), ``prefill``/``scoring``/``build`` (steps 3-6) and
+``decode_service.decode`` (step 7, decode policies).
+
+Step-3 KV is always computed with causal intra-chunk attention, because scoring needs it; with
+``prefill_attention="bidirectional"`` the bidirectional chunk KV is computed only for the selected chunks
+and only when ``kv_mode="chunk-only"`` reuses it (the other modes rebuild the chunk KV anyway). Both kinds
+are cached in the chunk store under different position schemes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdllm.decode_service.decode import DecodePolicy, StaticKV, StaticPolicy, decode
+from pdllm.prefill_service.build import build_static
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.prefill_service.layout import DecodeLayout, Request, decode_layout, make_request, select_top_k
+from pdllm.prefill_service.prefill import chunk_prefill
+from pdllm.prefill_service.reference import ChunkScore
+from pdllm.prefill_service.scoring import score_chunks
+from pdllm.prefill_service.store import ChunkKVStore, LRUChunkStore
+from pdllm.prefill_service.trace import MemoryMeter, Trace
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.model.transformer import DiffusionLM
+
+__all__ = ["EngineConfig", "PrefillResult", "PrefillingEngine", "Trace"]
+
+Ids = Sequence[int] | torch.Tensor | str
+
+
+@dataclass
+class PrefillResult:
+    request: Request
+    layout: DecodeLayout
+    static: StaticKV
+    scores: list[ChunkScore]
+    selected: list[int]
+    trace: Trace
+    meter: MemoryMeter
+
+
+class PrefillingEngine:
+    """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU)."""
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        tokenizer: Any | None = None,
+        config: EngineConfig | None = None,
+        store: ChunkKVStore | None = None,
+        decode_attention: str = "segments",
+        reuse_chunks: bool = True,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.config.validate()
+        if decode_attention not in ("segments", "buffer"):
+            raise ValueError(f"decode_attention must be 'segments' or 'buffer', got {decode_attention!r}")
+        self.decode_attention = decode_attention
+        self.store: ChunkKVStore | None = (
+            store if store is not None else (LRUChunkStore() if reuse_chunks else None)
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _ids(self, name: str, value: Ids | None) -> list[int] | torch.Tensor | None:
+        if not isinstance(value, str):
+            return value
+        if self.tokenizer is None:
+            raise ValueError(f"{name} was given as text but the engine has no tokenizer; pass token ids")
+        return list(self.tokenizer.encode(value, add_special_tokens=False))
+
+    def prefill(
+        self, context: Ids, question: Ids, gen: GenerationConfig, instruction: Ids | None = None
+    ) -> PrefillResult:
+        """Steps 3-6: chunk prefill, scoring, top-K (+top-B) selection and the static decode KV."""
+        gen.validate()
+        cfg, model, device = self.config, self.model, self.device
+        request = make_request(
+            self._ids("context", context),  # type: ignore[arg-type]
+            self._ids("question", question),  # type: ignore[arg-type]
+            model.config.bos_token_id,
+            cfg,
+            model.config.vocab_size,
+            self._ids("instruction", instruction),  # type: ignore[arg-type]
+        )
+        trace = Trace(num_chunks=request.num_chunks, context_tokens=sum(len(c) - 1 for c in request.chunks))
+        meter = MemoryMeter(device)
+        with trace.phase("prefill", device):
+            bank, stats = chunk_prefill(
+                model, request.chunks, "causal", cfg.chunk_size, cfg.prefill_batch, self.store
+            )
+        with trace.phase("score", device):
+            scores = score_chunks(model, request, cfg, bank)
+        with trace.phase("select", device):
+            selected = select_top_k([s.total for s in scores], cfg.top_k)
+            layout = decode_layout(request, selected, gen.gen_length)
+        with trace.phase("build", device):
+            local: list[torch.Tensor] = []
+            if cfg.kv_mode == "chunk-only":
+                if cfg.prefill_attention == "causal":
+                    local = [bank.segment(i) for i in selected]
+                else:
+                    chunks = [request.chunks[i] for i in selected]
+                    bi, bi_stats = chunk_prefill(
+                        model, chunks, "bidirectional", cfg.chunk_size, cfg.prefill_batch, self.store
+                    )
+                    local = [bi.segment(j) for j in range(len(chunks))]
+                    stats.hits += bi_stats.hits
+                    stats.chunks += bi_stats.chunks
+            static = build_static(model, request, layout, cfg, local)
+        del bank
+        trace.chunk_scores = [
+            {"chunk": s.chunk, "s_i": s.s_i, "s_p": s.s_p, "total": s.total} for s in scores
+        ]
+        trace.selected = selected
+        trace.kept_tokens = static.kept_tokens
+        trace.cache_hits, trace.cache_misses = stats.hits, stats.chunks - stats.hits
+        trace.prefill_skipped = stats.forwarded == 0
+        return PrefillResult(request, layout, static, scores, selected, trace, meter)
+
+    def decode(
+        self,
+        prefilled: PrefillResult,
+        gen: GenerationConfig,
+        policy: DecodePolicy | None = None,
+        progress: bool = False,
+    ) -> GenerationResult:
+        """Step 7 over the static KV of ``prefilled``; fills the decode fields of its trace."""
+        trace, device = prefilled.trace, self.device
+        policy = policy or StaticPolicy(self.decode_attention)
+        with trace.phase("decode", device):
+            result = decode(self.model, prefilled.request.query, prefilled.static, gen, policy, progress)
+        trace.decode_steps = result.steps
+        trace.peak_memory_bytes, trace.memory_kind = prefilled.meter.peak()
+        result.timings = dict(trace.timings)
+        return result
+
+    def generate(
+        self,
+        context_ids: Ids,
+        question_ids: Ids,
+        gen: GenerationConfig,
+        instruction_ids: Ids | None = None,
+        progress: bool = False,
+    ) -> tuple[GenerationResult, Trace]:
+        prefilled = self.prefill(context_ids, question_ids, gen, instruction_ids)
+        result = self.decode(prefilled, gen, progress=progress)
+        return result, prefilled.trace
