@@ -3,6 +3,8 @@
 Every rejection is an InvalidRequestError (INVALID_ARGUMENT on the wire) whose `kind` is a stable tag, so
 tests and clients can tell the cases apart without parsing messages. Malformed wire bytes (e.g. invalid
 UTF-8 in a string field) never reach this module: the server's interceptor rejects them while decoding.
+The rules mirror `GenerationConfig.validate` and `EngineConfig.validate`, so a request that passes here
+never fails later inside the engine on a parameter.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from pdllm.shared.rpc.errors import InvalidRequestError
 
 METHODS = ("vanilla", "pdllm")
 KV_MODES = ("full-mask", "chunk-query", "chunk-only")
-SCORE_MODES = ("self-info", "pseudo-label")
+SCORE_MODES = ("pseudo-label", "self-info", "query-only")
 RETENTION_SCORES = ("bidirectional", "query-to-chunk")
+PREFILL_ATTENTIONS = ("causal", "bidirectional")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
 @dataclass(frozen=True)
 class RequestDefaults:
-    """Values used for fields the client leaves unset."""
+    """Values used for fields the client leaves unset (method defaults follow EngineConfig's)."""
 
     model: str = ""
     gen_length: int = 32
@@ -35,14 +38,16 @@ class RequestDefaults:
     temperature: float = 0.0
     seed: int = 0
     method: str = "pdllm"
-    chunk_size: int = 512
+    chunk_size: int = 1024
     top_k: int = 4
     top_b: int | None = None
     kv_mode: str = "full-mask"
     score_mode: str = "pseudo-label"
     pseudo_label_tokens: int = 4
-    pseudo_label_rounds: int = 1
+    pseudo_label_rounds: int = 2
     retention_score: str = "bidirectional"
+    query_window: int | None = None
+    prefill_attention: str = "causal"
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,33 @@ class ValidationLimits:
     max_chunk_size: int = 16384
     max_top_k: int = 1024
     max_pseudo_label_tokens: int = 64
-    max_pseudo_label_rounds: int = 16
+    max_query_window: int = 4096
     max_request_id_chars: int = 128
-    # LLaDA-style samplers split `steps` evenly over blocks.
-    require_steps_multiple_of_blocks: bool = True
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    gen_length: int
+    steps: int
+    block_length: int
+    threshold: float | None
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    method: str
+    chunk_size: int
+    top_k: int
+    top_b: int | None
+    kv_mode: str
+    score_mode: str
+    pseudo_label_tokens: int
+    pseudo_label_rounds: int
+    retention_score: str
+    query_window: int | None
+    prefill_attention: str
 
 
 @dataclass(frozen=True)
@@ -69,21 +97,8 @@ class ResolvedRequest:
     context: str
     question: str
     instruction: str | None
-    gen_length: int
-    steps: int
-    block_length: int
-    threshold: float | None
-    temperature: float
-    seed: int
-    method: str
-    chunk_size: int
-    top_k: int
-    top_b: int | None
-    kv_mode: str
-    score_mode: str
-    pseudo_label_tokens: int
-    pseudo_label_rounds: int
-    retention_score: str
+    generation: GenerationSettings
+    method: MethodSettings
 
 
 def new_request_id() -> str:
@@ -118,9 +133,31 @@ def _choice(field: str, value: str, default: str, allowed: tuple[str, ...], kind
     return resolved
 
 
-def _resolve_lengths(
-    gen: pb.GenerationParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str
-) -> tuple[int, int, int]:
+def _bounded(field: str, value: int, low: int, high: int, kind: str, rid: str) -> int:
+    if not low <= value <= high:
+        _fail(kind, f"{field} must be in [{low}, {high}] (got {value})", rid)
+    return value
+
+
+def _resolve_blocks(gen: pb.GenerationParams, gen_length: int, defaults: RequestDefaults, rid: str) -> int:
+    if not gen.HasField("block_length"):
+        block_length = defaults.block_length or gen_length
+        return block_length if gen_length % block_length == 0 else gen_length
+    block_length = gen.block_length
+    if block_length <= 0:
+        _fail("block_length_nonpositive", f"generation.block_length must be > 0 (got {block_length})", rid)
+    if gen_length % block_length:
+        _fail(
+            "block_not_divisor",
+            f"generation.gen_length ({gen_length}) must be divisible by generation.block_length ({block_length})",
+            rid,
+        )
+    return block_length
+
+
+def resolve_generation(
+    gen: pb.GenerationParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str = ""
+) -> GenerationSettings:
     gen_length = gen.gen_length if gen.HasField("gen_length") else defaults.gen_length
     if gen_length <= 0:
         _fail("gen_length_nonpositive", f"generation.gen_length must be > 0 (got {gen_length})", rid)
@@ -130,24 +167,13 @@ def _resolve_lengths(
             f"generation.gen_length must be <= {limits.max_gen_length} (got {gen_length})",
             rid,
         )
-    if gen.HasField("block_length"):
-        block_length = gen.block_length
-        if block_length <= 0:
-            _fail(
-                "block_length_nonpositive", f"generation.block_length must be > 0 (got {block_length})", rid
-            )
-        if gen_length % block_length:
-            _fail(
-                "block_not_divisor",
-                f"generation.gen_length ({gen_length}) must be divisible by generation.block_length "
-                f"({block_length})",
-                rid,
-            )
-    else:
-        block_length = defaults.block_length or gen_length
-        if gen_length % block_length:
-            block_length = gen_length
+    block_length = _resolve_blocks(gen, gen_length, defaults, rid)
     num_blocks = gen_length // block_length
+    threshold = gen.threshold if gen.HasField("threshold") else defaults.threshold
+    if threshold is not None and not (0.0 < threshold <= 1.0):
+        _fail("threshold_range", f"generation.threshold must be in (0, 1] (got {threshold})", rid)
+    # The fixed schedule spreads steps evenly over blocks; with a threshold, steps is only a cap.
+    even_split = threshold is None
     if gen.HasField("steps"):
         steps = gen.steps
         if steps <= 0:
@@ -158,7 +184,7 @@ def _resolve_lengths(
                 f"generation.steps must be <= generation.gen_length ({gen_length}) (got {steps})",
                 rid,
             )
-        if limits.require_steps_multiple_of_blocks and steps % num_blocks:
+        if even_split and steps % num_blocks:
             _fail(
                 "steps_not_multiple_of_blocks",
                 f"generation.steps ({steps}) must be a multiple of the number of blocks ({num_blocks} = "
@@ -167,17 +193,8 @@ def _resolve_lengths(
             )
     else:
         steps = defaults.steps or gen_length
-        if steps > gen_length or steps % num_blocks:
+        if steps > gen_length or (even_split and steps % num_blocks):
             steps = gen_length
-    return gen_length, steps, block_length
-
-
-def _resolve_sampling(
-    gen: pb.GenerationParams, defaults: RequestDefaults, rid: str
-) -> tuple[float | None, float, int]:
-    threshold = gen.threshold if gen.HasField("threshold") else defaults.threshold
-    if threshold is not None and not (0.0 < threshold <= 1.0):
-        _fail("threshold_range", f"generation.threshold must be in (0, 1] (got {threshold})", rid)
     temperature = gen.temperature if gen.HasField("temperature") else defaults.temperature
     if not math.isfinite(temperature) or temperature < 0.0:
         _fail(
@@ -188,13 +205,55 @@ def _resolve_sampling(
     seed = gen.seed if gen.HasField("seed") else defaults.seed
     if seed < 0:
         _fail("seed_negative", f"generation.seed must be >= 0 (got {seed})", rid)
-    return threshold, temperature, seed
+    return GenerationSettings(gen_length, steps, block_length, threshold, temperature, seed)
 
 
-def _bounded(field: str, value: int, low: int, high: int, kind: str, rid: str) -> int:
-    if not low <= value <= high:
-        _fail(kind, f"{field} must be in [{low}, {high}] (got {value})", rid)
-    return value
+def resolve_method(
+    m: pb.MethodParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str = ""
+) -> MethodSettings:
+    method = _choice("method.method", m.method, defaults.method, METHODS, "unknown_method", rid)
+    kv_mode = _choice("method.kv_mode", m.kv_mode, defaults.kv_mode, KV_MODES, "unknown_kv_mode", rid)
+    score_mode = _choice(
+        "method.score_mode", m.score_mode, defaults.score_mode, SCORE_MODES, "unknown_score_mode", rid
+    )
+    retention = _choice(
+        "method.retention_score",
+        m.retention_score,
+        defaults.retention_score,
+        RETENTION_SCORES,
+        "unknown_retention_score",
+        rid,
+    )
+    attention = _choice(
+        "method.prefill_attention",
+        m.prefill_attention,
+        defaults.prefill_attention,
+        PREFILL_ATTENTIONS,
+        "unknown_prefill_attention",
+        rid,
+    )
+    chunk_size = m.chunk_size if m.HasField("chunk_size") else defaults.chunk_size
+    _bounded(
+        "method.chunk_size", chunk_size, limits.min_chunk_size, limits.max_chunk_size, "chunk_size_range", rid
+    )
+    top_k = m.top_k if m.HasField("top_k") else defaults.top_k
+    _bounded("method.top_k", top_k, 1, limits.max_top_k, "top_k_range", rid)
+    top_b = m.top_b if m.HasField("top_b") else defaults.top_b
+    if top_b is not None:
+        # B counts the chunk's BOS, so a whole chunk is chunk_size + 1 tokens.
+        _bounded("method.top_b", top_b, 1, chunk_size + 1, "top_b_range", rid)
+    labels = m.pseudo_label_tokens if m.HasField("pseudo_label_tokens") else defaults.pseudo_label_tokens
+    rounds = m.pseudo_label_rounds if m.HasField("pseudo_label_rounds") else defaults.pseudo_label_rounds
+    if score_mode == "pseudo-label":
+        kind = "pseudo_label_tokens_range"
+        _bounded("method.pseudo_label_tokens", labels, 1, limits.max_pseudo_label_tokens, kind, rid)
+        _bounded("method.pseudo_label_rounds", rounds, 1, labels, "pseudo_label_rounds_range", rid)
+    window = m.query_window if m.HasField("query_window") else defaults.query_window
+    if window is not None:
+        _bounded("method.query_window", window, 1, limits.max_query_window, "query_window_range", rid)
+    return MethodSettings(
+        method, chunk_size, top_k, top_b, kv_mode, score_mode, labels, rounds, retention, window, attention
+    )
 
 
 def resolve_generate_request(
@@ -231,63 +290,14 @@ def resolve_generate_request(
         _fail(
             "unknown_model", f"model {model!r} is not served here; available: {', '.join(limits.models)}", rid
         )
-
-    gen_length, steps, block_length = _resolve_lengths(req.generation, limits, defaults, rid)
-    threshold, temperature, seed = _resolve_sampling(req.generation, defaults, rid)
-
-    m = req.method
-    method = _choice("method.method", m.method, defaults.method, METHODS, "unknown_method", rid)
-    kv_mode = _choice("method.kv_mode", m.kv_mode, defaults.kv_mode, KV_MODES, "unknown_kv_mode", rid)
-    score_mode = _choice(
-        "method.score_mode", m.score_mode, defaults.score_mode, SCORE_MODES, "unknown_score_mode", rid
-    )
-    retention_score = _choice(
-        "method.retention_score",
-        m.retention_score,
-        defaults.retention_score,
-        RETENTION_SCORES,
-        "unknown_retention_score",
-        rid,
-    )
-    chunk_size = m.chunk_size if m.HasField("chunk_size") else defaults.chunk_size
-    _bounded(
-        "method.chunk_size", chunk_size, limits.min_chunk_size, limits.max_chunk_size, "chunk_size_range", rid
-    )
-    top_k = m.top_k if m.HasField("top_k") else defaults.top_k
-    _bounded("method.top_k", top_k, 1, limits.max_top_k, "top_k_range", rid)
-    top_b = m.top_b if m.HasField("top_b") else defaults.top_b
-    if top_b is not None:
-        _bounded("method.top_b", top_b, 1, chunk_size, "top_b_range", rid)
-    plt = m.pseudo_label_tokens if m.HasField("pseudo_label_tokens") else defaults.pseudo_label_tokens
-    _bounded(
-        "method.pseudo_label_tokens", plt, 0, limits.max_pseudo_label_tokens, "pseudo_label_tokens_range", rid
-    )
-    plr = m.pseudo_label_rounds if m.HasField("pseudo_label_rounds") else defaults.pseudo_label_rounds
-    _bounded(
-        "method.pseudo_label_rounds", plr, 1, limits.max_pseudo_label_rounds, "pseudo_label_rounds_range", rid
-    )
-
     return ResolvedRequest(
         request_id=rid,
         model=model,
         context=req.context,
         question=req.question,
         instruction=req.instruction if req.HasField("instruction") else None,
-        gen_length=gen_length,
-        steps=steps,
-        block_length=block_length,
-        threshold=threshold,
-        temperature=temperature,
-        seed=seed,
-        method=method,
-        chunk_size=chunk_size,
-        top_k=top_k,
-        top_b=top_b,
-        kv_mode=kv_mode,
-        score_mode=score_mode,
-        pseudo_label_tokens=plt,
-        pseudo_label_rounds=plr,
-        retention_score=retention_score,
+        generation=resolve_generation(req.generation, limits, defaults, rid),
+        method=resolve_method(req.method, limits, defaults, rid),
     )
 
 

@@ -66,8 +66,28 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
     ("top_k_range", _set("method.top_k", 0), "method.top_k must be in [1, 1024]"),
     ("chunk_size_range", _set("method.chunk_size", 4), "method.chunk_size must be in [16, 16384]"),
     ("chunk_size_range", _set("method.chunk_size", 1 << 20), "method.chunk_size must be in [16, 16384]"),
-    ("top_b_range", _set("method.top_b", 65), "method.top_b must be in [1, 64]"),
-    ("top_b_range", _set("method.top_b", 0), "method.top_b must be in [1, 64]"),
+    ("top_b_range", _set("method.top_b", 66), "method.top_b must be in [1, 65]"),
+    ("top_b_range", _set("method.top_b", 0), "method.top_b must be in [1, 65]"),
     ("pseudo_label_tokens_range", _set("method.pseudo_label_tokens", 65), "pseudo_label_tokens must be in"),
-    ("pseudo_label_rounds_range", _set("method.pseudo_label_rounds", 0), "pseudo_label_rounds must be in"),
+    (
+        "pseudo_label_tokens_range",
+        _set("method.pseudo_label_tokens", 0),
+        "pseudo_label_tokens must be in [1, 64]",
+    ),
+    (
+        "pseudo_label_rounds_range",
+        _set("method.pseudo_label_rounds", 0),
+        "pseudo_label_rounds must be in [1, 4]",
+    ),
+    (
+        "pseudo_label_rounds_range",
+        _set("method.pseudo_label_rounds", 5),
+        "pseudo_label_rounds must be in [1, 4]",
+    ),
+    ("query_window_range", _set("method.query_window", 0), "method.query_window must be in [1, 4096]"),
+    (
+        "unknown_prefill_attention",
+        _set("method.prefill_attention", "sparse"),
+        "expected one of causal, bidirec",
+    ),
 ]

@@ -8,6 +8,8 @@ from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.rpc.client import build_generate_request
 from pdllm.shared.rpc.errors import InvalidRequestError
 from pdllm.shared.rpc.validation import (
+    GenerationSettings,
+    MethodSettings,
     RequestDefaults,
     ValidationLimits,
     resolve_generate_request,
@@ -21,15 +23,23 @@ LIMITS = ValidationLimits(models=(MODEL,), max_prompt_bytes=65536)
 
 def test_valid_request_resolves_exactly() -> None:
     resolved = resolve_generate_request(valid_request(), LIMITS)
-    assert (resolved.gen_length, resolved.steps, resolved.block_length) == (32, 16, 8)
-    assert (resolved.method, resolved.chunk_size, resolved.top_k, resolved.top_b) == ("pdllm", 64, 2, None)
-    assert (resolved.kv_mode, resolved.score_mode, resolved.retention_score) == (
-        "full-mask",
-        "pseudo-label",
-        "bidirectional",
+    assert resolved.generation == GenerationSettings(
+        gen_length=32, steps=16, block_length=8, threshold=None, temperature=0.0, seed=0
     )
-    assert (resolved.threshold, resolved.temperature, resolved.seed) == (None, 0.0, 0)
-    assert resolved.instruction is None and resolved.model == MODEL
+    assert resolved.method == MethodSettings(
+        method="pdllm",
+        chunk_size=64,
+        top_k=2,
+        top_b=None,
+        kv_mode="full-mask",
+        score_mode="pseudo-label",
+        pseudo_label_tokens=4,
+        pseudo_label_rounds=2,
+        retention_score="bidirectional",
+        query_window=None,
+        prefill_attention="causal",
+    )
+    assert resolved.instruction is None and resolved.model == MODEL and resolved.request_id == "req-1"
 
 
 def test_unset_fields_take_defaults_and_zero_is_kept_where_meaningful() -> None:
@@ -38,10 +48,27 @@ def test_unset_fields_take_defaults_and_zero_is_kept_where_meaningful() -> None:
     req.generation.seed = 0
     defaults = RequestDefaults(gen_length=24, block_length=16, steps=12, temperature=0.7, seed=9, model="m")
     resolved = resolve_generate_request(req, ValidationLimits(), defaults)
+    gen = resolved.generation
     # 16 does not divide 24, so the default block falls back to one block; steps 12 then fits.
-    assert (resolved.gen_length, resolved.block_length, resolved.steps) == (24, 24, 12)
-    assert (resolved.temperature, resolved.seed) == (0.0, 0)  # explicitly set zeros are not defaults
+    assert (gen.gen_length, gen.block_length, gen.steps) == (24, 24, 12)
+    assert (gen.temperature, gen.seed) == (0.0, 0)  # explicitly set zeros are not defaults
     assert resolved.instruction == "" and resolved.model == "m"
+
+
+def test_threshold_makes_steps_a_cap_not_an_even_split() -> None:
+    req = valid_request()
+    req.generation.steps = 6  # 4 blocks: rejected for the fixed schedule ...
+    with pytest.raises(InvalidRequestError):
+        validate_generate_request(req, LIMITS)
+    req.generation.threshold = 0.9  # ... but fine as the cap of a confidence-threshold schedule
+    assert resolve_generate_request(req, LIMITS).generation.steps == 6
+
+
+def test_pseudo_label_bounds_only_apply_to_pseudo_label_scoring() -> None:
+    req = valid_request()
+    req.method.score_mode = "self-info"
+    req.method.pseudo_label_tokens = 0
+    assert resolve_generate_request(req, LIMITS).method.score_mode == "self-info"
 
 
 @pytest.mark.parametrize(
@@ -59,7 +86,7 @@ def test_bad_input_is_rejected_with_its_kind(kind: str, edit, phrase: str) -> No
 
 
 def test_at_least_twenty_distinct_kinds() -> None:
-    assert len({kind for kind, _, _ in BAD_INPUTS}) >= 25
+    assert len({kind for kind, _, _ in BAD_INPUTS}) >= 28
 
 
 @pytest.mark.parametrize(

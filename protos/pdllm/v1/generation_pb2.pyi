@@ -23,7 +23,7 @@ class GenerationParams(_message.Message):
     def __init__(self, gen_length: _Optional[int] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., threshold: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class MethodParams(_message.Message):
-    __slots__ = ("method", "chunk_size", "top_k", "top_b", "kv_mode", "score_mode", "pseudo_label_tokens", "pseudo_label_rounds", "retention_score")
+    __slots__ = ("method", "chunk_size", "top_k", "top_b", "kv_mode", "score_mode", "pseudo_label_tokens", "pseudo_label_rounds", "retention_score", "query_window", "prefill_attention")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class MethodParams(_message.Message):
     PSEUDO_LABEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PSEUDO_LABEL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_SCORE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     method: str
     chunk_size: int
     top_k: int
@@ -42,7 +44,9 @@ class MethodParams(_message.Message):
     pseudo_label_tokens: int
     pseudo_label_rounds: int
     retention_score: str
-    def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ...) -> None: ...
+    query_window: int
+    prefill_attention: str
+    def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ..., query_window: _Optional[int] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method")
@@ -143,7 +147,7 @@ class PhaseTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Trace(_message.Message):
-    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker")
+    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
     SCORE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +164,9 @@ class Trace(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     method: str
     kv_mode: str
     score_mode: str
@@ -176,4 +183,7 @@ class Trace(_message.Message):
     steps: int
     prefill_worker: str
     decode_worker: str
-    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    memory_kind: str
+    prefill_skipped: bool
+    selected_kept_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., selected_kept_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
