@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ from pdllm.shared.kv_tier.stats import KVStats, StatsRecorder
 
 MANIFEST_MAGIC = b"PDKM"
 MANIFEST_VERSION = 1
-_MANIFEST = struct.Struct("<4sHIQQ")
+_MANIFEST = struct.Struct("<4sHIQQI")  # magic, version, parts, total bytes, part bytes, crc32 of the rest
+MAX_PARTS = 1 << 16
 _BACKEND_ERRORS = (redis.RedisError, OSError)
 MiB = 1 << 20
 
@@ -62,8 +64,23 @@ def part_key(key: str, index: int) -> str:
 
 
 def _manifest(total: int, part_bytes: int) -> bytes:
-    parts = -(-total // part_bytes)
-    return _MANIFEST.pack(MANIFEST_MAGIC, MANIFEST_VERSION, parts, total, part_bytes)
+    fields = (MANIFEST_MAGIC, MANIFEST_VERSION, -(-total // part_bytes), total, part_bytes)
+    head = _MANIFEST.pack(*fields, 0)[:-4]
+    return _MANIFEST.pack(*fields, zlib.crc32(head))
+
+
+def _parse_manifest(raw: bytes) -> tuple[int, int, int] | str:
+    """(parts, total, part bytes), or why the manifest is unusable: 'corrupt' or 'version'."""
+    if len(raw) != _MANIFEST.size:
+        return "corrupt"
+    _, version, parts, total, part_bytes, crc = _MANIFEST.unpack(raw)
+    if zlib.crc32(raw[:-4]) != crc:
+        return "corrupt"
+    if version != MANIFEST_VERSION:
+        return "version"
+    if not 0 < parts <= MAX_PARTS or part_bytes <= 0 or parts != -(-total // part_bytes):
+        return "corrupt"
+    return parts, total, part_bytes
 
 
 @dataclass
@@ -155,12 +172,10 @@ class RedisStore:
                 continue
             if raw[:4] == MAGIC:
                 results[index] = self._decode(key, raw, bad, parts=0)
-            elif raw[:4] == MANIFEST_MAGIC and len(raw) == _MANIFEST.size:
-                _, version, parts, total, part_bytes = _MANIFEST.unpack(raw)
-                if version == MANIFEST_VERSION and parts == -(-total // max(part_bytes, 1)) and parts > 0:
-                    pending.append(_Pending(index, key, parts, total, part_bytes))
-                else:
-                    self._stats.add(mismatched=1)
+            elif raw[:4] == MANIFEST_MAGIC and not isinstance(manifest := _parse_manifest(raw), str):
+                pending.append(_Pending(index, key, *manifest))
+            elif raw[:4] == MANIFEST_MAGIC and manifest == "version":
+                self._stats.add(mismatched=1)
             else:
                 self._stats.add(corrupt=1)
                 bad.append((key, 0))
@@ -188,14 +203,14 @@ class RedisStore:
 
     @staticmethod
     def _assemble(item: _Pending, chunks: list[bytes | None]) -> bytearray | None:
+        sizes = [min(item.part_bytes, item.total - part * item.part_bytes) for part in range(item.parts)]
+        if any(chunk is None or len(chunk) != size for chunk, size in zip(chunks, sizes)):
+            return None
         buffer = bytearray(item.total)
         offset = 0
-        for part, chunk in enumerate(chunks):
-            expected = min(item.part_bytes, item.total - part * item.part_bytes)
-            if chunk is None or len(chunk) != expected:
-                return None
-            buffer[offset : offset + expected] = chunk
-            offset += expected
+        for chunk, size in zip(chunks, sizes):
+            buffer[offset : offset + size] = chunk  # type: ignore[assignment]
+            offset += size
         return buffer
 
     def _decode(
@@ -219,16 +234,22 @@ class RedisStore:
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> int:
         start = time.perf_counter()
-        encoded = [(key, encode(tensor, self.meta, key)) for key, tensor in items]
-        if not encoded:
+        if not items:
             return 0
         stored = written = 0
         if self._available():
-            stored, written, ok = self._write(encoded)
+            stored, written, ok = self._write(
+                [(key, encode(tensor, self.meta, key)) for key, tensor in items]
+            )
             self._mark(ok)
+        else:
+            for key, tensor in items:  # a caller's bad tensor is its bug, reported even while Redis is down
+                problem = self.meta.layout_error(tuple(tensor.shape), tensor.dtype)
+                if problem:
+                    raise ValueError(f"cannot store chunk KV under {key!r}: {problem}")
         self._stats.add(
             puts=stored,
-            put_failures=len(encoded) - stored,
+            put_failures=len(items) - stored,
             bytes_written=written,
             put_seconds=time.perf_counter() - start,
         )

@@ -32,6 +32,8 @@ def test_killed_redis_gives_misses_then_recovers(redis_process: RedisServer) -> 
     assert store.get_many(["k0", "k1", "k2"]) == [None, None, None]
     assert store.put_many(items) == 0
     assert store.contains_many(["k0"]) == [False]
+    with pytest.raises(ValueError, match="shape"):  # caller bugs still surface while Redis is down
+        store.put_many([("bad", torch.zeros(3))])
     assert not store.healthy()
     assert time.monotonic() - start < 2.0  # refused connections fail fast, no retry storm
     stats = store.stats()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -161,3 +162,23 @@ def test_bad_config_is_rejected() -> None:
         RedisStoreConfig(url="redis://127.0.0.1:1/0", part_bytes=0)
     with pytest.raises(ValueError, match="ttl_s"):
         RedisStoreConfig(url="redis://127.0.0.1:1/0", ttl_s=0)
+
+
+@pytest.mark.parametrize("offset", [6, 10, 18, 26, 29])  # parts, total, part size, crc (first, last)
+def test_flipped_manifest_byte_is_corrupt(redis_server: str, client: redis.Redis, offset: int) -> None:
+    store = make_store(redis_server)
+    store.put_many([("k", chunk_kv(meta(), 40))])
+    _flip(client, "k", offset)
+    assert store.get_many(["k"]) == [None]
+    assert store.stats().corrupt == 1 and client.exists("k") == 0
+
+
+def test_manifest_of_another_version_is_a_mismatch(redis_server: str, client: redis.Redis) -> None:
+    store = make_store(redis_server)
+    store.put_many([("k", chunk_kv(meta(), 40))])
+    raw = bytearray(client.get("k"))
+    struct.pack_into("<H", raw, 4, 99)
+    struct.pack_into("<I", raw, len(raw) - 4, zlib.crc32(raw[:-4]))
+    client.set("k", bytes(raw))
+    assert store.get_many(["k"]) == [None]
+    assert (store.stats().mismatched, store.stats().corrupt) == (1, 0)
