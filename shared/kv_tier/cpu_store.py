@@ -41,6 +41,10 @@ class CPUStore:
         self.config = config
         self.name = name
         self._pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        if self._pin and not torch.cuda.is_available():
+            raise ValueError(
+                "CPUStoreConfig.pin_memory=True needs CUDA; use None to pin only where available"
+            )
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0

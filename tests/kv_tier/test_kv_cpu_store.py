@@ -92,6 +92,17 @@ def test_bad_config() -> None:
         CPUStoreConfig(capacity_bytes=0)
 
 
+def test_pinned_memory_where_cuda_exists_and_a_clear_error_elsewhere() -> None:
+    config = CPUStoreConfig(capacity_bytes=1 << 20, pin_memory=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            CPUStore(config)
+        return
+    store = CPUStore(config)
+    store.put_many([("a", chunk_kv(meta(), 2))])
+    assert store.get_many(["a"])[0].is_pinned()
+
+
 def test_concurrent_use_keeps_the_invariants() -> None:
     kv_meta = meta()
     values = {f"k{i}": chunk_kv(kv_meta, 1 + i % 5, seed=i) for i in range(40)}
