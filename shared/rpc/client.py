@@ -48,6 +48,8 @@ def build_generate_request(
     pseudo_label_tokens: int | None = None,
     pseudo_label_rounds: int | None = None,
     retention_score: str = "",
+    query_window: int | None = None,
+    prefill_attention: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest with only the given optional fields set (unset ones take server defaults)."""
     texts = {"context": context, "question": question, "request_id": request_id, "model": model}
@@ -75,6 +77,7 @@ def build_generate_request(
         "top_b": top_b,
         "pseudo_label_tokens": pseudo_label_tokens,
         "pseudo_label_rounds": pseudo_label_rounds,
+        "query_window": query_window,
     }
     return pb.GenerateRequest(
         request_id=request_id,
@@ -88,6 +91,7 @@ def build_generate_request(
             kv_mode=kv_mode,
             score_mode=score_mode,
             retention_score=retention_score,
+            prefill_attention=prefill_attention,
             **{k: v for k, v in meth.items() if v is not None},
         ),
     )
