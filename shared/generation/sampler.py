@@ -172,6 +172,52 @@ LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(response tokens [G], positions to predict [n]) -> logits [n, V]."""
 
 
+class DenoiseSession:
+    """A :class:`DenoiseState` bound to its logits function, advanced one step at a time.
+
+    :func:`denoise` runs one to completion; the decode service interleaves the steps of many
+    (continuous batching: requests join and leave at step boundaries).
+    """
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        mask_id: int,
+        eos_id: int | None,
+        logits_fn: LogitsFn,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.state = DenoiseState(config, mask_id, eos_id, device)
+        self.logits_fn = logits_fn
+        self.device = torch.device(device)
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    def step(self) -> torch.Tensor:
+        """One denoising step; returns the response positions it unmasked."""
+        start = time.perf_counter()
+        picked = self.state.update(self.logits_fn(self.state.tokens, self.state.positions()))
+        self.seconds += time.perf_counter() - start
+        return picked
+
+    def partial(self) -> list[int]:
+        """Response slots so far, -1 where still masked."""
+        return [-1 if t == self.state.mask_id else t for t in self.state.tokens.tolist()]
+
+    def result(self) -> GenerationResult:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return GenerationResult(
+            token_ids=self.state.result(),
+            raw_tokens=self.state.tokens.tolist(),
+            steps=self.state.steps_taken,
+            decode_seconds=self.seconds,
+        )
+
+
 def denoise(
     config: GenerationConfig,
     mask_id: int,
@@ -180,20 +226,11 @@ def denoise(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> GenerationResult:
-    """Drive one :class:`DenoiseState` to completion with ``logits_fn``."""
-    state = DenoiseState(config, mask_id, eos_id, device)
-    start = time.perf_counter()
+    """Drive one :class:`DenoiseSession` to completion with ``logits_fn``."""
+    session = DenoiseSession(config, mask_id, eos_id, logits_fn, device)
     total = config.gen_length if config.threshold is not None else min(config.steps, config.gen_length)
     with tqdm(total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False) as bar:
-        while not state.done:
-            state.update(logits_fn(state.tokens, state.positions()))
+        while not session.done:
+            session.step()
             bar.update(1)
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    return GenerationResult(
-        token_ids=state.result(),
-        raw_tokens=state.tokens.tolist(),
-        steps=state.steps_taken,
-        decode_seconds=elapsed,
-    )
+    return session.result()

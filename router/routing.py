@@ -1,0 +1,69 @@
+"""Which worker gets a request: document affinity for prefill, least load for decode.
+
+A prefill worker that already prefilled a document holds its chunk KV in its in-process tier, so the
+same document (content hash of its context ids) goes back to it while it is healthy; otherwise the
+worker with the fewest outstanding prompt tokens wins. Decode goes to the worker with the fewest
+requests in flight. Ties break by address so routing is deterministic in tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+def document_key(context_ids: Sequence[int]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(len(context_ids).to_bytes(8, "little"))
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in context_ids))
+    return h.hexdigest()
+
+
+@dataclass
+class LoadTracker:
+    """Outstanding work per worker address (tokens for prefill, requests for decode)."""
+
+    affinity_capacity: int = 4096
+    _load: dict[str, int] = field(default_factory=dict)
+    _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def choose(
+        self, candidates: Sequence[str], doc: str | None = None, exclude: set[str] | None = None
+    ) -> str:
+        """Pick a worker among ``candidates`` (minus ``exclude``); raises LookupError if none is left."""
+        pool = sorted(set(candidates) - (exclude or set()))
+        if not pool:
+            raise LookupError("no healthy worker")
+        with self._lock:
+            if doc is not None:
+                owner = self._affinity.get(doc)
+                if owner in pool:
+                    self._affinity.move_to_end(doc)
+                    return owner
+            return min(pool, key=lambda a: (self._load.get(a, 0), a))
+
+    def remember(self, doc: str, address: str) -> None:
+        with self._lock:
+            self._affinity[doc] = address
+            self._affinity.move_to_end(doc)
+            while len(self._affinity) > self.affinity_capacity:
+                self._affinity.popitem(last=False)
+
+    @contextmanager
+    def outstanding(self, address: str, amount: int) -> Iterator[None]:
+        with self._lock:
+            self._load[address] = self._load.get(address, 0) + amount
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._load[address] -= amount
+
+    def load(self, address: str) -> int:
+        with self._lock:
+            return self._load.get(address, 0)
