@@ -204,6 +204,8 @@ def _pods(r: Rendered) -> dict[str, Pod]:
         ports = {p["name"]: p["containerPort"] for c in containers(workload) for p in c.get("ports", [])}
         pods[pod_labels(workload)["app.kubernetes.io/component"]] = Pod(pod_labels(workload), ports)
     pods["stranger"] = Pod({"app": "something-else"}, {})
+    # A pod labelled like pdllm but no router (a debug pod, a future component): no egress policy applies.
+    pods["pdllm-other"] = Pod({"app.kubernetes.io/name": "pdllm", "app.kubernetes.io/component": "tools"}, {})
     pods["other-namespace"] = Pod(
         {"app.kubernetes.io/component": "router", "app.kubernetes.io/name": "pdllm"}, {}, False
     )
@@ -215,7 +217,7 @@ def test_network_policies_admit_only_the_pdllm_flows(rendered: dict[str, Rendere
     r = rendered[variant]
     policies, pods = r.of_kind("NetworkPolicy"), _pods(r)
     for name, pod in pods.items():
-        if pod.in_namespace and name != "stranger":
+        if pod.in_namespace:
             assert selector_matches(
                 r.get("NetworkPolicy", "pdllm-default-deny")["spec"]["podSelector"], pod.labels
             )
@@ -227,6 +229,9 @@ def test_network_policies_admit_only_the_pdllm_flows(rendered: dict[str, Rendere
         ("stranger", "prefill", 50051): False,
         ("other-namespace", "decode", 50051): False,
         ("prefill", "decode", 50051): False,
+        ("pdllm-other", "decode", 50051): False,
+        ("pdllm-other", "prefill", 50051): False,
+        ("pdllm-other", "router", 50051): True,
         ("decode", "prefill", 50051): False,
         ("stranger", "prefill", 9400): True,  # metrics for Prometheus
         ("prefill", "router", 9400): False,  # workers have no egress but Redis and DNS
@@ -238,6 +243,7 @@ def test_network_policies_admit_only_the_pdllm_flows(rendered: dict[str, Rendere
             ("decode", "redis", 6379): True,
             ("router", "redis", 6379): False,
             ("stranger", "redis", 6379): False,
+            ("pdllm-other", "redis", 6379): False,
             ("redis", "stranger", 80): False,
         }
     for (src, dst, port), verdict in expect.items():
