@@ -23,7 +23,7 @@ SCORE_MODES = ("pseudo-label", "self-info", "query-only")
 RETENTION_SCORES = ("bidirectional", "query-to-chunk")
 PREFILL_ATTENTIONS = ("causal", "bidirectional")
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]+")
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ def resolve_generate_request(
             f"request_id must be at most {limits.max_request_id_chars} characters (got {len(rid)})",
             "",
         )
-    if rid and not _REQUEST_ID.fullmatch(rid):
+    if rid and not REQUEST_ID_PATTERN.fullmatch(rid):
         _fail("request_id_chars", "request_id may only contain letters, digits and . _ : -", "")
     for field in ("context", "question", "instruction"):
         check_text(field, getattr(req, field))
