@@ -192,7 +192,7 @@ def train(
         "train_config": to_dict(cfg),
     }
     bar = tqdm(
-        total=total, disable=not progress, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout
+        total=total, disable=not progress, desc="train", unit="step", mininterval=20, file=sys.stdout
     )
     step = 0
     for step, batch in enumerate(loader):
