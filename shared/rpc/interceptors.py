@@ -258,14 +258,15 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
             with bind_request_id(request_id):
                 started = self._begin(request, context, method, exempt)
             try:
-                with bind_request_id(request_id):
-                    responses = iter(inner(request, context))
+                responses: Iterator[Any] | None = None
                 first = True
                 while True:
                     # Bind the request id around each step only: a binding held across `yield` would leak
                     # into whatever grpc runs on this thread between messages.
                     with bind_request_id(request_id):
                         try:
+                            if responses is None:  # handlers may raise before returning an iterator
+                                responses = iter(inner(request, context))
                             message = next(responses)
                         except StopIteration:
                             return

@@ -17,10 +17,11 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
 from pdllm.shared.rpc.client import ClientTls, PdllmClient
 from pdllm.shared.rpc.errors import InvalidRequestError, PdllmError
 from pdllm.shared.rpc.logs import configure_json_logging
-from pdllm.shared.rpc.server import RpcServer, TlsFiles
+from pdllm.shared.rpc.server import RpcServer, ServerConfig, TlsFiles, build_server, service_spec
 from tests.rpc.cases import BAD_INPUTS, valid_request
 from tests.rpc.conftest import StartServer
 from tests.rpc.fake_generation import MODEL
@@ -271,3 +272,29 @@ def test_tls_with_token(start_server: StartServer, tmp_path: Path) -> None:
         with pytest.raises(PdllmError) as info:
             plaintext.generate("ctx", "q?", model=MODEL, timeout_s=3)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+class _EagerFailure(pb_grpc.GenerationServicer):
+    """Handlers that fail before returning anything: a plain function rather than a generator."""
+
+    def Generate(self, request, context):
+        raise PdllmError("no capacity for this model", code=grpc.StatusCode.FAILED_PRECONDITION)
+
+    def GenerateStream(self, request, context):
+        raise RuntimeError("secret stack detail")
+
+
+def test_handlers_failing_before_streaming_are_mapped() -> None:
+    spec = service_spec(_EagerFailure(), pb_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
+    with (
+        build_server(ServerConfig(role="test"), [spec]).start() as server,
+        PdllmClient(server.address) as client,
+    ):
+        with pytest.raises(PdllmError) as info:
+            client.generate("ctx", "q")
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.message == "no capacity for this model"
+        with pytest.raises(PdllmError) as info:
+            list(client.generate_stream("ctx", "q"))
+        assert info.value.code == grpc.StatusCode.INTERNAL and "secret" not in info.value.message
+        assert server.admission.in_flight == 0
