@@ -1,0 +1,112 @@
+"""The prefill worker: ``pdllm.v1.Prefill`` over the engine's steps 3-5.
+
+Chunk prefill writes every chunk's step-3 KV into the KV tier (which is also where a second question on
+the same document finds it), then the chunks are scored and the top-K selected. The worker answers
+with handles (tier keys + token ids) rather than KV: the decode worker rebuilds the decode KV from
+token ids for the full-mask and chunk-query modes (one forward over K chunks, cheaper than moving the
+KV; see ``benchmarks/``) and pulls step-3 KV by key only for chunk-only. Requests run one at a time on
+the device; concurrent requests queue on the lock in arrival order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.rpc.convert import engine_config, generation_config
+from pdllm.shared.rpc.errors import PdllmError
+from pdllm.shared.rpc.logs import bind_request_id
+from pdllm.shared.rpc.server import termination_event
+
+
+class PrefillServicer(workers_pb2_grpc.PrefillServicer):
+    def __init__(self, engine: PrefillingEngine, worker_name: str = "") -> None:
+        self.engine = engine
+        self.worker_name = worker_name
+        self._lock = threading.Lock()
+
+    def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+        arrived = time.perf_counter()
+        cancelled = termination_event(context)
+        with bind_request_id(request.request_id):
+            try:
+                cfg = engine_config(request.method, self.engine.config)
+                gen = generation_config(request.generation)
+            except ValueError as exc:
+                raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+            with self._lock:
+                if cancelled.is_set():
+                    raise PdllmError("cancelled while queued", code=grpc.StatusCode.CANCELLED)
+                queue_s = time.perf_counter() - arrived
+                try:
+                    sel = self.engine.select(
+                        list(request.context_ids),
+                        list(request.question_ids),
+                        gen,
+                        list(request.instruction_ids) or None,
+                        config=cfg,
+                    )
+                except ValueError as exc:
+                    raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+        return self._response(request, sel, cfg, queue_s)
+
+    def _response(self, request: wpb.PrefillRequest, sel, cfg, queue_s: float) -> wpb.PrefillResponse:
+        model_cfg = self.engine.model.config
+        spec = wpb.KvSpec(
+            model_id=model_cfg.model_id,
+            dtype=str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
+            num_layers=model_cfg.num_layers,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            position_scheme=sel.position_scheme,
+        )
+        chosen = set(sel.selected)
+        scores = []
+        for s in sel.scores:
+            n = len(sel.request.chunks[s.chunk])
+            kept = (min(cfg.top_b, n) if cfg.top_b else n) if s.chunk in chosen else 0
+            scores.append(
+                pb.ChunkScore(
+                    chunk_id=s.chunk,
+                    self_information=s.s_i,
+                    pseudo_label=s.s_p,
+                    total=s.total,
+                    selected=s.chunk in chosen,
+                    num_tokens=n,
+                    kept_tokens=kept,
+                )
+            )
+        handles = [
+            wpb.ChunkHandle(
+                key=sel.keys[i],
+                chunk_id=i,
+                token_ids=sel.request.chunks[i],
+                positions=list(range(len(sel.request.chunks[i]))),
+            )
+            for i in sel.selected
+        ]
+        t = sel.trace.timings
+        timings = pb.PhaseTimings(
+            queue_s=queue_s,
+            prefill_s=t.get("prefill", 0.0),
+            score_s=t.get("score", 0.0),
+            select_s=t.get("select", 0.0),
+        )
+        peak, _ = sel.meter.peak()
+        return wpb.PrefillResponse(
+            request_id=request.request_id,
+            kv_spec=spec,
+            selected=handles,
+            chunk_scores=scores,
+            timings=timings,
+            cache_hits=sel.trace.cache_hits,
+            cache_misses=sel.trace.cache_misses,
+            peak_memory_bytes=int(peak or 0),
+            worker=self.worker_name,
+        )
