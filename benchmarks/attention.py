@@ -166,7 +166,8 @@ class DecodeCase:
 
 
 def decode_rows(shapes: list[tuple[int, int, int, int]], flex_shapes: set, dev: str, dtype: torch.dtype,
-                peak: float, reps: int, cfg: SplitSConfig | None) -> list[dict]:  # fmt: skip
+                peak: float, reps: int, cfg: SplitSConfig | None,
+                checkpoint: Callable[[list[dict]], None] | None = None) -> list[dict]:  # fmt: skip
     flex = None
     if flex_shapes and dev == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
@@ -215,6 +216,8 @@ def decode_rows(shapes: list[tuple[int, int, int, int]], flex_shapes: set, dev: 
         print(f"B={batch:2d} Lq={lq:3d} S={s:2d} C={c:4d} {case.kv_bytes / 1e6:7.1f}MB  "
               + "  ".join(f"{k}={v:8.1f}" for k, v in lat.items()) + f"  hbm={row['hbm_fraction']:.2f}", flush=True)  # fmt: skip
         rows.append(row)
+        if checkpoint is not None and len(rows) % 9 == 0:
+            checkpoint(rows)  # a run cut short by its time limit still leaves its rows behind
         del case
         torch.cuda.empty_cache() if dev == "cuda" else None
     return rows
@@ -257,12 +260,10 @@ def prefill_rows(
 
 
 SWEEP = [
-    SplitSConfig(64, 64, 4, 2), SplitSConfig(64, 64, 4, 3), SplitSConfig(64, 128, 4, 2), SplitSConfig(64, 128, 8, 3),
-    SplitSConfig(128, 64, 8, 2), SplitSConfig(128, 64, 8, 3), SplitSConfig(128, 128, 8, 2), SplitSConfig(64, 32, 4, 2),
-    SplitSConfig(64, 64, 4, 2, min_split_tokens=128, programs_per_sm=4.0),
-    SplitSConfig(64, 64, 4, 2, min_split_tokens=512, programs_per_sm=1.0),
-    SplitSConfig(128, 64, 8, 3, min_split_tokens=128, programs_per_sm=4.0),
-    SplitSConfig(64, 128, 4, 3, min_split_tokens=512),
+    SplitSConfig(), SplitSConfig(num_stages=3), SplitSConfig(32, 64, 2, 2, programs_per_sm=4.0),
+    SplitSConfig(32, 64, 4, 2, programs_per_sm=3.0), SplitSConfig(128, 64, 8, 2, programs_per_sm=1.0),
+    SplitSConfig(partial_cost=0.25), SplitSConfig(partial_cost=1.0), SplitSConfig(64, 32, 4, 2, programs_per_sm=3.0),
+    SplitSConfig(128, 128, 8, 2, programs_per_sm=1.0),
 ]  # fmt: skip
 
 
@@ -384,11 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"HBM peak {meta['hbm_peak_GBps']:.0f} GB/s on {meta['device']}", flush=True)
     cfg = SplitSConfig(16, 16) if a.smoke else None
     if a.sweep and not a.smoke:
-        shapes = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 4, 1024), (1, 256, 4, 1024), (8, 96, 16, 2048)]
+        shapes = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 8, 2048), (1, 256, 4, 1024), (8, 96, 16, 2048)]
         res = sweep(dev, dtype, shapes, a.reps)
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "attention_sweep.json").write_text(json.dumps({"meta": meta, "rows": res}, indent=1))
-    rows = decode_rows(grid, flex_shapes, dev, dtype, meta["hbm_peak_GBps"], a.reps, cfg)
+    rows = decode_rows(grid, flex_shapes, dev, dtype, meta["hbm_peak_GBps"], a.reps, cfg,
+                       checkpoint=lambda r: write_outputs(a.out, meta, r, []))  # fmt: skip
     prefill = prefill_rows(dev, dtype, prefill_sizes, 64 if not a.smoke else 16, a.reps)
     write_outputs(a.out, meta, rows, prefill)
     print((a.out / "attention.md").read_text())

@@ -25,10 +25,12 @@ class SplitSConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None
-    # Enough tokens per split that the fp32 partial writes stay small next to the KV reads.
-    min_split_tokens: int = 256
-    # Aim for this many programs per SM so that small batches still fill the chip.
+    # Splits shorter than this are never planned (loop prologue/epilogue would dominate).
+    min_split_tokens: int = 128
+    # Programs of this tiling resident at once per SM (64x64 tiles, 4 warps, 2 stages: ~80 KB smem -> 2).
     programs_per_sm: float = 2.0
+    # Relative cost of writing + merging one fp32 partial row vs reading one token's K and V (see plan).
+    partial_cost: float = 0.5
     num_sms: int | None = None
 
     def __post_init__(self) -> None:
@@ -49,21 +51,40 @@ class SplitPlan:
     m_blocks: int  # query-row blocks per (request, kv head)
 
 
+def _round_plan(max_total: int, n: int, block_n: int) -> tuple[int, int]:
+    size = -(-max_total // n)
+    size = -(-size // block_n) * block_n
+    return -(-max_total // size), size
+
+
 def plan_splits(
     max_total: int, batch: int, num_kv_heads: int, max_rows: int, config: SplitSConfig, num_sms: int
 ) -> SplitPlan:
-    """Flash-decoding split choice: enough (request, head, row-block, split) programs to fill the SMs."""
+    """Flash-decoding split choice from the work, minimising a small wave model.
+
+    With ``P`` programs per split and ``slots = programs_per_sm * num_sms``, ``n`` splits take
+    ``ceil(P n / slots)`` waves of programs that each do ``1/n`` of a request's KV; every extra split also
+    writes and merges ``max_rows`` fp32 partial rows per KV head, ``n * max_rows / max_total`` of the KV
+    traffic. Measured on an H100 (benchmarks/results/attention_notes.md), wave quantisation decides most.
+    """
     m_blocks = max(1, -(-max_rows // config.block_m))
     max_total = max(1, max_total)
     if config.num_splits is not None:
-        n = config.num_splits
-    else:
-        base = batch * num_kv_heads * m_blocks
-        want = math.ceil(config.programs_per_sm * num_sms / base)
-        n = max(1, min(want, max_total // config.min_split_tokens))
-    size = -(-max_total // n)
-    size = -(-size // config.block_n) * config.block_n
-    return SplitPlan(num_splits=-(-max_total // size), split_size=size, m_blocks=m_blocks)
+        n, size = _round_plan(max_total, config.num_splits, config.block_n)
+        return SplitPlan(num_splits=n, split_size=size, m_blocks=m_blocks)
+    per_split = batch * num_kv_heads * m_blocks
+    slots = max(1.0, config.programs_per_sm * num_sms)
+    n_max = max(1, max_total // config.min_split_tokens)
+    best: tuple[float, int, int] | None = None
+    for want in range(1, min(n_max, 256) + 1):
+        n, size = _round_plan(max_total, want, config.block_n)
+        waves = math.ceil(per_split * n / slots)
+        partial = 0.0 if n == 1 else config.partial_cost * n * max_rows / max_total
+        cost = waves * size / max_total * (1.0 + partial)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, n, size)
+    assert best is not None
+    return SplitPlan(num_splits=best[1], split_size=best[2], m_blocks=m_blocks)
 
 
 def check_inputs(

@@ -75,13 +75,19 @@ def test_request_without_queries_and_scale() -> None:
         assert _rel(got, want) < 1e-5
 
 
-def test_plan_fills_the_machine_but_not_below_min_tokens() -> None:
-    cfg = SplitSConfig(block_m=64, block_n=64, min_split_tokens=256, programs_per_sm=2.0)
+def test_plan_follows_the_wave_model() -> None:
+    cfg = SplitSConfig(block_m=64, block_n=64)
+    # Batch 1 (16 programs per split): many splits, all in one wave of 264 slots.
     small = plan_splits(4128, batch=1, num_kv_heads=4, max_rows=224, config=cfg, num_sms=132)
-    # 16 splits would fill 2 programs/SM; rounding splits to whole 64-token blocks leaves 13 of 320 tokens.
     assert (small.m_blocks, small.num_splits, small.split_size) == (4, 13, 320)
-    big = plan_splits(4128, batch=32, num_kv_heads=4, max_rows=224, config=cfg, num_sms=132)
-    assert big.num_splits == 1
+    # 128 programs per split: two splits fill one wave; three would need two waves.
+    assert plan_splits(8224, 8, 4, 224, cfg, 132).num_splits == 2
+    # Enough programs already: no split, no partials.
+    assert plan_splits(4128, 32, 4, 224, cfg, 132).num_splits == 1
+    # Never below min_split_tokens, and a forced count is honoured (after rounding to blocks).
+    assert plan_splits(300, 1, 1, 16, cfg, 132).num_splits == 2
+    forced = plan_splits(33, 1, 1, 2, SplitSConfig(block_n=16, num_splits=3), 1)
+    assert (forced.num_splits, forced.split_size) == (3, 16)
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
