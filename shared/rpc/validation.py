@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.rpc.errors import InvalidRequestError
@@ -90,15 +90,37 @@ class MethodSettings:
 
 @dataclass(frozen=True)
 class ResolvedRequest:
-    """A validated request with every default filled in: what the engine should run."""
+    """A validated request with every default filled in: what the engine should run (flat on purpose:
+    `resolved.gen_length`, `resolved.kv_mode`; `generation_settings()` / `method_settings()` regroup)."""
 
     request_id: str
     model: str
     context: str
     question: str
     instruction: str | None
-    generation: GenerationSettings
-    method: MethodSettings
+    gen_length: int
+    steps: int
+    block_length: int
+    threshold: float | None
+    temperature: float
+    seed: int
+    method: str
+    chunk_size: int
+    top_k: int
+    top_b: int | None
+    kv_mode: str
+    score_mode: str
+    pseudo_label_tokens: int
+    pseudo_label_rounds: int
+    retention_score: str
+    query_window: int | None
+    prefill_attention: str
+
+    def generation_settings(self) -> GenerationSettings:
+        return GenerationSettings(**{f.name: getattr(self, f.name) for f in fields(GenerationSettings)})
+
+    def method_settings(self) -> MethodSettings:
+        return MethodSettings(**{f.name: getattr(self, f.name) for f in fields(MethodSettings)})
 
 
 def new_request_id() -> str:
@@ -296,8 +318,8 @@ def resolve_generate_request(
         context=req.context,
         question=req.question,
         instruction=req.instruction if req.HasField("instruction") else None,
-        generation=resolve_generation(req.generation, limits, defaults, rid),
-        method=resolve_method(req.method, limits, defaults, rid),
+        **asdict(resolve_generation(req.generation, limits, defaults, rid)),
+        **asdict(resolve_method(req.method, limits, defaults, rid)),
     )
 
 

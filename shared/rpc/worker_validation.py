@@ -49,6 +49,7 @@ class ResolvedDecode:
     request_id: str
     model: str
     chunks: list[wpb.ChunkHandle]
+    context_ids: list[int]  # method "vanilla" only
     instruction_ids: list[int]
     question_ids: list[int]
     generation: GenerationSettings
@@ -163,14 +164,17 @@ def resolve_decode_request(
     for i, handle in enumerate(req.chunks):
         _check_handle(i, handle, limits.vocab_size, rid)
     _check_ids("instruction_ids", req.instruction_ids, limits.vocab_size, rid, required=False)
+    _check_ids("context_ids", req.context_ids, limits.vocab_size, rid, required=method.method == "vanilla")
     _check_ids("question_ids", req.question_ids, limits.vocab_size, rid)
-    total = len(req.instruction_ids) + len(req.question_ids) + sum(len(h.token_ids) for h in req.chunks)
+    total = len(req.instruction_ids) + len(req.context_ids) + len(req.question_ids)
+    total += sum(len(h.token_ids) for h in req.chunks)
     if total > limits.max_prompt_tokens:
         _fail("prompt_too_long", f"decode prompt has {total} tokens; at most {limits.max_prompt_tokens}", rid)
     return ResolvedDecode(
         request_id=rid,
         model=req.model or defaults.model,
         chunks=list(req.chunks),
+        context_ids=list(req.context_ids),
         instruction_ids=list(req.instruction_ids),
         question_ids=list(req.question_ids),
         generation=resolve_generation(req.generation, limits.request, defaults, rid),

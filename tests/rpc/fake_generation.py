@@ -32,11 +32,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     completed_streams: int = 0
 
     def _answer(self, req: ResolvedRequest) -> list[int]:
-        return [b % 256 for b in req.question.encode("utf-8")][: req.generation.gen_length]
+        return [b % 256 for b in req.question.encode("utf-8")][: req.gen_length]
 
     def _final(self, req: ResolvedRequest, tokens: list[int]) -> pb.GenerateResponse:
-        chunks = len(req.context) // req.method.chunk_size + 1
-        selected = list(range(min(req.method.top_k, chunks)))
+        chunks = len(req.context) // req.chunk_size + 1
+        selected = list(range(min(req.top_k, chunks)))
         return pb.GenerateResponse(
             request_id=req.request_id,
             model=req.model,
@@ -44,15 +44,15 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             token_ids=tokens,
             finish_reason="length",
             trace=pb.Trace(
-                method=req.method.method,
-                kv_mode=req.method.kv_mode,
-                score_mode=req.method.score_mode,
+                method=req.method,
+                kv_mode=req.kv_mode,
+                score_mode=req.score_mode,
                 num_chunks=chunks,
                 selected_chunk_ids=selected,
                 chunk_scores=[
                     pb.ChunkScore(chunk_id=i, total=float(i), selected=i in selected) for i in range(chunks)
                 ],
-                steps=req.generation.steps,
+                steps=req.steps,
             ),
         )
 
@@ -66,7 +66,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         req = self._run(request, context)
         if req.question == "slow":
             self.started.set()
-            for _ in range(req.generation.steps):
+            for _ in range(req.steps):
                 if not context.is_active():
                     self.cancelled.set()
                     break
@@ -88,8 +88,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         terminated_early.start()
         self.started.set()
         slots = [-1] * len(tokens)
-        per_step = max(1, -(-len(tokens) // req.generation.steps))
-        for step in range(req.generation.steps):
+        per_step = max(1, -(-len(tokens) // req.steps))
+        for step in range(req.steps):
             if not context.is_active():
                 self.cancelled.set()
                 return
@@ -102,7 +102,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
                 partial=pb.PartialOutput(
                     request_id=req.request_id,
                     step=step + 1,
-                    total_steps=req.generation.steps,
+                    total_steps=req.steps,
                     token_ids=slots,
                     unmasked=unmasked,
                 )

@@ -23,10 +23,10 @@ LIMITS = ValidationLimits(models=(MODEL,), max_prompt_bytes=65536)
 
 def test_valid_request_resolves_exactly() -> None:
     resolved = resolve_generate_request(valid_request(), LIMITS)
-    assert resolved.generation == GenerationSettings(
+    assert resolved.generation_settings() == GenerationSettings(
         gen_length=32, steps=16, block_length=8, threshold=None, temperature=0.0, seed=0
     )
-    assert resolved.method == MethodSettings(
+    assert resolved.method_settings() == MethodSettings(
         method="pdllm",
         chunk_size=64,
         top_k=2,
@@ -48,7 +48,7 @@ def test_unset_fields_take_defaults_and_zero_is_kept_where_meaningful() -> None:
     req.generation.seed = 0
     defaults = RequestDefaults(gen_length=24, block_length=16, steps=12, temperature=0.7, seed=9, model="m")
     resolved = resolve_generate_request(req, ValidationLimits(), defaults)
-    gen = resolved.generation
+    gen = resolved.generation_settings()
     # 16 does not divide 24, so the default block falls back to one block; steps 12 then fits.
     assert (gen.gen_length, gen.block_length, gen.steps) == (24, 24, 12)
     assert (gen.temperature, gen.seed) == (0.0, 0)  # explicitly set zeros are not defaults
@@ -61,14 +61,14 @@ def test_threshold_makes_steps_a_cap_not_an_even_split() -> None:
     with pytest.raises(InvalidRequestError):
         validate_generate_request(req, LIMITS)
     req.generation.threshold = 0.9  # ... but fine as the cap of a confidence-threshold schedule
-    assert resolve_generate_request(req, LIMITS).generation.steps == 6
+    assert resolve_generate_request(req, LIMITS).steps == 6
 
 
 def test_pseudo_label_bounds_only_apply_to_pseudo_label_scoring() -> None:
     req = valid_request()
     req.method.score_mode = "self-info"
     req.method.pseudo_label_tokens = 0
-    assert resolve_generate_request(req, LIMITS).method.score_mode == "self-info"
+    assert resolve_generate_request(req, LIMITS).score_mode == "self-info"
 
 
 @pytest.mark.parametrize(

@@ -113,11 +113,16 @@ def test_bad_decode_requests(kind: str, edit) -> None:
     assert info.value.kind == kind
 
 
-def test_vanilla_decode_needs_no_chunks() -> None:
+def test_vanilla_decode_takes_context_ids_instead_of_chunks() -> None:
     req = _decode()
     req.ClearField("chunks")
     req.method.method = "vanilla"
-    assert resolve_decode_request(req, LIMITS, SPEC).chunks == []
+    with pytest.raises(InvalidRequestError) as info:
+        resolve_decode_request(req, LIMITS, SPEC)
+    assert info.value.kind == "empty_context_ids"
+    req.context_ids.extend([9, 8, 7])
+    resolved = resolve_decode_request(req, LIMITS, SPEC)
+    assert resolved.chunks == [] and resolved.context_ids == [9, 8, 7]
 
 
 def test_handles_from_another_model_are_failed_precondition() -> None:

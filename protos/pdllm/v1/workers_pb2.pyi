@@ -80,7 +80,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials")
+    __slots__ = ("request_id", "model", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class DecodeRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     STREAM_PARTIALS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     kv_spec: KvSpec
@@ -99,7 +100,8 @@ class DecodeRequest(_message.Message):
     generation: _generation_pb2.GenerationParams
     method: _generation_pb2.MethodParams
     stream_partials: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ...) -> None: ...
+    context_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
     __slots__ = ("request_id", "token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker")

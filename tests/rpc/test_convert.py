@@ -1,0 +1,78 @@
+"""Wire params <-> engine configs: router-pinned values round-trip exactly; unset fields keep the base."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.rpc.convert import engine_config, generation_config, generation_params, method_params
+from pdllm.shared.rpc.validation import resolve_generate_request
+
+
+def test_resolved_request_round_trips_into_engine_configs() -> None:
+    req = pb.GenerateRequest(
+        context="c",
+        question="q",
+        generation=pb.GenerationParams(gen_length=16, steps=8, block_length=8, threshold=0.9, seed=3),
+        method=pb.MethodParams(
+            chunk_size=256,
+            top_k=3,
+            top_b=100,
+            kv_mode="chunk-query",
+            score_mode="query-only",
+            query_window=32,
+        ),
+    )
+    resolved = resolve_generate_request(req)
+    gen = generation_config(generation_params(resolved))
+    assert gen == GenerationConfig(
+        gen_length=16, steps=8, block_length=8, threshold=0.9, temperature=0.0, seed=3
+    )
+    eng = engine_config(method_params(resolved), EngineConfig(prefill_batch=7))
+    assert eng == EngineConfig(
+        chunk_size=256,
+        top_k=3,
+        top_b=100,
+        kv_mode="chunk-query",
+        score_mode="query-only",
+        pseudo_labels=4,
+        pseudo_rounds=2,
+        retention_score="bidirectional",
+        prefill_attention="causal",
+        query_window=32,
+        prefill_batch=7,  # not a wire field: the worker's own setting survives
+    )
+
+
+def test_unset_fields_keep_the_base_except_top_b() -> None:
+    base = EngineConfig(chunk_size=512, top_k=8, top_b=64, kv_mode="chunk-only")
+    eng = engine_config(pb.MethodParams(score_mode="self-info"), base)
+    assert eng == dataclasses.replace(base, score_mode="self-info", top_b=None)
+    gen = generation_config(
+        pb.GenerationParams(gen_length=64), GenerationConfig(gen_length=32, steps=16, seed=5)
+    )
+    assert (gen.gen_length, gen.steps, gen.seed) == (64, 64, 5)
+    assert generation_config(pb.GenerationParams()) == GenerationConfig()
+
+
+@pytest.mark.parametrize(
+    ("gen", "method"),
+    [
+        (pb.GenerationParams(gen_length=10, block_length=4), None),
+        (pb.GenerationParams(gen_length=8, threshold=1.5), None),
+        (pb.GenerationParams(gen_length=8, seed=-1), None),
+        (None, pb.MethodParams(kv_mode="half")),
+        (None, pb.MethodParams(top_k=0)),
+        (None, pb.MethodParams(pseudo_label_tokens=2, pseudo_label_rounds=3)),
+    ],
+)
+def test_invalid_values_raise_value_error(gen, method) -> None:
+    with pytest.raises(ValueError):
+        if gen is not None:
+            generation_config(gen)
+        else:
+            engine_config(method)
