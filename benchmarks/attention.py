@@ -115,10 +115,12 @@ class DecodeCase:
         self.q_offsets = torch.arange(0, batch * lq + 1, lq, dtype=torch.int32, device=dev)
 
     def split_s(self, cfg: SplitSConfig | None) -> Callable[[], object]:
+        ws = torch.zeros(self.batch * HKV * 64, dtype=torch.int32, device=self.q.device)
+
         def fn() -> list[torch.Tensor]:
             return [
                 split_s_attention(self.q, pool[0], pool[1], table, self.kv_lens, self.q_offsets, local[0], local[1],
-                                  config=cfg, max_q_len=self.lq, max_kv_len=self.s * self.c)
+                                  config=cfg, max_q_len=self.lq, max_kv_len=self.s * self.c, workspace=ws)
                 for (pool, local), table in zip(self.pools, self.tables)
             ]  # fmt: skip
 
@@ -263,7 +265,8 @@ SWEEP = [
     SplitSConfig(), SplitSConfig(num_stages=3), SplitSConfig(32, 64, 2, 2, programs_per_sm=4.0),
     SplitSConfig(32, 64, 4, 2, programs_per_sm=3.0), SplitSConfig(128, 64, 8, 2, programs_per_sm=1.0),
     SplitSConfig(partial_cost=0.25), SplitSConfig(partial_cost=1.0), SplitSConfig(64, 32, 4, 2, programs_per_sm=3.0),
-    SplitSConfig(128, 128, 8, 2, programs_per_sm=1.0),
+    SplitSConfig(128, 128, 8, 2, programs_per_sm=1.0), SplitSConfig(fused_merge=True),
+    SplitSConfig(fused_merge=True, partial_cost=0.25), SplitSConfig(32, 64, 2, 2, programs_per_sm=4.0, fused_merge=True),
 ]  # fmt: skip
 
 

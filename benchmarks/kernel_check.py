@@ -78,7 +78,7 @@ def check_split_s(dev: str, dtype: torch.dtype, batch: int, lq: int, s: int, c: 
     ok = bool(torch.isfinite(out).all()) and e_ref < TOL[dtype] and e_naive < TOL[dtype]
     name = f"B={batch} Lq<={lq} S={s} C={c} Hq/Hkv={hq}/{hkv} d={d} page={page} local={local}"
     if cfg is not None:
-        name += f" splits={cfg.num_splits} bm={cfg.block_m} bn={cfg.block_n}"
+        name += f" splits={cfg.num_splits} bm={cfg.block_m} bn={cfg.block_n} fused={cfg.fused_merge}"
     return Row("split_s_attention", name, str(dtype), e_ref, e_naive, TOL[dtype], ok)
 
 

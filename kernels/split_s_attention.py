@@ -71,12 +71,12 @@ if triton is not None:
 
     @triton.jit
     def _split_s_kernel(
-        Q, KP, VP, PT, PF, KVL, QO, KL, VL, OP, LSE, OUT,
+        Q, KP, VP, PT, PF, KVL, QO, KL, VL, OP, LSE, OUT, CNT,
         qk_scale, split_size,
         s_qt, s_qh, s_kp, s_kh, s_pt, s_lt, s_lh, s_ops, s_opt, s_oph, s_lss, s_lst, s_ot, s_oh,
         G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_LOCAL: tl.constexpr, HAS_FILL: tl.constexpr, SINGLE: tl.constexpr,
+        HAS_LOCAL: tl.constexpr, HAS_FILL: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -148,6 +148,44 @@ if triton is not None:
                 ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
                 tl.store(ptr, o, mask=row_ok[:, None])
                 tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)
+                if FUSED:
+                    # The last split program of this (request, head, row block) to finish merges; the
+                    # barrier + acq_rel atomic publish every thread's partial stores first.
+                    tl.debug_barrier()
+                    idx = pid_bh * tl.num_programs(0) + pid_m
+                    done = tl.atomic_add(CNT + idx, 1, sem="acq_rel", scope="gpu")
+                    if done == tl.num_programs(1) - 1:
+                        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                        w_sum = tl.zeros([BLOCK_M], tl.float32)
+                        acc = tl.zeros([BLOCK_M, D], tl.float32)
+                        for s in range(0, tl.num_programs(1)):
+                            ls = tl.load(
+                                LSE + s * s_lss + tok * s_lst + head,
+                                mask=row_ok,
+                                other=float("-inf"),
+                                cache_modifier=".cg",
+                            )
+                            po = tl.load(
+                                OP
+                                + s * s_ops
+                                + tok[:, None] * s_opt
+                                + head[:, None] * s_oph
+                                + offs_d[None, :],
+                                mask=row_ok[:, None],
+                                other=0.0,
+                                cache_modifier=".cg",
+                            )
+                            m_new = tl.maximum(m, ls)
+                            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                            alpha = tl.exp2(m - m_safe)
+                            w = tl.exp2(ls - m_safe)
+                            acc = acc * alpha[:, None] + po * w[:, None]
+                            w_sum = w_sum * alpha + w
+                            m = m_new
+                        res = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+                        ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
+                        tl.store(ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                        tl.atomic_xchg(CNT + idx, 0)  # leave the workspace zeroed for the next call
 
     @triton.jit
     def _merge_kernel(OP, LSE, OUT, n_split, n_rows, s_ops, s_lss, BLOCK_R: tl.constexpr, D: tl.constexpr):
@@ -193,8 +231,12 @@ def split_s_attention(
     config: SplitSConfig | None = None,
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split-S kernel (see the module docstring for layouts).
+
+    ``workspace`` (``config.fused_merge`` only): a zeroed int32 tensor of at least ``B * Hkv * m_blocks``
+    counters, reused across calls (the kernel leaves it zeroed); omitted, one is allocated per call.
 
     ``max_q_len``/``max_kv_len`` (per-request maxima) size the grid; pass them to avoid a device->host sync
     and to keep the call capturable in a CUDA graph. Omitted, they are read from ``q_offsets``/``kv_lens``.
@@ -235,21 +277,31 @@ def split_s_attention(
         lse = torch.empty(plan.num_splits, total_q, hq, dtype=torch.float32, device=q.device)
         ops, opt, oph, _ = o_part.stride()
         lss, lst, _ = lse.stride()
+    fused = config.fused_merge and not single
+    cnt_size = batch * hkv * plan.m_blocks
+    if not fused:
+        counters = page_table
+    elif workspace is None:
+        counters = torch.zeros(cnt_size, dtype=torch.int32, device=q.device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < cnt_size or workspace.device != q.device:
+        raise ValueError(f"workspace must be int32 with >= {cnt_size} elements on {q.device}")
+    else:
+        counters = workspace
     kl = k_local if has_local else q
     vl = v_local if has_local else q
     fill = page_fill if page_fill is not None else page_table
     scale = d**-0.5 if scale is None else scale
     grid = (plan.m_blocks, plan.num_splits, batch * hkv)
     _split_s_kernel[grid](
-        q, k_pages, v_pages, page_table, fill, kv_lens, q_offsets, kl, vl, o_part, lse, out,
+        q, k_pages, v_pages, page_table, fill, kv_lens, q_offsets, kl, vl, o_part, lse, out, counters,
         scale * LOG2E, plan.split_size,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), page_table.stride(0),
         kl.stride(0), kl.stride(1), ops, opt, oph, lss, lst, out.stride(0), out.stride(1),
         G=g, HKV=hkv, D=d, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single,
+        HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single, FUSED=fused,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if not single:
+    if not single and not fused:
         n_rows = total_q * hq
         block_r = 16
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](

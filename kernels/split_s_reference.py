@@ -31,6 +31,8 @@ class SplitSConfig:
     programs_per_sm: float = 2.0
     # Relative cost of writing + merging one fp32 partial row vs reading one token's K and V (see plan).
     partial_cost: float = 0.5
+    # Merge the splits inside the main kernel (last program per row block) instead of a second launch.
+    fused_merge: bool = False
     num_sms: int | None = None
 
     def __post_init__(self) -> None:

@@ -43,6 +43,13 @@ def case_split_s() -> None:
         err = _rel(got, want)
         assert err < tol, (q_lens, chunks, err)
         assert torch.isfinite(got).all()
+        if splits != 1:
+            # In-kernel merge through a reused counter workspace: same answer, workspace left zeroed.
+            ws = torch.zeros(64, dtype=torch.int32)
+            fused = SplitSConfig(block_m=16, block_n=block_n, num_splits=splits, fused_merge=True)
+            for _ in range(2):
+                assert _rel(split_s_attention(*p.args(), config=fused, workspace=ws), want) < tol
+                assert int(ws.abs().sum()) == 0
 
 
 def case_retention() -> None:
