@@ -57,3 +57,47 @@ class BufferedAttention:
         self.buffer[layer, 0, :, :, self.static_len : end] = k
         self.buffer[layer, 1, :, :, self.static_len : end] = v
         return sdpa(q, self.buffer[layer, 0, :, :, :end], self.buffer[layer, 1, :, :, :end])
+
+
+class PagedSplitSAttention:
+    """The kernels helper's Triton split-S kernel over the static KV laid out once as pages.
+
+    The static prefix is copied once into ``page_size`` pages (one request, pages in order); every layer
+    call then reads it straight from the pages plus the step's local K/V, with all sizes fixed on the host
+    so the call can be captured in a CUDA graph.
+    """
+
+    def __init__(self, static: torch.Tensor, page_size: int = 64) -> None:
+        from pdllm.kernels.split_s_attention import split_s_attention
+
+        self._kernel = split_s_attention
+        layers, _, hkv, s, d = static.shape
+        pages = max(1, -(-s // page_size))
+        padded = torch.zeros(layers, 2, hkv, pages * page_size, d, dtype=static.dtype, device=static.device)
+        padded[:, :, :, :s] = static
+        self.pages = padded.view(layers, 2, hkv, pages, page_size, d).permute(0, 1, 3, 2, 4, 5).contiguous()
+        device = static.device
+        self.page_table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+        self.kv_lens = torch.tensor([s], dtype=torch.int32, device=device)
+        self.static_len = s
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[2]
+        offsets = self._offsets.get(t)
+        if offsets is None:
+            offsets = torch.tensor([0, t], dtype=torch.int32, device=q.device)
+            self._offsets[t] = offsets
+        out = self._kernel(
+            q[0].transpose(0, 1),
+            self.pages[layer, 0],
+            self.pages[layer, 1],
+            self.page_table,
+            self.kv_lens,
+            offsets,
+            k_local=k[0].transpose(0, 1).contiguous(),
+            v_local=v[0].transpose(0, 1).contiguous(),
+            max_q_len=t,
+            max_kv_len=self.static_len,
+        )
+        return out.transpose(0, 1)[None]

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from pdllm.decode_service.attention import BufferedAttention, SegmentedAttention
+from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention, SegmentedAttention
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -41,18 +41,32 @@ class StaticKV:
 
 
 class DecodePolicy(Protocol):
-    """Decides, step by step, which static KV the decode tokens attend to (and may update its state)."""
+    """Decides, step by step, which static KV the decode tokens attend to (and may update its state).
+
+    ``step_invariant``: ``backend`` returns the same object every step and it reads only tensors whose
+    storage never moves (what CUDA-graph replay needs); policies that evict or refresh KV set it False.
+    """
+
+    step_invariant: bool
 
     def begin(self, static: StaticKV, local_tokens: int) -> None: ...
 
     def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend: ...
 
 
+DECODE_ATTENTIONS = ("segments", "buffer", "triton")
+
+
 @dataclass
 class StaticPolicy:
-    """Prefilling-dLLM's own decode: every step attends to all static segments (``mode``: how)."""
+    """Prefilling-dLLM's own decode: every step attends to all static segments.
+
+    ``mode``: "segments" (torch split over segments + LSE merge), "buffer" (contiguous buffer + SDPA) or
+    "triton" (the split-S kernel over the static KV as pages; CUDA, or CPU under TRITON_INTERPRET=1).
+    """
 
     mode: str = "segments"
+    step_invariant: bool = True
     _backend: AttentionBackend | None = None
 
     def begin(self, static: StaticKV, local_tokens: int) -> None:
@@ -63,8 +77,13 @@ class StaticPolicy:
             if kv is None:
                 kv = torch.cat(static.segments, dim=3)
             self._backend = BufferedAttention(kv, local_tokens)
+        elif self.mode == "triton":
+            kv = static.contiguous
+            if kv is None:
+                kv = torch.cat(static.segments, dim=3)
+            self._backend = PagedSplitSAttention(kv)
         else:
-            raise ValueError(f"decode attention mode must be 'segments' or 'buffer', got {self.mode!r}")
+            raise ValueError(f"decode attention must be one of {DECODE_ATTENTIONS}, got {self.mode!r}")
 
     def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend:
         assert self._backend is not None, "begin() must run before backend()"
@@ -79,7 +98,9 @@ def decode(
     gen: GenerationConfig,
     policy: DecodePolicy | None = None,
     progress: bool = False,
+    cuda_graph: bool = False,
 ) -> GenerationResult:
+    """``cuda_graph``: replay one captured step (CUDA and step-invariant policies only)."""
     device = next(model.parameters()).device
     gen.validate()
     policy = policy or StaticPolicy()
@@ -89,6 +110,20 @@ def decode(
     positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
     policy.begin(static, local.shape[0])
     step = 0
+    if cuda_graph:
+        if not policy.step_invariant:
+            raise ValueError("cuda_graph needs a step-invariant decode policy")
+        from pdllm.decode_service.graphs import GraphedStep
+
+        graphed = GraphedStep(model, policy.backend(0, local), local, positions, q)
+        return denoise(
+            gen,
+            model.config.mask_token_id,
+            model.config.eos_token_id,
+            graphed,
+            device=device,
+            progress=progress,
+        )
 
     def logits_fn(response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         nonlocal step

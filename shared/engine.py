@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdllm.decode_service.decode import DecodePolicy, StaticKV, StaticPolicy, decode
+from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticKV, StaticPolicy, decode
 from pdllm.prefill_service.build import build_static
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.prefill_service.layout import DecodeLayout, Request, decode_layout, make_request, select_top_k
@@ -50,7 +50,10 @@ class PrefillResult:
 
 
 class PrefillingEngine:
-    """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU)."""
+    """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU unless
+    ``reuse_chunks`` is False). ``decode_attention``: "segments" (split over static segments, LSE merge) or
+    "buffer" (one preallocated contiguous buffer, SDPA), "triton" (split-S kernel over paged static KV).
+    ``cuda_graph``: replay the decode step (CUDA)."""
 
     def __init__(
         self,
@@ -60,14 +63,16 @@ class PrefillingEngine:
         store: ChunkKVStore | None = None,
         decode_attention: str = "segments",
         reuse_chunks: bool = True,
+        cuda_graph: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.config.validate()
-        if decode_attention not in ("segments", "buffer"):
-            raise ValueError(f"decode_attention must be 'segments' or 'buffer', got {decode_attention!r}")
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
         self.decode_attention = decode_attention
+        self.cuda_graph = cuda_graph
         self.store: ChunkKVStore | None = (
             store if store is not None else (LRUChunkStore() if reuse_chunks else None)
         )
@@ -143,7 +148,9 @@ class PrefillingEngine:
         trace, device = prefilled.trace, self.device
         policy = policy or StaticPolicy(self.decode_attention)
         with trace.phase("decode", device):
-            result = decode(self.model, prefilled.request.query, prefilled.static, gen, policy, progress)
+            result = decode(
+                self.model, prefilled.request.query, prefilled.static, gen, policy, progress, self.cuda_graph
+            )
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = prefilled.meter.peak()
         result.timings = dict(trace.timings)

@@ -1,0 +1,32 @@
+"""Run under TRITON_INTERPRET=1 (by test_triton_decode.py): Triton split-S decode == torch segments."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pdllm.prefill_service.config import EngineConfig  # noqa: E402
+from pdllm.shared.engine import PrefillingEngine  # noqa: E402
+from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
+from tests.engine.helpers import model, tokens  # noqa: E402
+
+
+def main() -> None:
+    gen = GenerationConfig(gen_length=6, steps=3)
+    for family, kv_mode, top_b in [("dream", "full-mask", None), ("llada", "chunk-only", 5)]:
+        cfg = EngineConfig(chunk_size=12, top_k=2, kv_mode=kv_mode, top_b=top_b)
+        m = model(family)
+        outs = []
+        for mode in ("segments", "triton"):
+            engine = PrefillingEngine(m, None, cfg, decode_attention=mode, reuse_chunks=False)
+            result, _ = engine.generate(tokens(40, 1), tokens(5, 2), gen, [5, 6])
+            outs.append(result.raw_tokens)
+        if outs[0] != outs[1]:
+            raise SystemExit(f"{family} {kv_mode}: triton {outs[1]} != segments {outs[0]}")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
