@@ -72,8 +72,11 @@ class AdmissionState:
 
 def _bearer_token(metadata: tuple[tuple[str, Any], ...] | None) -> str | None:
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer ") :]
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            # The scheme name is case-insensitive (RFC 7235); the token is compared exactly.
+            if scheme.lower() == "bearer":
+                return token.strip()
     return None
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
@@ -150,14 +149,13 @@ class RpcServer:
         calls still running when the grace period ends are cancelled. Returns True if all finished in time.
         """
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        deadline = time.monotonic() + grace
         self.admission.start_drain()
         self.health.enter_graceful_shutdown()
         self.metrics.draining.labels(self.config.role).set(1)
         _log.info("draining", extra={"in_flight": self.admission.in_flight, "grace_s": grace})
         finished = self.admission.wait_idle(grace)
         # A short grace lets the last responses' statuses reach their clients before the transport closes.
-        self.stop(grace_s=max(0.0, min(1.0, deadline - time.monotonic())) if finished else 0.0)
+        self.stop(grace_s=1.0 if finished else 0.0)
         _log.info("drained", extra={"all_finished": finished})
         return finished
 
@@ -197,6 +195,13 @@ def build_server(
     config: ServerConfig, services: list[ServiceSpec], registry: CollectorRegistry | None = None
 ) -> RpcServer:
     """Create a server with health, reflection, auth, limits, metrics and drain wired in (call start())."""
+    credentials = None
+    if config.tls is not None:  # read first: a bad path must fail before any thread is started
+        try:
+            key, cert = Path(config.tls.key_path).read_bytes(), Path(config.tls.cert_path).read_bytes()
+        except OSError as err:
+            raise ValueError(f"cannot read TLS key/certificate {err.filename}: {err.strerror}") from None
+        credentials = grpc.ssl_server_credentials([(key, cert)])
     registry = registry if registry is not None else CollectorRegistry()
     admission = AdmissionState()
     metrics = RpcMetrics(registry, config.role)
@@ -230,10 +235,7 @@ def build_server(
             server,
         )
     address = _address(config.host, config.port)
-    if config.tls is not None:
-        credentials = grpc.ssl_server_credentials(
-            [(Path(config.tls.key_path).read_bytes(), Path(config.tls.cert_path).read_bytes())]
-        )
+    if credentials is not None:
         port = server.add_secure_port(address, credentials)
     else:
         port = server.add_insecure_port(address)

@@ -98,6 +98,11 @@ def test_bearer_token_is_enforced_except_for_health(start_server: StartServer) -
             assert client.health() == "SERVING"
     with PdllmClient(server.address, token="s3cret") as client:
         assert client.generate("ctx", "q?", model=MODEL).text == "q?"
+    with grpc.insecure_channel(server.address) as channel:  # the scheme name is case-insensitive
+        call = channel.unary_unary(GENERATE)
+        assert call(
+            valid_request().SerializeToString(), metadata=(("authorization", "bearer s3cret"),), timeout=5
+        )
     assert _count(server, GENERATE, "UNAUTHENTICATED") == 2
 
 
@@ -298,3 +303,9 @@ def test_handlers_failing_before_streaming_are_mapped() -> None:
             list(client.generate_stream("ctx", "q"))
         assert info.value.code == grpc.StatusCode.INTERNAL and "secret" not in info.value.message
         assert server.admission.in_flight == 0
+
+
+def test_unreadable_tls_files_are_a_clear_error(tmp_path: Path) -> None:
+    tls = TlsFiles(cert_path=tmp_path / "missing.pem", key_path=tmp_path / "missing-key.pem")
+    with pytest.raises(ValueError, match="cannot read TLS key/certificate .*missing-key.pem"):
+        build_server(ServerConfig(tls=tls), [])
