@@ -5,10 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from k8s_render import K8S, OVERLAYS, Rendered, compose, render
-
-# The overlays as shipped, plus the gpu overlay with every opt-in component the README documents.
-VARIANTS = (*OVERLAYS, "gpu+external-redis+podmonitor")
+from k8s_render import K8S, VARIANTS, Rendered, compose, render
 
 
 @pytest.fixture(scope="session")

