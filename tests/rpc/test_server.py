@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -309,3 +310,27 @@ def test_unreadable_tls_files_are_a_clear_error(tmp_path: Path) -> None:
     tls = TlsFiles(cert_path=tmp_path / "missing.pem", key_path=tmp_path / "missing-key.pem")
     with pytest.raises(ValueError, match="cannot read TLS key/certificate .*missing-key.pem"):
         build_server(ServerConfig(tls=tls), [])
+
+
+def test_fifty_concurrent_streams_all_complete(start_server: StartServer) -> None:
+    server, _ = start_server(step_delay_s=0.01)
+    results: list[object] = [None] * 50
+
+    def run(i: int) -> None:
+        with PdllmClient(server.address) as client:
+            try:
+                messages = list(
+                    client.generate_stream("ctx", f"slow {i:02d}", model=MODEL, gen_length=8, steps=8)
+                )
+                results[i] = messages[-1].final.text
+            except PdllmError as err:
+                results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [f"slow {i:02d}" for i in range(50)]
+    assert _count(server, STREAM, "OK") == 50
+    assert _wait_for(lambda: server.admission.in_flight == 0)
