@@ -174,7 +174,13 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         exempt = method.startswith(self._drain_exempt)
-        deserialize = _safe_deserializer(handler.request_deserializer)
+        # Streamed requests reach the handler through an iterator, where a decode failure cannot be turned
+        # into a status before the handler sees it; grpc's own handling (INTERNAL) stays for those.
+        deserialize = (
+            handler.request_deserializer
+            if handler.request_streaming
+            else _safe_deserializer(handler.request_deserializer)
+        )
         serialize = handler.response_serializer
         if handler.request_streaming and handler.response_streaming:
             inner = handler.stream_stream
