@@ -33,12 +33,14 @@ _log = logging.getLogger("pdllm.rpc")
 
 
 class AdmissionState:
-    """In-flight call count plus the draining flag, updated atomically so that no call slips in after drain."""
+    """In-flight call count, concurrency limit and draining flag, updated atomically so that no call slips
+    in after the drain starts or past the limit. Health (exempt) calls are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self._cond = threading.Condition()
         self._in_flight = 0
         self._draining = False
+        self.limit = limit
 
     @property
     def draining(self) -> bool:
@@ -48,12 +50,15 @@ class AdmissionState:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def try_admit(self) -> bool:
+    def try_admit(self) -> grpc.StatusCode | None:
+        """None if admitted (the caller must release()), else the status to refuse the call with."""
         with self._cond:
             if self._draining:
-                return False
+                return grpc.StatusCode.UNAVAILABLE
+            if self.limit is not None and self._in_flight >= self.limit:
+                return grpc.StatusCode.RESOURCE_EXHAUSTED
             self._in_flight += 1
-            return True
+            return None
 
     def release(self) -> None:
         with self._cond:
@@ -204,10 +209,17 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
         """Abort (after counting the rejection) unless the call may run; admitted calls hold an in-flight slot."""
         if isinstance(request, _Undecodable):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}"
-        elif exempt or self._admission.try_admit():
+        elif exempt:
             return
         else:
-            code, message = grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
+            refused = self._admission.try_admit()
+            if refused is None:
+                return
+            code = refused
+            if refused == grpc.StatusCode.UNAVAILABLE:
+                message = "server is draining; retry on another replica"
+            else:
+                message = f"server is at its limit of {self._admission.limit} concurrent calls; retry later"
         if self._metrics is not None:
             self._metrics.rejected(method, code.name)
         _log.info("rpc rejected", extra={"method": method, "code": code.name})

@@ -50,7 +50,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, 
     add("--metrics-host", str, "", "address for /metrics (empty = same as --host)")
     add("--metrics-port", int, 9400, "Prometheus port (-1 = no metrics endpoint)")
     add("--max-workers", int, 64, "handler threads, i.e. calls running at once")
-    add("--max-concurrent-rpcs", int, 0, "beyond this, calls get RESOURCE_EXHAUSTED (0 = queue them)")
+    add("--max-concurrent-rpcs", int, 0, "beyond this, calls get RESOURCE_EXHAUSTED (0 = --max-workers)")
     add("--max-message-bytes", int, 64 << 20, "largest request/response message")
     add("--drain-seconds", float, 120.0, "grace for in-flight calls after SIGTERM")
     add("--tls-cert", str, "", "PEM certificate chain; enables TLS together with --tls-key")

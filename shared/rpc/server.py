@@ -3,8 +3,9 @@
 Why a thread-pool (sync) server rather than grpc.aio: every handler ends up in blocking torch / Redis
 code, which under asyncio would need an executor hop per call anyway, and the sync API gives each call a
 real thread on which `context.is_active()` / `add_callback` report client cancellation and deadlines
-promptly. Server streaming is a plain generator. The cost is one thread per running call, so
-`max_workers` bounds concurrency (and `max_concurrent_rpcs` turns overload into RESOURCE_EXHAUSTED).
+promptly. Server streaming is a plain generator. The cost is one thread per running call, so the
+admission layer caps running service calls (overload -> RESOURCE_EXHAUSTED, never an invisible queue)
+and the pool keeps a few threads beyond that cap for health checks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pdllm.shared.rpc.metrics import MetricsEndpoint, RpcMetrics, start_metrics_
 
 _log = logging.getLogger("pdllm.rpc.server")
 
+EXEMPT_THREADS = 4
+
 
 @dataclass(frozen=True)
 class TlsFiles:
@@ -42,8 +45,10 @@ class ServerConfig:
     role: str = "router"
     host: str = "127.0.0.1"
     port: int = 0  # 0 picks a free port; RpcServer.port tells which
-    max_workers: int = 64  # handler threads = calls running at once (health Watch streams included)
-    max_concurrent_rpcs: int | None = None  # beyond this grpc answers RESOURCE_EXHAUSTED; None = queue
+    max_workers: int = 64  # handler threads for service calls (health/reflection get a few extra)
+    # Service calls running at once; beyond it calls get RESOURCE_EXHAUSTED at once instead of queueing
+    # invisibly for a thread. None = max_workers. Health checks are never refused, so probes keep working.
+    max_concurrent_rpcs: int | None = None
     max_receive_message_bytes: int = 64 << 20
     max_send_message_bytes: int = 64 << 20
     auth_token: str | None = None  # when set, every non-health method needs `authorization: Bearer <token>`
@@ -203,22 +208,23 @@ def build_server(
             raise ValueError(f"cannot read TLS key/certificate {err.filename}: {err.strerror}") from None
         credentials = grpc.ssl_server_credentials([(key, cert)])
     registry = registry if registry is not None else CollectorRegistry()
-    admission = AdmissionState()
+    admission = AdmissionState(limit=config.max_concurrent_rpcs or config.max_workers)
     metrics = RpcMetrics(registry, config.role)
     interceptors: list[grpc.ServerInterceptor] = [
         ObservabilityInterceptor(admission, metrics, track_queue_depth=config.track_queue_depth)
     ]
     if config.auth_token:
         interceptors.append(AuthInterceptor(config.auth_token))
+    # Spare threads beyond the admission limit keep health checks answered when every slot is busy.
+    threads = max(config.max_workers, admission.limit) + EXEMPT_THREADS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"grpc-{config.role}"),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"grpc-{config.role}"),
         interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     for spec in services:
         spec.register(server)

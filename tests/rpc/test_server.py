@@ -207,15 +207,20 @@ def test_deadline_exceeded(start_server: StartServer) -> None:
     assert _wait_for(lambda: _count(server, GENERATE, "DEADLINE_EXCEEDED") == 1)
 
 
-def test_concurrency_limit_is_resource_exhausted(start_server: StartServer) -> None:
-    server, servicer = start_server(step_delay_s=0.05, max_concurrent_rpcs=1)
+def test_concurrency_limit_is_resource_exhausted_but_health_still_answers(start_server: StartServer) -> None:
+    server, servicer = start_server(step_delay_s=0.05, max_workers=1)
     with PdllmClient(server.address) as client:
         stream = client.generate_stream("ctx", "slow", model=MODEL, gen_length=32, steps=32)
         next(stream)
         with pytest.raises(PdllmError) as info:
             client.generate("ctx", "q?", model=MODEL)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit of 1 concurrent calls" in info.value.message
+        assert client.health() == "SERVING"  # probes are not starved by the busy slot
         stream.close()
+        assert _wait_for(lambda: server.admission.in_flight == 0)
+        assert client.generate("ctx", "q?", model=MODEL).text == "q?"
+    assert _count(server, GENERATE, "RESOURCE_EXHAUSTED") == 1
 
 
 def test_metrics_endpoint_exposes_counters_histograms_and_gauges(start_server: StartServer) -> None:
