@@ -1,11 +1,10 @@
 """Worker discovery for the router: which prefill/decode workers exist, and which of them are healthy.
 
-A *discovery source* gives the candidate set per role: `StaticDiscovery` (``--prefill-workers`` /
-``--decode-workers``) or `KubernetesDiscovery` (list+watch of the EndpointSlices of the workers' headless
-Services, ready endpoints only). A `WorkerPool` per role keeps the candidates that pass gRPC health checks
-(`grpc.health.v1.Health/Check`) or were not reported failing by the router (`report_failure`), so a worker that
-stops serving leaves routing before Kubernetes notices and comes back when it answers SERVING again.
-Wiring: ``source.subscribe(lambda role, addrs: pools[role].set_members(addrs)); source.start()``.
+A discovery source gives the candidates per role: `StaticDiscovery` (--prefill-workers/--decode-workers) or
+`KubernetesDiscovery` (list+watch of the worker Services' EndpointSlices, ready endpoints only). A `WorkerPool`
+per role routes only to candidates passing gRPC health checks (and not failing the router's RPCs), so a worker
+that stops serving leaves before Kubernetes notices and comes back when it answers SERVING again. Wiring:
+``source.subscribe(lambda role, addrs: pools[role].set_members(addrs)); source.start(); pool.start()``.
 """
 
 from __future__ import annotations
@@ -19,11 +18,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubernetes import client, watch
+from kubernetes import config as kube_config
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # links an EndpointSlice to its Service
 MembershipCallback = Callable[[str, frozenset[str]], None]
 
 
@@ -146,8 +145,6 @@ class KubernetesDiscovery(DiscoverySource):
     """List + watch EndpointSlices per role (one thread each), resyncing on 410 Gone and on errors."""
 
     def __init__(self, config: KubernetesDiscoveryConfig, api_client: Any) -> None:
-        from kubernetes import client
-
         super().__init__(config.services.keys())
         self._config = config
         self._api = client.DiscoveryV1Api(api_client)
@@ -186,8 +183,6 @@ class KubernetesDiscovery(DiscoverySource):
                 backoff = min(backoff * 2, self._config.max_backoff_s)
 
     def _list_and_watch(self, role: str, service: str) -> None:
-        from kubernetes import watch
-
         selector = f"{SERVICE_NAME_LABEL}={service}"
         listed = self._api.list_namespaced_endpoint_slice(self._config.namespace, label_selector=selector)
         self.relists[role] += 1
@@ -231,6 +226,8 @@ class HealthCheckConfig:
     unhealthy_threshold: int = 2  # consecutive failures before a healthy member leaves the pool
     healthy_threshold: int = 1  # consecutive passes before a new or failed member (re)joins
     service: str = ""  # grpc.health.v1 service name to check; "" = the whole server
+    # A removed member's channel stays open this long, so RPCs still draining on it finish (>= drain time).
+    retire_after_s: float = 180.0
 
 
 @dataclass
@@ -255,6 +252,7 @@ class WorkerPool:
             raise DiscoveryError("health check thresholds must be >= 1")
         self._lock = threading.Lock()
         self._members: dict[str, _MemberState] = {}
+        self._retired: list[tuple[float, grpc.Channel]] = []  # (close at, channel)
         self._callbacks: list[Callable[[str, tuple[str, ...]], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -268,8 +266,9 @@ class WorkerPool:
     def set_members(self, addresses: frozenset[str]) -> None:
         with self._lock:
             before = self._healthy_locked()
+            close_at = time.monotonic() + self.config.retire_after_s
             for gone in set(self._members) - addresses:
-                self._members.pop(gone).channel.close()
+                self._retired.append((close_at, self._members.pop(gone).channel))
             for new in addresses - set(self._members):
                 self._members[new] = _MemberState(channel=self.channel_factory(new))
             after = self._healthy_locked()
@@ -300,6 +299,11 @@ class WorkerPool:
         with self._lock:
             targets = [(a, s.channel) for a, s in self._members.items()]
             before = self._healthy_locked()
+            now = time.monotonic()
+            expired = [c for t, c in self._retired if t <= now]
+            self._retired = [(t, c) for t, c in self._retired if t > now]
+        for channel in expired:
+            channel.close()
         request = health_pb2.HealthCheckRequest(service=self.config.service)
         # All probes in flight at once: a sweep costs one timeout however many members are down.
         calls = [
@@ -353,9 +357,10 @@ class WorkerPool:
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s + 5)
         with self._lock:
-            for state in self._members.values():
-                state.channel.close()
+            for channel in [s.channel for s in self._members.values()] + [c for _, c in self._retired]:
+                channel.close()
             self._members.clear()
+            self._retired.clear()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -367,18 +372,14 @@ class WorkerPool:
 
 def kubernetes_api_client() -> Any:
     """ApiClient from the pod's service account, else from ~/.kube/config (running the router off-cluster)."""
-    from kubernetes import client, config
-
     try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        pass
-    try:
-        config.load_kube_config()
-    except (config.ConfigException, OSError) as exc:
-        msg = f"kubernetes discovery: no service account token and no usable kubeconfig ({exc})"
-        raise DiscoveryError(msg) from exc
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        try:
+            kube_config.load_kube_config()
+        except (kube_config.ConfigException, OSError) as exc:
+            msg = f"kubernetes discovery: no service account token and no usable kubeconfig ({exc})"
+            raise DiscoveryError(msg) from exc
     return client.ApiClient()
 
 
