@@ -9,7 +9,6 @@ unexpected exception.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -66,11 +65,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         req = self._run(request, context)
         if req.question == "slow":
             self.started.set()
+            terminated = termination_event(context)
             for _ in range(req.steps):
-                if not context.is_active():
+                if terminated.wait(self.step_delay_s):  # a step's work, cut short when the call ends
                     self.cancelled.set()
                     break
-                time.sleep(self.step_delay_s)
         return self._final(req, self._answer(req))
 
     def GenerateStream(
@@ -78,38 +77,35 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     ) -> Iterator[pb.GenerateStreamResponse]:
         req = self._run(request, context)
         tokens = self._answer(req)
-        # grpc stops pulling from this generator once the client is gone, so cancellation is seen through the
-        # termination event (the pattern real workers use for work running on other threads).
         terminated = termination_event(context)
-        completed = threading.Event()
-        terminated_early = threading.Thread(
-            target=lambda: terminated.wait() and not completed.is_set() and self.cancelled.set(), daemon=True
-        )
-        terminated_early.start()
+        slow = req.question.startswith("slow")
         self.started.set()
         slots = [-1] * len(tokens)
         per_step = max(1, -(-len(tokens) // req.steps))
-        for step in range(req.steps):
-            if not context.is_active():
-                self.cancelled.set()
-                return
-            if req.question == "slow" or req.question.startswith("slow "):
-                time.sleep(self.step_delay_s)
-            for i in range(step * per_step, min(len(tokens), (step + 1) * per_step)):
-                slots[i] = tokens[i]
-            unmasked = sum(t >= 0 for t in slots)
-            yield pb.GenerateStreamResponse(
-                partial=pb.PartialOutput(
-                    request_id=req.request_id,
-                    step=step + 1,
-                    total_steps=req.steps,
-                    token_ids=slots,
-                    unmasked=unmasked,
+        completed = False
+        try:
+            for step in range(req.steps):
+                if (slow and terminated.wait(self.step_delay_s)) or terminated.is_set():
+                    return
+                for i in range(step * per_step, min(len(tokens), (step + 1) * per_step)):
+                    slots[i] = tokens[i]
+                yield pb.GenerateStreamResponse(
+                    partial=pb.PartialOutput(
+                        request_id=req.request_id,
+                        step=step + 1,
+                        total_steps=req.steps,
+                        token_ids=slots,
+                        unmasked=sum(t >= 0 for t in slots),
+                    )
                 )
-            )
-        self.completed_streams += 1
-        completed.set()
-        yield pb.GenerateStreamResponse(final=self._final(req, tokens))
+            self.completed_streams += 1
+            completed = True
+            yield pb.GenerateStreamResponse(final=self._final(req, tokens))
+        finally:
+            # grpc stops pulling from this generator once the client is gone and closes it (GeneratorExit at
+            # the pending yield); either way the work ended before the final message was produced.
+            if not completed:
+                self.cancelled.set()
 
 
 def fake_spec(servicer: FakeGeneration) -> ServiceSpec:
