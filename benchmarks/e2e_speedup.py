@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="e2e_speedup")
     ap.add_argument("--decode-attention", default=None, help="comma list of segments,buffer,triton")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--gen-length", type=int, default=32, help="generated tokens (= steps)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip lengths whose vanilla would overrun")
     ap.add_argument("--profile-length", type=int, default=None, help="torch profiler table of one pdllm run")
     args = ap.parse_args(argv)
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
     modes = (args.decode_attention or ("buffer,triton" if cuda else "segments,buffer")).split(",")
     ecfg = EngineConfig(chunk_size=1024 if not args.smoke else 64, top_k=4)
-    gen = GenerationConfig(gen_length=32, steps=32, stop_at_eos=False)
+    gen = GenerationConfig(gen_length=args.gen_length, steps=args.gen_length, stop_at_eos=False)
     model = build_model(mcfg, device, dtype)
     counts = Counts.of(model)
     peaks = measure_peaks(device, dtype)
@@ -236,9 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         by_mode = {}
-        for mode, engine in engines.items():
-            run_pdllm(engine, context, query, gen, device)  # warm-up at this shape
-            by_mode[mode] = run_pdllm(engine, context, query, gen, device)
+        for mode, engine in list(engines.items()):
+            try:
+                run_pdllm(engine, context, query, gen, device)  # warm-up at this shape
+                by_mode[mode] = run_pdllm(engine, context, query, gen, device)
+            except Exception as exc:
+                errors[f"{mode}@{n}"] = f"{type(exc).__name__}: {exc}"[:500]
+                del engines[mode]
+                print(f"decode attention {mode} failed at {n}: {errors[f'{mode}@{n}']}", flush=True)
+        if not by_mode:
+            break
         best = min(by_mode, key=lambda m: by_mode[m]["seconds"])
         pd = by_mode[best]
         timings = pd["trace"]["timings"]
