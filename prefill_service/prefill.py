@@ -66,7 +66,7 @@ def chunk_prefill(
         _forward_group(model, chunks, group, bank, attention, device)
         stats.forwarded += len(group)
     if store is not None and todo:
-        store.put_many([(keys[i], bank.segment(i)) for i in sorted(todo)])
+        store.put_many([(keys[i], bank.segment(i).contiguous()) for i in sorted(todo)])
     return bank, stats
 
 

@@ -51,7 +51,7 @@ class PrefillResult:
 
 class PrefillingEngine:
     """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU unless
-    ``reuse_chunks`` is False). ``decode_attention``: "segments" (split over static segments, LSE merge) or
+    ``reuse_chunks`` is False). ``decode_attention`` (default: "buffer" on CUDA, else "segments"): "segments" (split over static segments, LSE merge) or
     "buffer" (one preallocated contiguous buffer, SDPA), "triton" (split-S kernel over paged static KV).
     ``cuda_graph``: replay the decode step (CUDA)."""
 
@@ -61,7 +61,7 @@ class PrefillingEngine:
         tokenizer: Any | None = None,
         config: EngineConfig | None = None,
         store: ChunkKVStore | None = None,
-        decode_attention: str = "segments",
+        decode_attention: str | None = None,
         reuse_chunks: bool = True,
         cuda_graph: bool = False,
     ) -> None:
@@ -69,6 +69,8 @@ class PrefillingEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.config.validate()
+        if decode_attention is None:
+            decode_attention = "buffer" if self.device.type == "cuda" else "segments"
         if decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
         self.decode_attention = decode_attention
