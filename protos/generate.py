@@ -10,10 +10,12 @@ stubs importable as `pdllm.protos.pdllm.v1.*` wherever the package is installed.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 import tempfile
 from importlib import resources
+from importlib.metadata import version
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
@@ -21,6 +23,7 @@ PROTO_PACKAGE_DIR = Path("pdllm") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 _ABSOLUTE_IMPORT = re.compile(r"^from pdllm\.v1 import (\w+_pb2) as (\w+)$", re.MULTILINE)
+_GRPC_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '([^']+)'$", re.MULTILINE)
 
 
 class GenerationError(RuntimeError):
@@ -67,13 +70,59 @@ def generate(out_root: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
     return written
 
 
+def _embedded_descriptor(stub_text: str) -> bytes | None:
+    """The serialized FileDescriptorProto a generated `_pb2.py` registers (None if there is none)."""
+    for node in ast.walk(ast.parse(stub_text)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "AddSerializedFile"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, bytes)
+        ):
+            return node.args[0].value
+    return None
+
+
+def _stamped_grpc_version(stub_dir: Path) -> str | None:
+    for path in sorted(stub_dir.glob("*_pb2_grpc.py")):
+        match = _GRPC_STAMP.search(path.read_text(encoding="utf-8"))
+        if match:
+            return match.group(1)
+    return None
+
+
 def stale_files(proto_root: Path = PROTO_ROOT) -> list[str]:
-    """Names of checked-in stubs that differ from a fresh generation (missing or extra ones included)."""
-    with tempfile.TemporaryDirectory() as fresh_dir:
-        fresh = {p.name: p.read_bytes() for p in generate(Path(fresh_dir), proto_root)}
+    """Names of checked-in stubs that do not match the .proto files (missing or extra ones included).
+
+    Each `_pb2.py` must embed exactly the descriptor protoc now produces; that is what "stale" means and it
+    does not depend on the grpcio-tools version. When the installed grpcio-tools is the one that generated
+    the stubs, every file must also match byte for byte (catching hand edits); with another version the
+    surrounding code legitimately differs, so only the descriptors are compared.
+    """
     current_dir = proto_root / PROTO_PACKAGE_DIR
-    current = {p.name: p.read_bytes() for p in current_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES)}
-    return sorted(name for name in fresh.keys() | current.keys() if fresh.get(name) != current.get(name))
+    current = {
+        p.name: p.read_text(encoding="utf-8")
+        for p in current_dir.iterdir()
+        if p.name.endswith(GENERATED_SUFFIXES)
+    }
+    with tempfile.TemporaryDirectory() as fresh_dir:
+        fresh = {p.name: p.read_text(encoding="utf-8") for p in generate(Path(fresh_dir), proto_root)}
+    same_tools = _stamped_grpc_version(current_dir) == version("grpcio-tools")
+    stale = []
+    for name in sorted(fresh.keys() | current.keys()):
+        ours, theirs = current.get(name), fresh.get(name)
+        if (
+            ours is None
+            or theirs is None
+            or name.endswith("_pb2.py")
+            and _embedded_descriptor(ours) != _embedded_descriptor(theirs)
+            or same_tools
+            and ours != theirs
+        ):
+            stale.append(name)
+    return stale
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,33 @@ def test_staleness_check_detects_a_missing_stub(tmp_path: Path) -> None:
     shutil.copytree(generate.PROTO_ROOT / "pdllm", root / "pdllm")
     (root / "pdllm" / "v1" / "workers_pb2_grpc.py").unlink()
     assert generate.stale_files(root) == ["workers_pb2_grpc.py"]
+
+
+def test_hand_edits_are_stale_when_the_toolchain_matches(tmp_path: Path) -> None:
+    root = tmp_path / "protos"
+    shutil.copytree(generate.PROTO_ROOT / "pdllm", root / "pdllm")
+    stub = root / "pdllm" / "v1" / "generation_pb2_grpc.py"
+    stub.write_text(stub.read_text() + "\n# local tweak\n")
+    assert generate.stale_files(root) == ["generation_pb2_grpc.py"]
+
+
+def test_other_toolchain_versions_compare_descriptors_only(tmp_path: Path) -> None:
+    root = tmp_path / "protos"
+    shutil.copytree(generate.PROTO_ROOT / "pdllm", root / "pdllm")
+    stubs = root / "pdllm" / "v1"
+    # Stubs stamped by another grpcio-tools, with that version's different boilerplate: not stale ...
+    for path in stubs.glob("*_pb2_grpc.py"):
+        text = re.sub(
+            r"GRPC_GENERATED_VERSION = '[^']+'", "GRPC_GENERATED_VERSION = '0.0.1'", path.read_text()
+        )
+        path.write_text(text + "\n# boilerplate of another version\n")
+    assert generate.stale_files(root) == []
+    # ... but a .proto change still is, because the embedded descriptor no longer matches.
+    proto = stubs / "workers.proto"
+    proto.write_text(
+        proto.read_text().replace("  int64 nbytes = 6;", "  int64 nbytes = 6;\n  int32 extra = 7;")
+    )
+    assert generate.stale_files(root) == ["workers_pb2.py"]
 
 
 def test_generated_imports_resolve_inside_the_pdllm_namespace() -> None:
