@@ -161,11 +161,14 @@ class KubernetesDiscovery(DiscoverySource):
 
     def stop(self) -> None:
         self._stop.set()
-        with self._watch_lock:
-            for w in self._watches:
-                w.stop()
+        deadline = time.monotonic() + 5
         for thread in self._threads:
-            thread.join(timeout=5)
+            # Repeated: a watch whose request was not sent yet ignores a stop() (its stream() resets the flag).
+            while thread.is_alive() and time.monotonic() < deadline:
+                with self._watch_lock:
+                    for w in self._watches:
+                        w.stop()
+                thread.join(0.05)
 
     def _run(self, role: str, service: str) -> None:
         backoff = self._config.retry_backoff_s
@@ -279,8 +282,7 @@ class WorkerPool:
         with self._lock:
             return self._healthy_locked()
 
-    def channel(self, address: str) -> grpc.Channel:
-        """The pool's channel to a member, so the router reuses it for real RPCs."""
+    def channel(self, address: str) -> grpc.Channel:  # the router reuses it for its RPCs
         with self._lock:
             if address not in self._members:
                 raise KeyError(f"{address} is not a {self.role} pool member")
@@ -294,8 +296,7 @@ class WorkerPool:
             after = self._healthy_locked()
         self._notify(before, after)
 
-    def check_once(self) -> None:
-        """Probe every member once (synchronously) and update membership."""
+    def check_once(self) -> None:  # one synchronous sweep; the background loop calls it every interval
         with self._lock:
             targets = [(a, s.channel) for a, s in self._members.items()]
             before = self._healthy_locked()
