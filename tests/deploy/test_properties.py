@@ -128,6 +128,11 @@ def test_gpus_are_requested_by_workers_only(rendered: dict[str, Rendered], varia
                 gpu_users.add(pod_labels(workload)["app.kubernetes.io/component"])
         on_gpu_nodes = "nodeSelector" in spec or "tolerations" in spec
         assert on_gpu_nodes == (pod_labels(workload)["app.kubernetes.io/component"] in gpu_users)
+    # The device each pdllm process will use (an `env` entry overrides the ConfigMap) matches its GPU request.
+    for component in PDLLM_COMPONENTS:
+        (c,) = pod_spec(r.component(component))["containers"]
+        device = env_of(c).get("PDLLM_DEVICE", {}).get("value", r.config()["PDLLM_DEVICE"])
+        assert device == ("cuda" if component in gpu_users else "cpu"), f"{variant}: {component} on {device}"
     if variant.startswith("gpu"):
         assert gpu_users == {"prefill", "decode"}
         assert r.config()["PDLLM_DEVICE"] == "cuda"
