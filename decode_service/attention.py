@@ -52,6 +52,12 @@ class BufferedAttention:
         self.buffer = torch.empty(layers, 2, 1, hkv, s + local, d, dtype=static.dtype, device=static.device)
         self.buffer[:, :, 0, :, :s] = static
 
+    def load(self, static: torch.Tensor) -> None:
+        """Replace the static KV in place (same shape), keeping the buffer's address for graph replay."""
+        if static.shape[3] != self.static_len:
+            raise ValueError(f"static KV has {static.shape[3]} tokens, the buffer holds {self.static_len}")
+        self.buffer[:, :, 0, :, : self.static_len] = static
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.static_len + k.shape[2]
         self.buffer[layer, 0, :, :, self.static_len : end] = k
@@ -73,14 +79,28 @@ class PagedSplitSAttention:
         self._kernel = split_s_attention
         layers, _, hkv, s, d = static.shape
         pages = max(1, -(-s // page_size))
-        padded = torch.zeros(layers, 2, hkv, pages * page_size, d, dtype=static.dtype, device=static.device)
-        padded[:, :, :, :s] = static
-        self.pages = padded.view(layers, 2, hkv, pages, page_size, d).permute(0, 1, 3, 2, 4, 5).contiguous()
+        self.page_size = page_size
+        self.pages = torch.zeros(
+            layers, 2, pages, hkv, page_size, d, dtype=static.dtype, device=static.device
+        )
+        self.static_len = s
+        self.load(static)
         device = static.device
         self.page_table = torch.arange(pages, dtype=torch.int32, device=device)[None]
         self.kv_lens = torch.tensor([s], dtype=torch.int32, device=device)
-        self.static_len = s
         self._offsets: dict[int, torch.Tensor] = {}
+
+    def load(self, static: torch.Tensor) -> None:
+        """Write ``static`` into the pages in place (same token count)."""
+        layers, _, hkv, s, d = static.shape
+        if s != self.static_len:
+            raise ValueError(f"static KV has {s} tokens, the pages hold {self.static_len}")
+        pages = self.pages.shape[2]
+        padded = torch.zeros(
+            layers, 2, hkv, pages * self.page_size, d, dtype=static.dtype, device=static.device
+        )
+        padded[:, :, :, :s] = static
+        self.pages.copy_(padded.view(layers, 2, hkv, pages, self.page_size, d).permute(0, 1, 3, 2, 4, 5))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.shape[2]

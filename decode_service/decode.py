@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention, SegmentedAttention
+from pdllm.decode_service.graphs import GraphCache, GraphedStep
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -99,8 +100,10 @@ def decode(
     policy: DecodePolicy | None = None,
     progress: bool = False,
     cuda_graph: bool = False,
+    graph_cache: GraphCache | None = None,
 ) -> GenerationResult:
-    """``cuda_graph``: replay one captured step (CUDA and step-invariant policies only)."""
+    """``cuda_graph``: replay one captured step (step-invariant policies only; eager off CUDA).
+    ``graph_cache``: reuse captured steps across requests (default policy in buffer/triton mode only)."""
     device = next(model.parameters()).device
     gen.validate()
     policy = policy or StaticPolicy()
@@ -108,14 +111,16 @@ def decode(
     local = torch.full((q + gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=device)
     local[:q] = torch.as_tensor(query_ids, device=device)
     positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
-    policy.begin(static, local.shape[0])
-    step = 0
     if cuda_graph:
         if not policy.step_invariant:
             raise ValueError("cuda_graph needs a step-invariant decode policy")
-        from pdllm.decode_service.graphs import GraphedStep
-
-        graphed = GraphedStep(model, policy.backend(0, local), local, positions, q)
+        cacheable = isinstance(policy, StaticPolicy) and policy.mode in ("buffer", "triton")
+        if graph_cache is not None and cacheable:
+            kv = static.contiguous if static.contiguous is not None else torch.cat(static.segments, dim=3)
+            graphed = graph_cache.step(model, policy.mode, kv, local, positions, q)
+        else:
+            policy.begin(static, local.shape[0])
+            graphed = GraphedStep(model, policy.backend(0, local), local, positions, q)
         return denoise(
             gen,
             model.config.mask_token_id,
@@ -124,6 +129,8 @@ def decode(
             device=device,
             progress=progress,
         )
+    policy.begin(static, local.shape[0])
+    step = 0
 
     def logits_fn(response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         nonlocal step

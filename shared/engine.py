@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticKV, StaticPolicy, decode
+from pdllm.decode_service.graphs import GraphCache
 from pdllm.prefill_service.build import build_static
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.prefill_service.layout import DecodeLayout, Request, decode_layout, make_request, select_top_k
@@ -75,6 +76,7 @@ class PrefillingEngine:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
         self.decode_attention = decode_attention
         self.cuda_graph = cuda_graph
+        self.graph_cache = GraphCache() if cuda_graph else None
         self.store: ChunkKVStore | None = (
             store if store is not None else (LRUChunkStore() if reuse_chunks else None)
         )
@@ -151,7 +153,14 @@ class PrefillingEngine:
         policy = policy or StaticPolicy(self.decode_attention)
         with trace.phase("decode", device):
             result = decode(
-                self.model, prefilled.request.query, prefilled.static, gen, policy, progress, self.cuda_graph
+                self.model,
+                prefilled.request.query,
+                prefilled.static,
+                gen,
+                policy,
+                progress,
+                self.cuda_graph,
+                self.graph_cache,
             )
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = prefilled.meter.peak()

@@ -102,3 +102,20 @@ def test_trace_reports_every_phase_and_is_json() -> None:
         assert abs(s["total"] - (s["s_i"] + s["s_p"])) < 1e-9
     assert d["decode_steps"] == result.steps and d["memory_kind"] == "cpu-rss-delta"
     assert result.timings == d["timings"]
+
+
+def test_graph_cache_reloads_static_kv_for_a_new_request() -> None:
+    """Same shapes, other document: the cached step is reused and still decodes the new request exactly."""
+    m = model("dream")
+    cfg = EngineConfig(chunk_size=12, top_k=2)
+    cached = PrefillingEngine(m, None, cfg, decode_attention="buffer", reuse_chunks=False, cuda_graph=True)
+    plain = PrefillingEngine(m, None, cfg, decode_attention="segments", reuse_chunks=False)
+    for doc in (1, 2, 3):
+        context, question = tokens(48, doc), tokens(5, 10 + doc)
+        got, _ = cached.generate(context, question, GEN)
+        want, _ = plain.generate(context, question, GEN)
+        assert got.raw_tokens == want.raw_tokens
+    assert cached.graph_cache is not None
+    assert (cached.graph_cache.captures, cached.graph_cache.hits) == (1, 2)
+    first = plain.generate(tokens(48, 1), tokens(5, 11), GEN)[0].raw_tokens
+    assert first != plain.generate(tokens(48, 2), tokens(5, 12), GEN)[0].raw_tokens

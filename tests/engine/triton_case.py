@@ -25,6 +25,18 @@ def main() -> None:
             outs.append(result.raw_tokens)
         if outs[0] != outs[1]:
             raise SystemExit(f"{family} {kv_mode}: triton {outs[1]} != segments {outs[0]}")
+    # Pages reloaded in place for a second request of the same shape (the CUDA-graph cache path).
+    cfg = EngineConfig(chunk_size=12, top_k=2)
+    m = model("dream")
+    cached = PrefillingEngine(m, None, cfg, decode_attention="triton", reuse_chunks=False, cuda_graph=True)
+    plain = PrefillingEngine(m, None, cfg, decode_attention="segments", reuse_chunks=False)
+    for doc in (1, 2):
+        got, _ = cached.generate(tokens(48, doc), tokens(5, 10 + doc), gen)
+        want, _ = plain.generate(tokens(48, doc), tokens(5, 10 + doc), gen)
+        if got.raw_tokens != want.raw_tokens:
+            raise SystemExit(f"graph cache (triton) doc {doc}: {got.raw_tokens} != {want.raw_tokens}")
+    if cached.graph_cache is None or cached.graph_cache.hits != 1:
+        raise SystemExit("the second request did not reuse the cached step")
     print("ok")
 
 
