@@ -5,12 +5,13 @@ not cover (KEDA ScaledObject, Prometheus Operator PodMonitor) are checked agains
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
-from k8s_render import K8S_VERSION, VARIANTS, Rendered
+from k8s_render import K8S, K8S_VERSION, VARIANTS, Rendered
 
 # Minimal structural schemas for the CRD objects we ship, written from the CRDs' documented fields
 # (keda.sh/v1alpha1 ScaledObject, monitoring.coreos.com/v1 PodMonitor): what we set must be there and typed.
@@ -147,3 +148,18 @@ def test_validator_rejects_what_a_cluster_would(rendered: dict[str, Rendered]) -
     scaled["spec"]["triggers"] = []
     with pytest.raises(jsonschema.ValidationError):
         validate(scaled)
+
+
+def test_readme_names_only_existing_paths_and_objects(rendered: dict[str, Rendered]) -> None:
+    readme = (K8S.parent / "README.md").read_text()
+    paths = set(re.findall(r"(?<![\w.])((?:deploy/)?k8s/(?:overlays|components)/[a-z-]+)", readme))
+    assert len(paths) >= 6
+    for path in paths:
+        assert (K8S.parent / path.removeprefix("deploy/")).is_dir(), f"README names missing {path}"
+    for component in re.findall(r"\bcomponents/([a-z-]+)", readme):
+        assert (K8S / "components" / component / "kustomization.yaml").is_file(), component
+    names = {o["metadata"]["name"] for r in rendered.values() for o in r.objects}
+    for kind, name in re.findall(r"`(HorizontalPodAutoscaler|Deployment|Service)/([a-z-]+)`", readme):
+        assert name in names, f"README names {kind}/{name}, which no overlay renders"
+    for name in re.findall(r"(?:deploy|svc)/(pdllm-[a-z]+)", readme):
+        assert name in names, f"README names {name}, which no overlay renders"
