@@ -119,6 +119,7 @@ def test_image_matches_manifests() -> None:
         assert pod_spec(r.component(component))["securityContext"]["runAsUser"] == uid
     # The baked model is where the base ConfigMap points, and comes from the loader's default checkpoint.
     assert env["PDLLM_MODEL"] == config["PDLLM_MODEL"] == "/opt/pdllm/model"
+    assert env["PDLLM_HOST"] == config["PDLLM_HOST"] == "0.0.0.0"  # reachable through published ports
     model_copy = [
         i.args.split()
         for i in runtime
