@@ -183,6 +183,8 @@ def decode_rows(shapes: list[tuple[int, int, int, int]], flex_shapes: set, dev: 
         case = DecodeCase(batch, lq, s, c, 64 if dev == "cuda" else 16, dev, dtype, R)
         impls = {"split_s_triton": case.split_s(cfg), "sdpa_gathered": case.sdpa()}
         if dev == "cuda":
+            impls["split_s_triton_fused"] = case.split_s(SplitSConfig(fused_merge=True))
+        if dev == "cuda":
             impls["flash_varlen_gathered"] = case.flash_varlen()
         if flex is not None and (batch, lq, s, c) in flex_shapes:
             impls["flex_vanilla"] = case.flex(flex)
@@ -262,11 +264,8 @@ def prefill_rows(
 
 
 SWEEP = [
-    SplitSConfig(), SplitSConfig(num_stages=3), SplitSConfig(32, 64, 2, 2, programs_per_sm=4.0),
-    SplitSConfig(32, 64, 4, 2, programs_per_sm=3.0), SplitSConfig(128, 64, 8, 2, programs_per_sm=1.0),
-    SplitSConfig(partial_cost=0.25), SplitSConfig(partial_cost=1.0), SplitSConfig(64, 32, 4, 2, programs_per_sm=3.0),
-    SplitSConfig(128, 128, 8, 2, programs_per_sm=1.0), SplitSConfig(fused_merge=True),
-    SplitSConfig(fused_merge=True, partial_cost=0.25), SplitSConfig(32, 64, 2, 2, programs_per_sm=4.0, fused_merge=True),
+    SplitSConfig(), SplitSConfig(num_stages=3), SplitSConfig(fused_merge=True),
+    SplitSConfig(num_stages=3, fused_merge=True), SplitSConfig(fused_merge=True, partial_cost=0.25),
 ]  # fmt: skip
 
 

@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 check_split_s(dev, dtype, 1, 32, 1, 1, 28, 4, 128, 64, True, SplitSConfig(num_splits=2))
             )
+            for batch, lq, s, c in [(1, 32, 4, 1024), (3, 96, 8, 512), (2, 32, 16, 1024), (1, 256, 4, 1024)]:
+                for _ in range(3):  # repeated: a race in the in-kernel merge would show as a moving error
+                    cfg = SplitSConfig(fused_merge=True)
+                    rows.append(check_split_s(dev, dtype, batch, lq, s, c, 28, 4, 128, 64, True, cfg))
             for causal in (False, True):
                 rows += check_prefill_and_retention(dev, dtype, 4, 1025, 64, 28, 4, 128, causal)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -183,8 +183,9 @@ if triton is not None:
                             w_sum = w_sum * alpha + w
                             m = m_new
                         res = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-                        ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
-                        tl.store(ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                        # (a new name: `ptr` above points at fp32 partials, a different type)
+                        out_ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
+                        tl.store(out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
                         tl.atomic_xchg(CNT + idx, 0)  # leave the workspace zeroed for the next call
 
     @triton.jit
