@@ -10,6 +10,7 @@ that stops serving leaves before Kubernetes notices and comes back when it answe
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -229,8 +230,7 @@ class HealthCheckConfig:
     unhealthy_threshold: int = 2  # consecutive failures before a healthy member leaves the pool
     healthy_threshold: int = 1  # consecutive passes before a new or failed member (re)joins
     service: str = ""  # grpc.health.v1 service name to check; "" = the whole server
-    # A removed member's channel stays open this long, so RPCs still draining on it finish (>= drain time).
-    retire_after_s: float = 180.0
+    retire_after_s: float = 180.0  # a removed member's channel stays open this long: draining RPCs finish
 
 
 @dataclass
@@ -377,7 +377,7 @@ def kubernetes_api_client() -> Any:
         kube_config.load_incluster_config()
     except kube_config.ConfigException:
         try:
-            kube_config.load_kube_config()
+            kube_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
         except (kube_config.ConfigException, OSError) as exc:
             msg = f"kubernetes discovery: no service account token and no usable kubeconfig ({exc})"
             raise DiscoveryError(msg) from exc

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from k8s_fake import FakeApiServer, make_slice, recorded_list, wait_until
@@ -164,3 +166,42 @@ def test_bad_configuration_is_a_clear_error(apiserver: FakeApiServer) -> None:
     )
     with pytest.raises(DiscoveryError, match="unknown role"):
         disc.workers("decode")
+
+
+def test_flags_build_a_working_discovery_from_kubeconfig(
+    apiserver: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off-cluster (no service account), the router falls back to the kubeconfig, as `kubectl` would."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(DiscoveryError, match="no usable kubeconfig"):
+        discovery_from_flags(
+            "kubernetes", {"k8s_namespace": "pdllm", "k8s_prefill_service": "p", "k8s_decode_service": "d"}
+        )
+
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "fake", "cluster": {"server": apiserver.url}}],
+        "users": [{"name": "router", "user": {"token": "t"}}],
+        "contexts": [
+            {"name": "fake", "context": {"cluster": "fake", "user": "router", "namespace": "pdllm"}}
+        ],
+        "current-context": "fake",
+    }
+    (tmp_path / "config").write_text(json.dumps(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "config"))
+    apiserver.apply(make_slice("pdllm-prefill-aaaaa", "pdllm-prefill", [("10.0.0.1", True)]))
+    apiserver.apply(make_slice("pdllm-decode-bbbbb", "pdllm-decode", [("10.0.1.1", True)]))
+    flags = {
+        "k8s_namespace": "pdllm",
+        "k8s_prefill_service": "pdllm-prefill",
+        "k8s_decode_service": "pdllm-decode",
+    }
+    source = discovery_from_flags("kubernetes", flags)
+    source.start()
+    try:
+        assert wait_until(lambda: source.workers("prefill") == {"10.0.0.1:50051"})
+        assert wait_until(lambda: source.workers("decode") == {"10.0.1.1:50051"})
+    finally:
+        source.stop()
