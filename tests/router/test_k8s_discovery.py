@@ -173,6 +173,8 @@ def test_flags_build_a_working_discovery_from_kubeconfig(
 ) -> None:
     """Off-cluster (no service account), the router falls back to the kubeconfig, as `kubectl` would."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    # Loading a kubeconfig replaces the client library's process-wide default configuration: restore it.
+    monkeypatch.setattr(client.Configuration, "_default", client.Configuration._default)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     with pytest.raises(DiscoveryError, match="no usable kubeconfig"):
         discovery_from_flags(
