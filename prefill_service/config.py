@@ -1,9 +1,9 @@
 """Engine configuration: one frozen dataclass shared by the in-process engine and the services.
 
 Open choices made here (the paper leaves them implicit):
-- ``query_window`` only applies to ``score_mode="query-only"`` (self-information over the last W query
-  tokens, 64 by default as in the paper's UltraLLaDA setting); "self-info" and "pseudo-label" score the
-  whole query suffix.
+- ``query_window`` only applies to ``score_mode="query-only"``: self-information over the last W query
+  tokens (None: all of them, i.e. the same as "self-info"; the paper's UltraLLaDA setting uses W=64).
+  "self-info" and "pseudo-label" always condition on the whole query suffix.
 - ``top_k`` larger than the number of chunks is clamped to it (every chunk is kept), not an error.
 - ``top_b`` keeps B tokens per selected chunk *including* its BOS, which is always kept.
 """
@@ -36,7 +36,7 @@ class EngineConfig:
     pseudo_rounds: int = 2
     prefill_attention: PrefillAttention = "causal"
     retention_score: RetentionScore = "bidirectional"
-    # Only for score_mode="query-only" (None there means 64).
+    # Only for score_mode="query-only" (None: the whole query suffix).
     query_window: int | None = None
     # Chunks forwarded together in one batched prefill / scoring forward (bounds activation memory).
     prefill_batch: int = 64
@@ -71,9 +71,7 @@ class EngineConfig:
 
     def scoring_window(self) -> int | None:
         """How many trailing query tokens chunk scoring conditions on (None: all of them)."""
-        if self.score_mode == "query-only":
-            return self.query_window or 64
-        return None
+        return self.query_window if self.score_mode == "query-only" else None
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
