@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import re
 
+import kubernetes_validate
 import pytest
-from k8s_render import REPO, VARIANTS, Rendered, containers, env_of, pod_labels, pod_spec, selector_matches
+import yaml
+from k8s_render import (
+    K8S,
+    K8S_VERSION,
+    REPO,
+    VARIANTS,
+    Rendered,
+    containers,
+    env_of,
+    pod_labels,
+    pod_spec,
+    selector_matches,
+)
 from netpol import Pod, allowed
 
 PDLLM_COMPONENTS = ("router", "prefill", "decode")
@@ -326,3 +339,32 @@ def test_scaling_disruption_spread_and_metrics(rendered: dict[str, Rendered], va
             assert selector_matches(monitor["spec"]["selector"], pod_labels(r.component(component)))
         redis_labels = {"app.kubernetes.io/name": "pdllm", "app.kubernetes.io/component": "redis"}
         assert not selector_matches(monitor["spec"]["selector"], redis_labels)
+
+
+def test_model_volume_is_read_only_for_services_and_the_loader_writes_it(
+    rendered: dict[str, Rendered],
+) -> None:
+    r = rendered["gpu"]
+    (pvc,) = r.of_kind("PersistentVolumeClaim")
+    model_dir = r.config()["PDLLM_MODEL"]
+    for component in PDLLM_COMPONENTS:
+        spec = pod_spec(r.component(component))
+        (volume,) = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+        assert volume["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"], "readOnly": True}
+        (c,) = spec["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True and model_dir.startswith(mount["mountPath"] + "/")
+    loader = yaml.safe_load((K8S / "tools" / "model-loader.yaml").read_text())
+    kubernetes_validate.validate(loader, K8S_VERSION, strict=True)
+    (claim,) = [v["persistentVolumeClaim"] for v in loader["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claim["claimName"] == pvc["metadata"]["name"] and not claim.get("readOnly")
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+    (c,) = loader["spec"]["containers"]
+    assert (
+        c["securityContext"]["readOnlyRootFilesystem"] is True
+        and loader["spec"]["securityContext"]["runAsUser"] == 10001
+    )
+    assert (
+        c["image"].rsplit(":", 1)[0]
+        == pod_spec(r.component("prefill"))["containers"][0]["image"].rsplit(":", 1)[0]
+    )
