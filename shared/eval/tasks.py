@@ -180,6 +180,19 @@ def _multidoc(depth: float, hay: int, rng: random.Random) -> Content:
     return Content(question, answer, blocks, [gold])
 
 
+def fact_text(rng: random.Random) -> str:
+    """One random fact sentence in any of the tasks' templates (training filler for recall batches)."""
+    kind = rng.random()
+    if kind < 0.6:
+        first, last = _person(rng)
+        return _access_fact(f"{first} {last}", rng.choice(KEYS), _code(rng))
+    if kind < 0.8:
+        entity = f"{_word(rng, rng.choice((2, 3)))} {rng.choice(_SUFFIXES)}"
+        return f" {entity} was founded in the city of {_word(rng, rng.choice((2, 3)))}."
+    first, last = _person(rng)
+    return f" {first} {last} works at {_word(rng, 2)} {rng.choice(_SUFFIXES)}."
+
+
 def render_task_text(task: str, rng: random.Random) -> str:
     """Facts, question and answer of one random sample as plain text (tokenizer training)."""
     content = _content(task, rng.random(), 300, rng)
@@ -295,15 +308,18 @@ class TaskFactory:
         answer = self.encode(format_answer(content.answer))
         return torch.cat(pieces).long(), query, answer, spans
 
-    def _hay_text(self, a: int, b: int) -> str:
-        """Text of token range [a, b): whole sentences, the last one cut at a word boundary."""
+    def _hay_text(self, a: int, b: int) -> tuple[str, int]:
+        """Text of token range [a, b) and its token count: whole sentences, the last one cut at a word
+        boundary (so the text re-tokenizes to exactly the counted tokens, a few short of b - a)."""
         out = []
+        used = 0
         i = int(torch.searchsorted(self._bounds, a))
         while int(self._bounds[i]) < b:
             s = self.hay.sentences[i % self.hay.num_sentences]
             room = b - int(self._bounds[i])
             if int(self._bounds[i + 1]) <= b:
                 out.append(s)
+                used += int(self._bounds[i + 1] - self._bounds[i])
             else:
                 words = s.split(" ")
                 lo, hi = 0, len(words)
@@ -314,18 +330,28 @@ class TaskFactory:
                     else:
                         hi = mid - 1
                 out.append(" ".join(words[:lo]))
+                used += len(self.encode(out[-1]))
                 break
             i += 1
-        return "".join(out)
+        return "".join(out), used
 
     def make_sample(self, task: str, context_tokens: int, depth: float, seed: int) -> Sample:
         rng = random.Random(f"{task}:{context_tokens}:{depth}:{seed}")
         content, encoded = self._plan(task, context_tokens, depth, rng)
         parts = []
+        deficit = 0
         for block, (_, facts) in zip(content.blocks, encoded):
             parts.append(block.header)
+            # Tokens lost where the previous block's prose was cut at a word boundary go to this block.
+            block.hay += deficit
+            deficit = 0
             for kind, x, y in self._segments(block, facts, rng):
-                parts.append(self._hay_text(x, y) if kind == "hay" else block.facts[x][1])
+                if kind == "hay":
+                    text, used = self._hay_text(x, y)
+                    parts.append(text)
+                    deficit += y - x - used
+                else:
+                    parts.append(block.facts[x][1])
         context = "".join(parts)
         return Sample(
             task=task,

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..eval.tasks import TASKS, TaskFactory
+from ..eval.tasks import TASKS, TaskFactory, fact_text
 
-MODES = ("text", "diff_task", "sft", "chunk", "causal")
+MODES = ("text", "diff_task", "sft", "chunk", "causal", "recall")
 # Every query and answer is shorter (measured: query <= 27 tokens, answer <= 8); slack becomes extra prose.
 QUERY_RESERVE = 32
 GEN_RESERVE = 9
@@ -41,12 +41,18 @@ class DataConfig:
     tokens_per_batch: int = 65536
     length_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     length_weights: tuple[float, ...] = (0.15, 0.25, 0.25, 0.35)
-    mode_weights: tuple[float, ...] = (0.1, 0.15, 0.3, 0.2, 0.25)  # in MODES order
+    # Before this many (global) steps, lengths follow curriculum_weights: short sequences carry more
+    # questions per token, which is what gets retrieval going.
+    curriculum_steps: int = 0
+    curriculum_weights: tuple[float, ...] = (0.6, 0.3, 0.1, 0.0)
+    mode_weights: tuple[float, ...] = (0.05, 0.1, 0.25, 0.15, 0.25, 0.2)  # in MODES order
     task_weights: tuple[float, ...] = (0.4, 0.25, 0.2, 0.15)  # in TASKS order
     max_extra_gen: int = 24  # answer region = answer + EOS + up to this many more EOS
     chunk_sizes: tuple[int, ...] = (64, 128, 256, 512)
     p_chunk_sees_query: float = 0.3
     p_causal_negative: float = 0.5
+    p_causal_recall: float = 0.3  # causal rows drawn from the recall layout (induction: copy 2nd mention)
+    recall_facts: tuple[int, int] = (3, 10)
 
 
 @dataclass
@@ -54,7 +60,7 @@ class Batch:
     mode: str
     ids: torch.Tensor  # [B, T] int64
     loss_region: torch.Tensor  # [B, T] bool: positions that may be masked (diffusion) / predicted (causal)
-    answer_region: torch.Tensor  # [B, T] bool
+    answer_region: torch.Tensor  # [B, T] bool: the answer's own tokens (not the EOS padding after it)
     segments: torch.Tensor | None = None  # [B, T] int16 chunk index, -1 for question + answer
     sees_query: torch.Tensor | None = None  # [B] bool: chunk tokens also attend to question + answer
 
@@ -87,7 +93,7 @@ class BatchBuilder:
         gen = self._gen(answer, rng)
         slack = t - 1 - n_ctx - len(query) - len(gen)
         ids = torch.cat([torch.tensor([self.bos]), self._hay(slack, rng), ctx, torch.tensor(query + gen)])
-        return ids, t - len(gen)
+        return ids, t - len(gen), len(answer)
 
     def _chunked(self, t: int, rng: random.Random) -> tuple[torch.Tensor, int, torch.Tensor]:
         avail = t - QUERY_RESERVE - GEN_RESERVE - self.cfg.max_extra_gen
@@ -113,7 +119,7 @@ class BatchBuilder:
             seg.append(torch.full((body.numel() + 1,), j, dtype=torch.int16))
         pieces.append(torch.tensor(query + gen))
         seg.append(torch.full((len(query) + len(gen),), -1, dtype=torch.int16))
-        return torch.cat(pieces), t - len(gen), torch.cat(seg)
+        return torch.cat(pieces), t - len(gen), len(answer), torch.cat(seg)
 
     def _causal(self, t: int, rng: random.Random) -> tuple[torch.Tensor, int]:
         n_ctx = t - 1 - QUERY_RESERVE - GEN_RESERVE
@@ -127,37 +133,81 @@ class BatchBuilder:
         tail = query + answer + [self.eos]
         slack = t - 1 - ctx.numel() - len(tail)
         ids = torch.cat([torch.tensor([self.bos]), self._hay(slack, rng), ctx, torch.tensor(tail)])
-        return ids, t - len(answer) - 1
+        return ids, t - len(answer) - 1, len(answer)
 
-    def build(self, rng: random.Random) -> Batch:
+    def _recall(self, t: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prose with facts (and a few prose sentences) each written twice at random sentence boundaries.
+
+        Under random masking, a masked token of one mention is recoverable only from the other mention,
+        found by matching its key (a name): dense supervision for the retrieval the tasks need.
+        Returns (ids [t], mask of the repeated tokens [t]).
+        """
+        items = [self.f.encode(fact_text(rng)) for _ in range(rng.randint(*self.cfg.recall_facts))]
+        hay = self.f.hay
+        for _ in range(rng.randint(0, 3)):
+            i = rng.randrange(hay.num_sentences)
+            items.append(hay.ids[int(hay.offsets[i]) : int(hay.offsets[i + 1])][:48].tolist())
+        while items and 2 * sum(len(x) for x in items) > (t - 1) // 2:
+            items.pop()
+        n_base = t - 1 - 2 * sum(len(x) for x in items)
+        start = int(hay.offsets[rng.randrange(hay.num_sentences)])
+        base = hay.ids[torch.arange(start, start + n_base) % hay.num_tokens].long()
+        bounds = hay.offsets[(hay.offsets >= start) & (hay.offsets <= start + n_base)] - start
+        cuts = bounds.tolist() or [0]
+        slots = sorted((rng.choice(cuts), rng.random(), x) for x in items for _ in range(2))
+        pieces, marks, cur = [torch.tensor([self.bos])], [torch.zeros(1, dtype=torch.bool)], 0
+        for cut, _, x in slots:
+            pieces += [base[cur:cut], torch.tensor(x)]
+            marks += [torch.zeros(cut - cur, dtype=torch.bool), torch.ones(len(x), dtype=torch.bool)]
+            cur = cut
+        pieces.append(base[cur:])
+        marks.append(torch.zeros(n_base - cur, dtype=torch.bool))
+        return torch.cat(pieces), torch.cat(marks)
+
+    def build(self, rng: random.Random, step: int = 1 << 62) -> Batch:
+        """One batch; ``step`` (approximate global step) selects the length curriculum."""
         cfg = self.cfg
-        frac = rng.choices(cfg.length_fractions, weights=cfg.length_weights)[0]
+        weights = cfg.curriculum_weights if step < cfg.curriculum_steps else cfg.length_weights
+        frac = rng.choices(cfg.length_fractions, weights=weights)[0]
         t = int(cfg.seq_len * frac)
         b = max(1, cfg.tokens_per_batch // t)
         mode = rng.choices(MODES, weights=cfg.mode_weights)[0]
-        rows, starts, segs = [], [], []
-        for _ in range(b):
-            if mode == "text":
+        rows, starts, lens, segs, repeats = [], [], [], [], {}
+        for r in range(b):
+            if mode == "recall" or (mode == "causal" and rng.random() < cfg.p_causal_recall):
+                ids, repeats[r] = self._recall(t, rng)
+                rows.append(ids)
+                starts.append(t)
+                lens.append(0)
+            elif mode == "text":
                 rows.append(torch.cat([torch.tensor([self.bos]), self._hay(t - 1, rng)]))
                 starts.append(t)
+                lens.append(0)
             elif mode == "chunk":
-                ids, start, seg = self._chunked(t, rng)
+                ids, start, n_ans, seg = self._chunked(t, rng)
                 rows.append(ids)
                 starts.append(start)
+                lens.append(n_ans)
                 segs.append(seg)
             elif mode == "causal":
-                ids, start = self._causal(t, rng)
+                ids, start, n_ans = self._causal(t, rng)
                 rows.append(ids)
                 starts.append(start)
+                lens.append(n_ans)
             else:
-                ids, start = self._vanilla(t, rng)
+                ids, start, n_ans = self._vanilla(t, rng)
                 rows.append(ids)
                 starts.append(start)
+                lens.append(n_ans)
         ids = torch.stack(rows)
         pos = torch.arange(t)[None]
-        answer_region = pos >= torch.tensor(starts)[:, None]
+        first = torch.tensor(starts)[:, None]
+        gen_region = pos >= first
+        answer_region = gen_region & (pos < first + torch.tensor(lens)[:, None])
+        for r, marked in repeats.items():
+            answer_region[r] = marked
         answer_only = mode in ("sft", "chunk")
-        loss_region = answer_region.clone() if answer_only else (pos >= 1).expand(b, t).clone()
+        loss_region = gen_region if answer_only else (pos >= 1).expand(b, t).clone()
         batch = Batch(mode=mode, ids=ids, loss_region=loss_region, answer_region=answer_region)
         if mode == "chunk":
             batch.segments = torch.stack(segs)
@@ -178,8 +228,12 @@ class BatchStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         rng = random.Random(self.seed * 1000 + (info.id if info is not None else 0))
+        workers = info.num_workers if info is not None else 1
+        made = 0
         while True:
-            yield self.builder.build(rng)
+            # The loader takes batches from its workers in turn: local count x workers ~ global step.
+            yield self.builder.build(rng, made * workers)
+            made += 1
 
 
 def chunk_attention_mask(segments: torch.Tensor, sees_query: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from .objective import LossOutput, compute_loss
 from .tokenizer import load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-SAVE_RESERVE_S = 15.0  # time kept back at the end of a --max-minutes budget for the final save
+SAVE_RESERVE_S = 15.0
+RESCHEDULE_AT = (60, 200, 600, 1500, 3000)  # time kept back at the end of a --max-minutes budget for the final save
 
 
 def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
@@ -201,9 +202,10 @@ def train(
             break
         if budget is not None and step == 10:
             t_probe = (step, elapsed)
-        if budget is not None and t_probe is not None and step == 60:
+        if budget is not None and t_probe is not None and step in RESCHEDULE_AT:
+            # Fit the cosine schedule to the time budget; re-fitted as the data workers warm up.
             rate = (step - t_probe[0]) / max(elapsed - t_probe[1], 1e-6)
-            total = min(cfg.max_steps, int(step + rate * (budget - elapsed) * 0.97))
+            total = min(cfg.max_steps, int(step + rate * (budget - elapsed) * 0.98))
             bar.total = total
         lr = lr_at(step, total, cfg)
         for group in opt.param_groups:
