@@ -149,6 +149,45 @@ def pdllm_roofline(counts: Counts, ecfg: EngineConfig, n_ctx: int, static_tokens
             "roofline_s": compute_s + memory_s}  # fmt: skip
 
 
+def gpu_check(device: torch.device) -> dict:
+    """Fast path == reference path on this device (fp32 tiny models): every decode attention, graphs on."""
+    from pdllm.prefill_service.layout import make_request
+    from pdllm.prefill_service.reference import reference_generate
+
+    gen, rng = GenerationConfig(gen_length=8, steps=4), torch.Generator().manual_seed(7)
+    report: dict = {"cases": 0, "mismatches": []}
+    for family in ("dream", "llada"):
+        cfg = tiny().replace(family=family, shift_logits=family == "dream", attention_bias=family == "dream")
+        model = DiffusionLM(cfg)
+        model.init_weights(3, std=0.2)
+        model = model.to(device).eval()
+        context = torch.randint(3, 500, (150,), generator=rng).tolist()
+        query = torch.randint(3, 500, (6,), generator=rng).tolist()
+        for kv_mode, top_b in (
+            ("full-mask", None),
+            ("full-mask", 20),
+            ("chunk-query", None),
+            ("chunk-only", 20),
+        ):
+            ecfg = EngineConfig(chunk_size=32, top_k=2, top_b=top_b, kv_mode=kv_mode)
+            ref = reference_generate(
+                model, make_request(context, query, cfg.bos_token_id, ecfg, 512), ecfg, gen
+            )
+            for mode in ("segments", "buffer", "triton"):
+                report["cases"] += 1
+                try:
+                    engine = PrefillingEngine(model, None, ecfg, decode_attention=mode, reuse_chunks=False,
+                                              cuda_graph=device.type == "cuda" and mode != "segments")  # fmt: skip
+                    got, trace = engine.generate(context, query, gen)
+                    same = got.raw_tokens == ref.result.raw_tokens and trace.selected == ref.selected
+                    detail = "" if same else f"{got.raw_tokens} vs {ref.result.raw_tokens}"
+                except Exception as exc:
+                    same, detail = False, f"{type(exc).__name__}: {exc}"[:300]
+                if not same:
+                    report["mismatches"].append(f"{family} {kv_mode} top_b={top_b} {mode}: {detail}")
+    return report
+
+
 def run_vanilla(model: DiffusionLM, prompt: list[int], gen: GenerationConfig, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -199,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = (args.decode_attention or ("buffer,triton" if cuda else "segments,buffer")).split(",")
     ecfg = EngineConfig(chunk_size=1024 if not args.smoke else 64, top_k=4)
     gen = GenerationConfig(gen_length=args.gen_length, steps=args.gen_length, stop_at_eos=False)
+    check = gpu_check(device) if cuda else {}
+    if check:
+        print(
+            f"fast==reference on {device}: {check['cases'] - len(check['mismatches'])}/{check['cases']}",
+            flush=True,
+        )
     model = build_model(mcfg, device, dtype)
     counts = Counts.of(model)
     peaks = measure_peaks(device, dtype)
@@ -274,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "phases_s"}), flush=True)
-        write(args, rows, peaks, device, mcfg, ecfg, gen, errors)
+        write(args, rows, peaks, device, mcfg, ecfg, gen, errors, check)
     target = args.profile_length
     if target is not None and engines and target in contexts:
         best = rows[[r["context_length"] for r in rows].index(target)]["decode_attention"]
@@ -297,14 +342,15 @@ def profile(args: argparse.Namespace, engine: PrefillingEngine, context: list[in
 
 
 def write(args: argparse.Namespace, rows: list[dict], peaks: dict[str, float], device: torch.device,
-          mcfg: ModelConfig, ecfg: EngineConfig, gen: GenerationConfig, errors: dict[str, str]) -> None:  # fmt: skip
+          mcfg: ModelConfig, ecfg: EngineConfig, gen: GenerationConfig, errors: dict[str, str], check: dict) -> None:  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     command = "python benchmarks/e2e_speedup.py " + " ".join(sys.argv[1:])
     meta = {"device": name, "date": stamp, "command": command, "peaks": peaks,
             "engine": asdict(ecfg), "generation": asdict(gen), "model": mcfg.to_hf_dict(),
-            "decode_attention_errors": errors, "cuda_graph": not args.no_cuda_graph}  # fmt: skip
+            "decode_attention_errors": errors, "cuda_graph": not args.no_cuda_graph,
+            "fast_vs_reference_on_device": check}  # fmt: skip
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# End-to-end speedup: vanilla vs Prefilling-dLLM — {name}, {stamp}",
