@@ -1,1 +1,11 @@
-"""Triton kernels, each with its launcher and a pure-torch reference."""
+"""Triton kernels, each with its launcher and a pure-torch reference.
+
+- :mod:`.split_s_attention` (+ :mod:`.split_s_reference`): split-S decode attention over a paged chunk-KV
+  pool plus the request's local KV; ``split_s_attention`` (Triton, CUDA) and ``split_s_attention_reference``
+  (torch, any device) share one signature.
+- :mod:`.paged_kv`: ``PagedKVPool``, the page pool those kernels read (chunk writes, page tables).
+- :mod:`.chunk_prefill_attention`: block-diagonal varlen attention for chunked prefill / scoring (+ LSE).
+- :mod:`.retention_scores`: top-B token-retention scores from the prefill's LSE (Triton + reference).
+
+Measured behaviour and the backend choice are in ``benchmarks/results/attention_notes.md``.
+"""

@@ -49,6 +49,15 @@ def test_chunk_prefill_matches_dense_block_diagonal(causal: bool, hq: int, hkv: 
     torch.testing.assert_close(torch.exp(s - lse[6].double()[:, None]), p[:, 6, 5:22], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunk_prefill_equal_lengths_batched_path(causal: bool) -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, cu = _pack(gen, [6, 6, 6], 8, 2, 16)
+    want = chunk_prefill_attention_reference(q, k, v, cu, causal=causal)
+    got = chunk_prefill_attention(q, k, v, cu, causal=causal, max_seqlen=6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_chunk_prefill_errors() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v, cu = _pack(gen, [4], 3, 2, 16)
