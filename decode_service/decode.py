@@ -16,7 +16,7 @@ import torch
 
 from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention, SegmentedAttention
 from pdllm.decode_service.graphs import GraphCache, GraphedStep
-from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -129,6 +129,29 @@ def decode(
             device=device,
             progress=progress,
         )
+    return denoise(
+        gen,
+        model.config.mask_token_id,
+        model.config.eos_token_id,
+        decode_logits_fn(model, query_ids, static, gen, policy),
+        device=device,
+        progress=progress,
+    )
+
+
+def decode_logits_fn(
+    model: DiffusionLM,
+    query_ids: list[int],
+    static: StaticKV,
+    gen: GenerationConfig,
+    policy: DecodePolicy,
+) -> LogitsFn:
+    """The eager decode step: forward ``[query, response]`` after ``static``, attention per ``policy``."""
+    device = next(model.parameters()).device
+    q = len(query_ids)
+    local = torch.full((q + gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=device)
+    local[:q] = torch.as_tensor(query_ids, device=device)
+    positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
     policy.begin(static, local.shape[0])
     step = 0
 
@@ -139,11 +162,4 @@ def decode(
         step += 1
         return model(local[None], positions, backend, logits_at=(at + q)[None])[0]
 
-    return denoise(
-        gen,
-        model.config.mask_token_id,
-        model.config.eos_token_id,
-        logits_fn,
-        device=device,
-        progress=progress,
-    )
+    return logits_fn

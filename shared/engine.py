@@ -23,13 +23,14 @@ import torch
 
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticKV, StaticPolicy, decode
 from pdllm.decode_service.graphs import GraphCache
+from pdllm.prefill_service.attention import ChunkBank
 from pdllm.prefill_service.build import build_static
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.prefill_service.layout import DecodeLayout, Request, decode_layout, make_request, select_top_k
 from pdllm.prefill_service.prefill import chunk_prefill
 from pdllm.prefill_service.reference import ChunkScore
 from pdllm.prefill_service.scoring import score_chunks
-from pdllm.prefill_service.store import ChunkKVStore, LRUChunkStore
+from pdllm.prefill_service.store import ChunkKVStore, LRUChunkStore, chunk_keys, position_scheme
 from pdllm.prefill_service.trace import MemoryMeter, Trace
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -37,6 +38,20 @@ from pdllm.shared.model.transformer import DiffusionLM
 __all__ = ["EngineConfig", "PrefillResult", "PrefillingEngine", "Trace"]
 
 Ids = Sequence[int] | torch.Tensor | str
+
+
+@dataclass
+class Selection:
+    """Steps 3-5 of one request: what a prefill worker returns (``keys``: step-3 KV of every chunk)."""
+
+    request: Request
+    scores: list[ChunkScore]
+    selected: list[int]
+    trace: Trace
+    meter: MemoryMeter
+    bank: ChunkBank | None
+    keys: list[str]
+    position_scheme: str
 
 
 @dataclass
@@ -92,12 +107,18 @@ class PrefillingEngine:
             raise ValueError(f"{name} was given as text but the engine has no tokenizer; pass token ids")
         return list(self.tokenizer.encode(value, add_special_tokens=False))
 
-    def prefill(
-        self, context: Ids, question: Ids, gen: GenerationConfig, instruction: Ids | None = None
-    ) -> PrefillResult:
-        """Steps 3-6: chunk prefill, scoring, top-K (+top-B) selection and the static decode KV."""
+    def select(
+        self,
+        context: Ids,
+        question: Ids,
+        gen: GenerationConfig,
+        instruction: Ids | None = None,
+        config: EngineConfig | None = None,
+    ) -> Selection:
+        """Steps 3-5 (what a prefill worker runs): chunk prefill, scoring, top-K selection."""
         gen.validate()
-        cfg, model, device = self.config, self.model, self.device
+        cfg = config or self.config
+        model, device = self.model, self.device
         request = make_request(
             self._ids("context", context),  # type: ignore[arg-type]
             self._ids("question", question),  # type: ignore[arg-type]
@@ -116,30 +137,57 @@ class PrefillingEngine:
             scores = score_chunks(model, request, cfg, bank)
         with trace.phase("select", device):
             selected = select_top_k([s.total for s in scores], cfg.top_k)
-            layout = decode_layout(request, selected, gen.gen_length)
-        with trace.phase("build", device):
-            local: list[torch.Tensor] = []
-            if cfg.kv_mode == "chunk-only":
-                if cfg.prefill_attention == "causal":
-                    local = [bank.segment(i) for i in selected]
-                else:
-                    chunks = [request.chunks[i] for i in selected]
-                    bi, bi_stats = chunk_prefill(
-                        model, chunks, "bidirectional", cfg.chunk_size, cfg.prefill_batch, self.store
-                    )
-                    local = [bi.segment(j) for j in range(len(chunks))]
-                    stats.hits += bi_stats.hits
-                    stats.chunks += bi_stats.chunks
-            static = build_static(model, request, layout, cfg, local)
-        del bank
         trace.chunk_scores = [
             {"chunk": s.chunk, "s_i": s.s_i, "s_p": s.s_p, "total": s.total} for s in scores
         ]
         trace.selected = selected
-        trace.kept_tokens = static.kept_tokens
         trace.cache_hits, trace.cache_misses = stats.hits, stats.chunks - stats.hits
         trace.prefill_skipped = stats.forwarded == 0
-        return PrefillResult(request, layout, static, scores, selected, trace, meter)
+        keys = chunk_keys(model.config.model_id, bank.kv.dtype, cfg.chunk_size, "causal", request.chunks)
+        return Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"))
+
+    def chunk_kv(
+        self, chunks: Sequence[Sequence[int]], config: EngineConfig | None = None
+    ) -> tuple[list[torch.Tensor], int]:
+        """Step-3 KV of ``chunks`` in the config's prefill attention, from the store or computed (chunk-only).
+
+        Returns the segments and how many came from the store."""
+        cfg = config or self.config
+        kv, stats = chunk_prefill(
+            self.model, chunks, cfg.prefill_attention, cfg.chunk_size, cfg.prefill_batch, self.store
+        )
+        return [kv.segment(j) for j in range(len(chunks))], stats.hits
+
+    def build(
+        self,
+        request: Request,
+        layout: DecodeLayout,
+        config: EngineConfig | None = None,
+        local: Sequence[torch.Tensor] = (),
+    ) -> StaticKV:
+        """Step 6: the static decode KV of the selected chunks (``local``: their step-3 KV, chunk-only)."""
+        return build_static(self.model, request, layout, config or self.config, local)
+
+    def prefill(
+        self, context: Ids, question: Ids, gen: GenerationConfig, instruction: Ids | None = None
+    ) -> PrefillResult:
+        """Steps 3-6: chunk prefill, scoring, top-K (+top-B) selection and the static decode KV."""
+        cfg = self.config
+        sel = self.select(context, question, gen, instruction)
+        request, selected, trace = sel.request, sel.selected, sel.trace
+        layout = decode_layout(request, selected, gen.gen_length)
+        with trace.phase("build", self.device):
+            local: list[torch.Tensor] = []
+            if cfg.kv_mode == "chunk-only" and cfg.prefill_attention == "causal":
+                local = [sel.bank.segment(i) for i in selected]  # type: ignore[union-attr]
+            elif cfg.kv_mode == "chunk-only":
+                local, hits = self.chunk_kv([request.chunks[i] for i in selected], cfg)
+                trace.cache_hits += hits
+                trace.cache_misses += len(selected) - hits
+            static = self.build(request, layout, cfg, local)
+        sel.bank = None
+        trace.kept_tokens = static.kept_tokens
+        return PrefillResult(request, layout, static, sel.scores, selected, trace, sel.meter)
 
     def decode(
         self,

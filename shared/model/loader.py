@@ -159,6 +159,14 @@ def load_model(
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=model_dir)
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer alone (the router tokenizes but never loads weights)."""
+    tokenizer = _load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return tokenizer
+
+
 def _load_tokenizer(model_dir: Path) -> Any | None:
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return None

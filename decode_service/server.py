@@ -1,0 +1,130 @@
+"""The decode worker: ``pdllm.v1.Decode``, continuous batching over the engine's step 6-7.
+
+For a pdllm request the worker rebuilds the decode KV of the selected chunks from their token ids
+(full-mask / chunk-query: one forward over K chunks + query) or loads their step-3 KV from the KV tier
+by handle key (chunk-only; recomputed when the tier misses), then denoises through the shared sampler.
+A vanilla request carries the whole context and is decoded without any cache (the baseline).
+Partial outputs stream after every step when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn
+from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.prefill_service.layout import Request, decode_layout
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
+from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
+from pdllm.shared.rpc.convert import engine_config, generation_config
+from pdllm.shared.rpc.errors import PdllmError
+from pdllm.shared.rpc.logs import bind_request_id
+from pdllm.shared.rpc.server import termination_event
+
+
+class DecodeServicer(workers_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: PrefillingEngine, scheduler: DecodeScheduler, worker_name: str = "") -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.worker_name = worker_name
+
+    def Decode(
+        self, request: wpb.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[wpb.DecodeResponse]:
+        with bind_request_id(request.request_id):
+            try:
+                gen = generation_config(request.generation)
+                cfg = engine_config(request.method, self.engine.config)
+            except ValueError as exc:
+                raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+            if request.method.method == "vanilla":
+                if not request.context_ids:
+                    raise PdllmError(
+                        "vanilla decode needs context_ids", code=grpc.StatusCode.INVALID_ARGUMENT
+                    )
+                start = lambda: self._vanilla_session(request, gen)  # noqa: E731
+            else:
+                if not request.chunks:
+                    raise PdllmError(
+                        "pdllm decode needs at least one chunk", code=grpc.StatusCode.INVALID_ARGUMENT
+                    )
+                start = lambda: self._pdllm_session(request, gen, cfg)  # noqa: E731
+            job = DecodeJob(request.request_id, start, termination_event(context), request.stream_partials)
+            self.scheduler.submit(job)
+            for event in job.stream():
+                if isinstance(event, Partial):
+                    yield wpb.DecodeResponse(partial=self._partial(request, gen, event))
+                elif isinstance(event, Final):
+                    yield wpb.DecodeResponse(final=self._final(request, event, job))
+
+    # ------------------------------------------------------------------ sessions (scheduler thread)
+    def _vanilla_session(self, request: wpb.DecodeRequest, gen: GenerationConfig) -> DenoiseSession:
+        model = self.engine.model
+        bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
+        ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
+        prompt = prompt_tensor(model, ids)
+        fn = vanilla_logits_fn(model, prompt, gen.gen_length)
+        return DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, prompt.device)
+
+    def _pdllm_session(
+        self, request: wpb.DecodeRequest, gen: GenerationConfig, cfg: EngineConfig
+    ) -> DenoiseSession:
+        model = self.engine.model
+        chunks = [list(h.token_ids) for h in request.chunks]
+        req = Request(
+            instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
+        )
+        selected = list(range(len(chunks)))
+        layout = decode_layout(req, selected, gen.gen_length)
+        local: list[torch.Tensor] = []
+        if cfg.kv_mode == "chunk-only":
+            local, hits = self.engine.chunk_kv(chunks, cfg)
+            request_stats = (hits, len(chunks) - hits)
+        else:
+            request_stats = (0, 0)
+        static = self.engine.build(req, layout, cfg, local)
+        fn = decode_logits_fn(model, req.query, static, gen, StaticPolicy(self.engine.decode_attention))
+        device = next(model.parameters()).device
+        session = DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, device)
+        session.cache_stats = request_stats  # type: ignore[attr-defined]
+        return session
+
+    # ------------------------------------------------------------------ messages
+    def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:
+        total = gen.gen_length if gen.threshold is not None else min(gen.steps, gen.gen_length)
+        return pb.PartialOutput(
+            request_id=request.request_id,
+            step=p.step,
+            total_steps=total,
+            block_index=p.block,
+            token_ids=p.tokens,
+            unmasked=sum(1 for t in p.tokens if t >= 0),
+        )
+
+    def _final(self, request: wpb.DecodeRequest, event: Final, job: DecodeJob) -> wpb.DecodeResult:
+        result = event.result
+        eos = self.engine.model.config.eos_token_id
+        hits, misses = getattr(job.session, "cache_stats", (0, 0))
+        device = next(self.engine.model.parameters()).device
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        return wpb.DecodeResult(
+            request_id=request.request_id,
+            token_ids=result.token_ids,
+            finish_reason="eos" if eos is not None and eos in result.raw_tokens else "length",
+            steps=result.steps,
+            timings=pb.PhaseTimings(
+                queue_s=event.queue_s, build_s=event.build_s, decode_s=result.decode_seconds
+            ),
+            cache_hits=hits,
+            cache_misses=misses,
+            peak_memory_bytes=int(peak),
+            worker=self.worker_name,
+        )

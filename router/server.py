@@ -1,0 +1,321 @@
+"""The router: public ``pdllm.v1.Generation`` front door over prefill and decode workers.
+
+Per request: validate and fill defaults, tokenize (instruction, context and question separately), send
+the prefill to a worker (document affinity, else least outstanding tokens), then stream the decode from
+the least loaded decode worker, relaying partial outputs and assembling the final trace. Deadlines are
+passed down as the time the client has left; a client that goes away cancels the worker calls; a worker
+answering UNAVAILABLE (or dying mid-stream) is reported to its pool and the step is retried on another
+worker under the same request id (workers treat request ids idempotently).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.protos.pdllm.v1 import generation_pb2_grpc, workers_pb2_grpc
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.shared.prompt import encode_prompt
+from pdllm.shared.rpc.convert import generation_params, method_params
+from pdllm.shared.rpc.errors import PdllmError
+from pdllm.shared.rpc.logs import bind_request_id
+from pdllm.shared.rpc.validation import (
+    RequestDefaults,
+    ResolvedRequest,
+    ValidationLimits,
+    new_request_id,
+    resolve_generate_request,
+)
+
+from .routing import LoadTracker, document_key
+
+_log = logging.getLogger("pdllm.router")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_queue: int = 256  # requests admitted at once; beyond: RESOURCE_EXHAUSTED
+    attempts: int = 3  # tries per phase (another worker each time) on UNAVAILABLE
+    default_timeout_s: float = 600.0  # when the client sets no deadline
+    model_name: str = ""
+
+
+class Pools:
+    """The router's view of its workers: healthy addresses and a channel per address, per role."""
+
+    def __init__(self, healthy: Callable[[str], tuple[str, ...]], channel: Callable[[str], grpc.Channel]):
+        self.healthy = healthy
+        self.channel = channel
+        self._failed: Callable[[str, str], None] = lambda role, address: None
+
+    def on_failure(self, callback: Callable[[str, str], None]) -> None:
+        self._failed = callback
+
+    def report_failure(self, role: str, address: str) -> None:
+        self._failed(role, address)
+
+
+class RouterServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        tokenizer: Any,
+        pools: Pools,
+        config: RouterConfig | None = None,
+        limits: ValidationLimits | None = None,
+        defaults: RequestDefaults | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.pools = pools
+        self.config = config or RouterConfig()
+        self.limits = limits
+        self.defaults = defaults
+        self.prefill_load = LoadTracker()
+        self.decode_load = LoadTracker()
+        self._admitted = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public API
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        final = None
+        for event in self._run(request, context):
+            if event.HasField("final"):
+                final = event.final
+        assert final is not None  # _run either yields a final message or raises
+        return final
+
+    def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        yield from self._run(request, context)
+
+    # ------------------------------------------------------------------ one request
+    def _run(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        started = time.perf_counter()
+        resolved = resolve_generate_request(request, self.limits, self.defaults)
+        rid = resolved.request_id or new_request_id()
+        with bind_request_id(rid), self._admission(rid):
+            ids = encode_prompt(self.tokenizer, resolved.context, resolved.question, resolved.instruction)
+            gen, method = generation_params(resolved), method_params(resolved)
+            deadline = time.monotonic() + self._budget(context)
+            prefill: wpb.PrefillResponse | None = None
+            if resolved.method == "pdllm":
+                prefill = self._prefill(rid, resolved, ids, gen, method, deadline, context)
+            decode_req = wpb.DecodeRequest(
+                request_id=rid,
+                model=resolved.model,
+                instruction_ids=ids.instruction,
+                question_ids=ids.query,
+                generation=gen,
+                method=method,
+                stream_partials=True,
+            )
+            if prefill is None:
+                decode_req.context_ids.extend(ids.context)
+            else:
+                decode_req.kv_spec.CopyFrom(prefill.kv_spec)
+                decode_req.chunks.extend(prefill.selected)
+            ttft: float | None = None
+            for event in self._decode(decode_req, deadline, context):
+                if event.HasField("partial"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    yield pb.GenerateStreamResponse(partial=self._partial(rid, event.partial))
+                else:
+                    yield pb.GenerateStreamResponse(
+                        final=self._final(rid, resolved, ids, prefill, event.final, started, ttft)
+                    )
+                    return
+            raise PdllmError(
+                "decode worker ended the stream without a result", code=grpc.StatusCode.UNAVAILABLE
+            )
+
+    @contextmanager
+    def _admission(self, rid: str) -> Iterator[None]:
+        with self._lock:
+            if self._admitted >= self.config.max_queue:
+                raise PdllmError(
+                    f"router queue is full ({self.config.max_queue} requests); retry later",
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    request_id=rid,
+                )
+            self._admitted += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._admitted -= 1
+
+    def _prefill(self, rid, resolved, ids, gen, method, deadline, context) -> wpb.PrefillResponse:
+        req = wpb.PrefillRequest(
+            request_id=rid,
+            model=resolved.model,
+            instruction_ids=ids.instruction,
+            context_ids=ids.context,
+            question_ids=ids.query,
+            method=method,
+            generation=gen,
+        )
+        doc = document_key(ids.context)
+        tokens = len(ids.context) + len(ids.query)
+
+        def call(address: str) -> wpb.PrefillResponse:
+            stub = workers_pb2_grpc.PrefillStub(self.pools.channel(address))
+            with self.prefill_load.outstanding(address, tokens):
+                future = stub.Prefill.future(req, timeout=self._remaining(deadline))
+                context.add_callback(future.cancel)
+                response = future.result()
+            self.prefill_load.remember(doc, address)
+            return response
+
+        return self._with_retries("prefill", self.prefill_load, call, doc)
+
+    def _decode(self, req: wpb.DecodeRequest, deadline: float, context) -> Iterator[wpb.DecodeResponse]:
+        tried: set[str] = set()
+        last: grpc.RpcError | None = None
+        for _ in range(self.config.attempts):
+            address = self._choose("decode", self.decode_load, tried, None)
+            stub = workers_pb2_grpc.DecodeStub(self.pools.channel(address))
+            stream = stub.Decode(req, timeout=self._remaining(deadline))
+            context.add_callback(stream.cancel)
+            try:
+                with self.decode_load.outstanding(address, 1):
+                    for event in stream:
+                        yield event
+                        if event.HasField("final"):
+                            return
+                return
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise _as_error(err, "decode") from err
+                last = err
+                tried.add(address)
+                self.pools.report_failure("decode", address)
+                _log.warning("decode worker unavailable; retrying", extra={"worker": address})
+            finally:
+                stream.cancel()
+        raise (
+            _as_error(last, "decode")
+            if last
+            else PdllmError("no decode worker", code=grpc.StatusCode.UNAVAILABLE)
+        )
+
+    def _with_retries(self, role: str, tracker: LoadTracker, call, doc: str | None):
+        tried: set[str] = set()
+        last: grpc.RpcError | None = None
+        for _ in range(self.config.attempts):
+            address = self._choose(role, tracker, tried, doc)
+            try:
+                return call(address)
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise _as_error(err, role) from err
+                last = err
+                tried.add(address)
+                self.pools.report_failure(role, address)
+                _log.warning(f"{role} worker unavailable; retrying", extra={"worker": address})
+        raise (
+            _as_error(last, role)
+            if last
+            else PdllmError(f"no {role} worker", code=grpc.StatusCode.UNAVAILABLE)
+        )
+
+    def _choose(self, role: str, tracker: LoadTracker, tried: set[str], doc: str | None) -> str:
+        try:
+            return tracker.choose(self.pools.healthy(role), doc, exclude=tried)
+        except LookupError:
+            raise PdllmError(
+                f"no healthy {role} worker is available" + (" (all tried)" if tried else ""),
+                code=grpc.StatusCode.UNAVAILABLE,
+            ) from None
+
+    def _budget(self, context: grpc.ServicerContext) -> float:
+        """Seconds the client gave us (grpc reports "no deadline" as a huge number or None)."""
+        left = context.time_remaining()
+        if left is None or left > self.config.default_timeout_s:
+            return self.config.default_timeout_s
+        return left
+
+    @staticmethod
+    def _remaining(deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PdllmError(
+                "deadline exceeded before the request finished", code=grpc.StatusCode.DEADLINE_EXCEEDED
+            )
+        return left
+
+    # ------------------------------------------------------------------ messages
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _partial(self, rid: str, p: wpb.PartialOutput) -> pb.PartialOutput:
+        out = pb.PartialOutput()
+        out.CopyFrom(p)
+        out.request_id = rid
+        prefix = []
+        for t in p.token_ids:
+            if t < 0 or t == self.tokenizer.eos_token_id:
+                break
+            prefix.append(t)
+        out.text = self._text(prefix)
+        return out
+
+    def _final(self, rid, resolved: ResolvedRequest, ids, prefill, result: wpb.DecodeResult, started, ttft):
+        trace = pb.Trace(
+            method=resolved.method,
+            kv_mode=resolved.kv_mode if prefill is not None else "",
+            score_mode=resolved.score_mode if prefill is not None else "",
+            prompt_tokens=len(ids.instruction) + len(ids.context) + len(ids.query),
+            context_tokens=len(ids.context),
+            steps=result.steps,
+            decode_worker=result.worker,
+            peak_memory_bytes=result.peak_memory_bytes,
+            cache_hits=result.cache_hits,
+            cache_misses=result.cache_misses,
+        )
+        timings = trace.timings
+        timings.CopyFrom(result.timings)
+        if prefill is not None:
+            trace.num_chunks = len(prefill.chunk_scores)
+            trace.selected_chunk_ids.extend(c.chunk_id for c in prefill.selected)
+            trace.chunk_scores.extend(prefill.chunk_scores)
+            trace.kept_tokens = sum(s.kept_tokens for s in prefill.chunk_scores)
+            trace.prefill_worker = prefill.worker
+            trace.peak_memory_bytes = max(trace.peak_memory_bytes, prefill.peak_memory_bytes)
+            trace.cache_hits += prefill.cache_hits
+            trace.cache_misses += prefill.cache_misses
+            for name in ("queue_s", "prefill_s", "score_s", "select_s"):
+                setattr(timings, name, getattr(prefill.timings, name))
+            timings.build_s += prefill.timings.build_s
+        timings.ttft_s = ttft if ttft is not None else time.perf_counter() - started
+        timings.total_s = time.perf_counter() - started
+        return pb.GenerateResponse(
+            request_id=rid,
+            model=resolved.model,
+            text=self._text(list(result.token_ids)).strip(),
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            trace=trace,
+        )
+
+
+def _as_error(err: grpc.RpcError | None, role: str) -> PdllmError:
+    if err is None:
+        return PdllmError(f"{role} failed", code=grpc.StatusCode.UNAVAILABLE)
+    code = err.code()
+    details = err.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return PdllmError(details, code=code)
+    return PdllmError(f"{role} worker: {details}", code=code)

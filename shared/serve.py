@@ -1,0 +1,253 @@
+"""``pdllm serve``: run the router, a prefill worker, a decode worker, or all three in one process.
+
+``--role all`` is the one-machine deployment: one model shared by an in-process prefill worker and
+decode worker on private loopback ports, and the router on ``--port`` routing to them. The KV tier is
+an in-process CPU store, with Redis behind it when ``--kv-url redis://...`` is given. Every flag also
+reads ``PDLLM_<FLAG>`` from the environment (what the Kubernetes manifests set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+
+from pdllm.shared.rpc.options import add_server_arguments, env_name, server_config_from_args
+from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
+
+ROLES = ("router", "prefill", "decode", "all")
+_log = logging.getLogger("pdllm.serve")
+
+
+def _env_default(flag: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
+    raw = os.environ.get(env_name(flag))
+    return default if raw in (None, "") else convert(raw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdllm serve", description=__doc__.splitlines()[0])
+    p.add_argument("--role", choices=ROLES, default=_env_default("--role", "all"))
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=_env_default("--model", None), help="checkpoint dir (default: shipped)")
+    m.add_argument("--device", default=_env_default("--device", "cpu"))
+    m.add_argument("--dtype", default=_env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"])
+    k = p.add_argument_group("KV tier")
+    k.add_argument("--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)")
+    k.add_argument("--kv-cpu-bytes", type=int, default=_env_default("--kv-cpu-bytes", 2 << 30, int))
+    r = p.add_argument_group("router")
+    r.add_argument("--discovery", default=_env_default("--discovery", "static"), choices=["static", "kubernetes"])
+    r.add_argument("--prefill-workers", default=_env_default("--prefill-workers", ""))
+    r.add_argument("--decode-workers", default=_env_default("--decode-workers", ""))
+    r.add_argument("--k8s-namespace", default=_env_default("--k8s-namespace", ""))
+    r.add_argument("--k8s-prefill-service", default=_env_default("--k8s-prefill-service", ""))
+    r.add_argument("--k8s-decode-service", default=_env_default("--k8s-decode-service", ""))
+    r.add_argument("--max-queue", type=int, default=_env_default("--max-queue", 256, int))
+    d = p.add_argument_group("decode")
+    d.add_argument("--max-active", type=int, default=_env_default("--max-active", 16, int))
+    d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
+    add_server_arguments(p)
+    return p
+
+
+@dataclass
+class Deployment:
+    """What ``serve`` started; ``servers[0]`` is the public one."""
+
+    servers: list[RpcServer]
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.servers[0].address
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        for close in self.closers:
+            close()
+
+
+def _hostname() -> str:
+    return os.environ.get("HOSTNAME") or socket.gethostname()
+
+
+def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
+    from pdllm.shared.kv_tier import CPUStoreConfig, KVMeta, KVTierConfig, RedisStoreConfig, build_kv_store
+    from pdllm.shared.model.loader import DTYPES
+
+    if args.kv_url and not args.kv_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"--kv-url must be a redis:// URL, got {args.kv_url!r}")
+    meta = KVMeta.from_model_config(model_config, DTYPES[dtype])
+    config = KVTierConfig(
+        cpu=CPUStoreConfig(args.kv_cpu_bytes) if args.kv_cpu_bytes > 0 else None,
+        redis=RedisStoreConfig(args.kv_url) if args.kv_url else None,
+    )
+    return build_kv_store(config, meta)
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from pdllm.shared.engine import PrefillingEngine
+    from pdllm.shared.model.loader import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    store = _kv_store(args, loaded.config, args.dtype)
+    return PrefillingEngine(loaded.model, loaded.tokenizer, store=store), loaded
+
+
+def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -> RpcServer:
+    from pdllm.prefill_service.server import PrefillServicer
+    from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+
+    servicer = PrefillServicer(engine, worker_name=f"prefill@{_hostname()}")
+    spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
+    return build_server(config, [spec]).start()
+
+
+def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) -> tuple[RpcServer, Callable]:
+    from pdllm.decode_service.scheduler import DecodeScheduler
+    from pdllm.decode_service.server import DecodeServicer
+    from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+
+    scheduler = DecodeScheduler(max_active=args.max_active, max_waiting=args.max_waiting)
+    servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
+    spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
+    return build_server(replace(config, track_queue_depth=True), [spec]).start(), scheduler.close
+
+
+def start_router(
+    args: argparse.Namespace, config: ServerConfig, tokenizer: Any, workers: ServerConfig | None = None
+) -> tuple[RpcServer, Callable]:
+    """``workers``: how the workers are reached (TLS, token); default: like the router itself."""
+    from pdllm.protos.pdllm.v1 import generation_pb2_grpc
+    from pdllm.router.discovery import HealthCheckConfig, WorkerPool, discovery_from_flags
+    from pdllm.router.server import Pools, RouterConfig, RouterServicer
+
+    channel_factory = _channel_factory(workers or config)
+    pools = {
+        role: WorkerPool(role, HealthCheckConfig(interval_s=2.0), channel_factory) for role in ("prefill", "decode")
+    }
+    source = discovery_from_flags(args.discovery, vars(args))
+    source.subscribe(lambda role, addresses: pools[role].set_members(addresses))
+    source.start()
+    for pool in pools.values():
+        pool.start()
+    view = Pools(healthy=lambda role: pools[role].healthy(), channel=lambda a: _any_channel(pools, a))
+    view.on_failure(lambda role, address: pools[role].report_failure(address))
+    servicer = RouterServicer(tokenizer, view, RouterConfig(max_queue=args.max_queue))
+    spec = service_spec(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
+    server = build_server(config, [spec]).start()
+
+    def close() -> None:
+        source.stop()
+        for pool in pools.values():
+            pool.stop()
+
+    return server, close
+
+
+def _any_channel(pools: dict, address: str) -> grpc.Channel:
+    for pool in pools.values():
+        try:
+            return pool.channel(address)
+        except KeyError:
+            continue
+    raise KeyError(address)
+
+
+def _channel_factory(config: ServerConfig) -> Callable[[str], grpc.Channel]:
+    """Router -> worker channels: same token and TLS as the public side (workers check them too)."""
+    options = [
+        ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+        ("grpc.max_send_message_length", config.max_send_message_bytes),
+    ]
+
+    def factory(address: str) -> grpc.Channel:
+        if config.tls is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=config.tls.cert_path.read_bytes())
+            if config.auth_token:
+                creds = grpc.composite_channel_credentials(
+                    creds, grpc.access_token_call_credentials(config.auth_token)
+                )
+            return grpc.secure_channel(address, creds, options + [("grpc.ssl_target_name_override", "pdllm.internal")])
+        channel = grpc.insecure_channel(address, options)
+        if config.auth_token:
+            channel = grpc.intercept_channel(channel, _BearerToken(config.auth_token))
+        return channel
+
+    return factory
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = list(details.metadata or []) + [self._metadata]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: grpc.ClientCallDetails, metadata: list) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+def start(args: argparse.Namespace) -> Deployment:
+    """Start what ``args.role`` asks for; returns once every server is serving."""
+    config = server_config_from_args(args, args.role if args.role != "all" else "router")
+    if args.role == "router":
+        from pdllm.shared.model.loader import load_tokenizer, resolve_model_dir
+
+        server, close = start_router(args, config, load_tokenizer(resolve_model_dir(args.model)))
+        return Deployment([server], [close])
+    engine, loaded = _engine(args)
+    if args.role == "prefill":
+        return Deployment([start_prefill(args, config, engine)])
+    if args.role == "decode":
+        server, close = start_decode(args, config, engine)
+        return Deployment([server], [close])
+    # all: private workers on loopback, no metrics endpoints of their own
+    internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
+    prefill = start_prefill(args, replace(internal, role="prefill"), engine)
+    decode, close_decode = start_decode(args, replace(internal, role="decode"), engine)
+    args = argparse.Namespace(
+        **{**vars(args), "discovery": "static", "prefill_workers": prefill.address, "decode_workers": decode.address}
+    )
+    router, close_router = start_router(args, config, loaded.tokenizer, workers=internal)
+    return Deployment([router, prefill, decode], [close_router, close_decode])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdllm.shared.rpc.logs import configure_json_logging
+
+    args = build_parser().parse_args(argv)
+    configure_json_logging()
+    deployment = start(args)
+    public = deployment.servers[0]
+    print(f"pdllm {args.role} serving on {public.address}", file=sys.stderr, flush=True)
+    try:
+        public.serve_until_signal()
+    finally:
+        deployment.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""`serve --role all` in process: answers equal the in-process engine's, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.generation.vanilla import generate_vanilla
+from pdllm.shared.model.loader import load_model
+from pdllm.shared.prompt import encode_prompt
+from pdllm.shared.rpc.client import PdllmClient
+from pdllm.shared.serve import build_parser, start
+
+from ..model.tiny_checkpoint import make_tiny_checkpoint
+
+CONTEXT = (
+    "The archive reopened after a two-year renovation. Letters, maps and oral histories from local residents. "
+    "The access code of Mira Halden is 4821. The reading room holds maps from 1912. "
+) * 4
+QUESTION = "What is the access code of Mira Halden?"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_dir):
+    args = build_parser().parse_args(
+        ["--role", "all", "--model", str(tiny_dir), "--port", "0", "--metrics-port", "-1"]
+    )
+    dep = start(args)
+    yield dep
+    dep.stop()
+
+
+def _expected_pdllm(tiny_dir, gen: GenerationConfig, cfg: EngineConfig) -> list[int]:
+    loaded = load_model(tiny_dir)
+    ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, cfg)
+    result, _ = engine.generate(ids.context, ids.query, gen)
+    return result.token_ids
+
+
+@pytest.mark.parametrize("kv_mode", ["full-mask", "chunk-query", "chunk-only"])
+def test_pdllm_answer_equals_engine(deployment, tiny_dir, kv_mode: str) -> None:
+    with PdllmClient(deployment.address) as client:
+        response = client.generate(
+            context=CONTEXT, question=QUESTION, gen_length=8, steps=8, chunk_size=32, top_k=2, kv_mode=kv_mode
+        )
+    cfg = EngineConfig(chunk_size=32, top_k=2, kv_mode=kv_mode)
+    assert list(response.token_ids) == _expected_pdllm(tiny_dir, GenerationConfig(gen_length=8, steps=8), cfg)
+    trace = response.trace
+    assert trace.method == "pdllm" and len(trace.selected_chunk_ids) == 2
+    assert trace.num_chunks == len(trace.chunk_scores) > 2
+
+
+def test_vanilla_answer_equals_library(deployment, tiny_dir) -> None:
+    with PdllmClient(deployment.address) as client:
+        response = client.generate(
+            context=CONTEXT, question=QUESTION, gen_length=8, steps=8, method="vanilla"
+        )
+    loaded = load_model(tiny_dir)
+    ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
+    expected = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), GenerationConfig(8, 8))
+    assert list(response.token_ids) == expected.token_ids
+
+
+def test_stream_yields_partials_then_final(deployment) -> None:
+    with PdllmClient(deployment.address) as client:
+        events = list(client.generate_stream(context=CONTEXT, question=QUESTION, gen_length=8, steps=8))
+    partials = [e.partial for e in events if e.HasField("partial")]
+    finals = [e.final for e in events if e.HasField("final")]
+    assert len(finals) == 1 and len(partials) == 8
+    unmasked = [p.unmasked for p in partials]
+    assert unmasked == sorted(unmasked) and unmasked[-1] == 8
