@@ -37,12 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", default=_env_default("--model", None), help="checkpoint dir (default: shipped)")
     m.add_argument("--device", default=_env_default("--device", "cpu"))
-    m.add_argument("--dtype", default=_env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"])
+    m.add_argument(
+        "--dtype", default=_env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"]
+    )
     k = p.add_argument_group("KV tier")
-    k.add_argument("--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)")
+    k.add_argument(
+        "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"
+    )
     k.add_argument("--kv-cpu-bytes", type=int, default=_env_default("--kv-cpu-bytes", 2 << 30, int))
     r = p.add_argument_group("router")
-    r.add_argument("--discovery", default=_env_default("--discovery", "static"), choices=["static", "kubernetes"])
+    r.add_argument(
+        "--discovery", default=_env_default("--discovery", "static"), choices=["static", "kubernetes"]
+    )
     r.add_argument("--prefill-workers", default=_env_default("--prefill-workers", ""))
     r.add_argument("--decode-workers", default=_env_default("--decode-workers", ""))
     r.add_argument("--k8s-namespace", default=_env_default("--k8s-namespace", ""))
@@ -131,7 +137,8 @@ def start_router(
 
     channel_factory = _channel_factory(workers or config)
     pools = {
-        role: WorkerPool(role, HealthCheckConfig(interval_s=2.0), channel_factory) for role in ("prefill", "decode")
+        role: WorkerPool(role, HealthCheckConfig(interval_s=2.0), channel_factory)
+        for role in ("prefill", "decode")
     }
     source = discovery_from_flags(args.discovery, vars(args))
     source.subscribe(lambda role, addresses: pools[role].set_members(addresses))
@@ -175,7 +182,9 @@ def _channel_factory(config: ServerConfig) -> Callable[[str], grpc.Channel]:
                 creds = grpc.composite_channel_credentials(
                     creds, grpc.access_token_call_credentials(config.auth_token)
                 )
-            return grpc.secure_channel(address, creds, options + [("grpc.ssl_target_name_override", "pdllm.internal")])
+            return grpc.secure_channel(
+                address, creds, options + [("grpc.ssl_target_name_override", "pdllm.internal")]
+            )
         channel = grpc.insecure_channel(address, options)
         if config.auth_token:
             channel = grpc.intercept_channel(channel, _BearerToken(config.auth_token))
@@ -190,7 +199,11 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = list(details.metadata or []) + [self._metadata]
-        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+        return (
+            details._replace(metadata=metadata)
+            if hasattr(details, "_replace")
+            else _Details(details, metadata)
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._with_token(details), request)
@@ -228,7 +241,12 @@ def start(args: argparse.Namespace) -> Deployment:
     prefill = start_prefill(args, replace(internal, role="prefill"), engine)
     decode, close_decode = start_decode(args, replace(internal, role="decode"), engine)
     args = argparse.Namespace(
-        **{**vars(args), "discovery": "static", "prefill_workers": prefill.address, "decode_workers": decode.address}
+        **{
+            **vars(args),
+            "discovery": "static",
+            "prefill_workers": prefill.address,
+            "decode_workers": decode.address,
+        }
     )
     router, close_router = start_router(args, config, loaded.tokenizer, workers=internal)
     return Deployment([router, prefill, decode], [close_router, close_decode])

@@ -71,7 +71,9 @@ def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, trai
         ids = encode_prompt(tok, sample.context, sample.question)
         c, k = settings.method_params(train_length, len(ids.query))
         if (c, k) not in engines:
-            cfg = EngineConfig(chunk_size=c, top_k=k, score_mode=settings.score_mode, kv_mode=settings.kv_mode)
+            cfg = EngineConfig(
+                chunk_size=c, top_k=k, score_mode=settings.score_mode, kv_mode=settings.kv_mode
+            )
             engines[(c, k)] = PrefillingEngine(loaded.model, tok, cfg)
         out, _ = engines[(c, k)].generate(ids.context, ids.query, gen)
         return tok.decode(out.token_ids, skip_special_tokens=True)
@@ -101,7 +103,9 @@ def run_grid(
         for task in tasks:
             for length in lengths:
                 for depth in depths:
-                    cell = [make_sample(task, length, depth, seed, loaded.tokenizer) for seed in range(samples)]
+                    cell = [
+                        make_sample(task, length, depth, seed, loaded.tokenizer) for seed in range(samples)
+                    ]
                     for method in methods:
                         start = time.perf_counter()
                         hits = 0
@@ -232,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_mode=args.kv_mode,
     )
     start = time.perf_counter()
-    rows = run_grid(loaded, methods, tasks, lengths, _floats(args.depths), args.samples, settings, train_length)
+    rows = run_grid(
+        loaded, methods, tasks, lengths, _floats(args.depths), args.samples, settings, train_length
+    )
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     c, k = settings.method_params(train_length, 16)
     header = {
