@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
@@ -26,10 +27,20 @@ from pdllm.shared.rpc.server import termination_event
 
 
 class PrefillServicer(workers_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillingEngine, worker_name: str = "") -> None:
+    def __init__(
+        self, engine: PrefillingEngine, worker_name: str = "", registry: CollectorRegistry | None = None
+    ) -> None:
         self.engine = engine
         self.worker_name = worker_name
         self._lock = threading.Lock()
+        # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
+        self.chunks = Counter(
+            "pdllm_prefill_chunks",
+            "Chunks seen by prefill, by where their KV came from",
+            ["result"],
+            registry=registry,
+        )
+        self.tokens = Counter("pdllm_prefill_context_tokens", "Context tokens prefilled", registry=registry)
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
         arrived = time.perf_counter()
@@ -54,6 +65,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
                     )
                 except ValueError as exc:
                     raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+        self.chunks.labels("hit").inc(sel.trace.cache_hits)
+        self.chunks.labels("computed").inc(sel.trace.cache_misses)
+        self.tokens.inc(len(request.context_ids))
         return self._response(request, sel, cfg, queue_s)
 
     def _response(self, request: wpb.PrefillRequest, sel, cfg, queue_s: float) -> wpb.PrefillResponse:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from pdllm.shared.rpc.options import add_server_arguments, env_name, server_config_from_args
 from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--k8s-prefill-service", default=_env_default("--k8s-prefill-service", ""))
     r.add_argument("--k8s-decode-service", default=_env_default("--k8s-decode-service", ""))
     r.add_argument("--max-queue", type=int, default=_env_default("--max-queue", 256, int))
+    r.add_argument(
+        "--model-name", default=_env_default("--model-name", ""), help="name clients use (default: the model dir)"
+    )
+    r.add_argument("--max-prompt-bytes", type=int, default=_env_default("--max-prompt-bytes", 4 << 20, int))
     d = p.add_argument_group("decode")
     d.add_argument("--max-active", type=int, default=_env_default("--max-active", 16, int))
     d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
@@ -111,9 +116,18 @@ def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -
     from pdllm.prefill_service.server import PrefillServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 
-    servicer = PrefillServicer(engine, worker_name=f"prefill@{_hostname()}")
+    registry = CollectorRegistry()
+    servicer = PrefillServicer(engine, worker_name=f"prefill@{_hostname()}", registry=registry)
+    _register_kv_metrics(engine.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
-    return build_server(config, [spec]).start()
+    return build_server(config, [spec], registry).start()
+
+
+def _register_kv_metrics(store: Any, registry: CollectorRegistry) -> None:
+    from pdllm.shared.kv_tier.stats import register_kv_metrics
+
+    tiers = getattr(store, "tiers", None) or [store]
+    register_kv_metrics({getattr(t, "name", f"tier{i}"): t for i, t in enumerate(tiers)}, registry)
 
 
 def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) -> tuple[RpcServer, Callable]:
@@ -123,8 +137,10 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) ->
 
     scheduler = DecodeScheduler(max_active=args.max_active, max_waiting=args.max_waiting)
     servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
+    registry = CollectorRegistry()
+    _register_kv_metrics(engine.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
-    return build_server(replace(config, track_queue_depth=True), [spec]).start(), scheduler.close
+    return build_server(config, [spec], registry).start(), scheduler.close
 
 
 def start_router(
@@ -147,7 +163,14 @@ def start_router(
         pool.start()
     view = Pools(healthy=lambda role: pools[role].healthy(), channel=lambda a: _any_channel(pools, a))
     view.on_failure(lambda role, address: pools[role].report_failure(address))
-    servicer = RouterServicer(tokenizer, view, RouterConfig(max_queue=args.max_queue))
+    from pdllm.shared.model.loader import resolve_model_dir
+    from pdllm.shared.rpc.validation import RequestDefaults, ValidationLimits
+
+    name = args.model_name or resolve_model_dir(args.model).name
+    limits = ValidationLimits(models=(name,), max_prompt_bytes=args.max_prompt_bytes)
+    servicer = RouterServicer(
+        tokenizer, view, RouterConfig(max_queue=args.max_queue), limits, RequestDefaults(model=name)
+    )
     spec = service_spec(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
     server = build_server(config, [spec]).start()
 
@@ -259,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_json_logging()
     deployment = start(args)
     public = deployment.servers[0]
-    print(f"pdllm {args.role} serving on {public.address}", file=sys.stderr, flush=True)
+    metrics = f", metrics on port {public.metrics_port}" if public.metrics_port else ""
+    print(f"pdllm {args.role} serving on {public.address}{metrics}", file=sys.stderr, flush=True)
     try:
         public.serve_until_signal()
     finally:
