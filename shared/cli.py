@@ -24,6 +24,10 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "eval": ("pdllm.shared.eval.run", "long-context accuracy: vanilla vs pdllm"),
     "serve": ("pdllm.shared.serve", "run a router / prefill / decode worker, or all in one"),
     "ask": ("pdllm.shared.rpc.ask", "ask a running server a long-context question"),
+    "demo": (
+        "pdllm.shared.demo",
+        "all-in-one deployment answering a question about a bundled 12K-token document",
+    ),
 }
 
 
@@ -162,12 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_transformers()
     if argv and argv[0] in DELEGATED:
         runner = _delegate(DELEGATED[argv[0]][0])
         rest = argv[1:]
         return _guarded(lambda: runner(rest))
     args = build_parser().parse_args(argv)
     return _guarded(lambda: cmd_generate(args))
+
+
+def _quiet_transformers() -> None:
+    """transformers warns about our Dream/LLaDA config.json when loading tokenizers; users can't act on it."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
 
 
 def _guarded(fn: Callable[[], int]) -> int:

@@ -179,7 +179,6 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
             "mask_token_id": self.mask_token_id,
             "bos_token_id": self.bos_token_id,
@@ -187,6 +186,8 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "hidden_act": "silu",
         }
+        if self.rope_scaling is not None:
+            common["rope_scaling"] = dict(self.rope_scaling)
         if self.family == "dream":
             return {"model_type": "Dream", "architectures": ["DreamModel"], **common}
         return {"model_type": "llama", "architectures": ["LLaDAModelLM"], "attention_bias": False, **common}

@@ -1,0 +1,115 @@
+"""``pdllm demo``: the README's run command.
+
+Starts the all-in-one deployment (router + prefill worker + decode worker, in-process CPU KV tier) on
+the shipped default model, asks it a question about a bundled ~12K-token document with a planted fact,
+streams the answer and prints the trace (selected chunks, scores, per-phase timings), then shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdllm.shared.model.loader import DEFAULT_MODEL_DIR
+
+DATA = Path(__file__).resolve().parent / "data"
+TOKENIZER_DIR = Path(__file__).resolve().parent / "training" / "tokenizer"
+
+
+def placeholder_model(out: Path) -> Path:
+    """An untrained model in the shipped model's shape, for checkouts that do not ship weights yet."""
+    from transformers import AutoTokenizer
+
+    from pdllm.shared.model.config import ModelConfig
+    from pdllm.shared.model.loader import save_checkpoint
+    from pdllm.shared.model.transformer import DiffusionLM
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    config = ModelConfig(
+        family="dream", vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_layers=8,
+        num_heads=8, num_kv_heads=2, head_dim=32, attention_bias=True, shift_logits=True, tie_word_embeddings=True,
+        max_position_embeddings=1024, mask_token_id=tok.mask_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, model_id="untrained-placeholder",
+    )  # fmt: skip
+    model = DiffusionLM(config)
+    model.init_weights(0)
+    return save_checkpoint(model, out, tok)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdllm demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--document", type=Path, default=DATA / "demo_document.txt")
+    p.add_argument("--question", default=None, help="default: the bundled document's question")
+    p.add_argument("--method", choices=["pdllm", "vanilla"], default="pdllm")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--gen-length", type=int, default=16)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdllm.shared.rpc.client import PdllmClient
+    from pdllm.shared.serve import build_parser as serve_parser
+    from pdllm.shared.serve import start
+
+    args = build_parser().parse_args(argv)
+    bundled = json.loads((DATA / "demo_question.json").read_text())
+    question = args.question or bundled["question"]
+    context = args.document.read_text(encoding="utf-8")
+    tmp = None
+    model = args.model
+    if model is None and not DEFAULT_MODEL_DIR.is_dir():
+        tmp = tempfile.TemporaryDirectory(prefix="pdllm-demo-")
+        model = str(placeholder_model(Path(tmp.name) / "untrained"))
+        print(
+            "WARNING: this checkout ships no trained model yet (shared/checkpoints/pdllm-needle);\n"
+            "         running the full pipeline on an UNTRAINED placeholder: the answer will be noise.",
+            file=sys.stderr,
+        )
+    serve_argv = ["--role", "all", "--port", "0", "--metrics-port", "-1"]
+    deployment = start(serve_parser().parse_args(serve_argv + (["--model", model] if model else [])))
+    try:
+        print(f"all-in-one deployment serving on {deployment.address}", file=sys.stderr)
+        print(f"document: {args.document.name} ({len(context)} characters)\nquestion: {question}")
+        started = time.perf_counter()
+        final = None
+        with PdllmClient(deployment.address, timeout_s=600) as client:
+            stream = client.generate_stream(
+                context, question, method=args.method, chunk_size=args.chunk_size, top_k=args.top_k,
+                gen_length=args.gen_length, steps=args.gen_length,
+            )  # fmt: skip
+            for event in stream:
+                if event.HasField("partial"):
+                    p = event.partial
+                    print(f"\r  step {p.step}/{p.total_steps}: {p.text!r:60.60}", end="", file=sys.stderr)
+                else:
+                    final = event.final
+        print(file=sys.stderr)
+        assert final is not None
+        t = final.trace
+        print(f"answer: {final.text!r}")
+        if args.question is None:
+            verdict = "correct" if final.text.strip() == bundled["answer"] else "wrong"
+            print(f"planted fact: {bundled['planted_fact'].strip()!r} -> {verdict}")
+        print(f"method: {t.method}  prompt tokens: {t.prompt_tokens}  chunks: {t.num_chunks}")
+        if t.method == "pdllm":
+            print(f"selected chunks: {list(t.selected_chunk_ids)}  kept context tokens: {t.kept_tokens}")
+        tm = t.timings
+        print(
+            f"timings: prefill {tm.prefill_s:.2f}s score {tm.score_s:.2f}s select {tm.select_s:.3f}s "
+            f"build {tm.build_s:.2f}s decode {tm.decode_s:.2f}s total {time.perf_counter() - started:.2f}s"
+        )
+    finally:
+        deployment.stop()
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
