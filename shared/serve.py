@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--k8s-decode-service", default=_env_default("--k8s-decode-service", ""))
     r.add_argument("--max-queue", type=int, default=_env_default("--max-queue", 256, int))
     r.add_argument(
-        "--model-name", default=_env_default("--model-name", ""), help="name clients use (default: the model dir)"
+        "--model-name",
+        default=_env_default("--model-name", ""),
+        help="name clients use (default: the model dir)",
     )
     r.add_argument("--max-prompt-bytes", type=int, default=_env_default("--max-prompt-bytes", 4 << 20, int))
     d = p.add_argument_group("decode")

@@ -34,7 +34,13 @@ from .tokenizer import load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SAVE_RESERVE_S = 15.0
-RESCHEDULE_AT = (60, 200, 600, 1500, 3000)  # time kept back at the end of a --max-minutes budget for the final save
+RESCHEDULE_AT = (
+    60,
+    200,
+    600,
+    1500,
+    3000,
+)  # time kept back at the end of a --max-minutes budget for the final save
 
 
 def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
@@ -192,9 +198,7 @@ def train(
         "model_config": model_cfg.to_hf_dict(),
         "train_config": to_dict(cfg),
     }
-    bar = tqdm(
-        total=total, disable=not progress, desc="train", unit="step", mininterval=20, file=sys.stdout
-    )
+    bar = tqdm(total=total, disable=not progress, desc="train", unit="step", mininterval=20, file=sys.stdout)
     step = 0
     for step, batch in enumerate(loader):
         elapsed = time.perf_counter() - start
