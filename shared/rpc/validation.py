@@ -14,14 +14,19 @@ import re
 import uuid
 from dataclasses import asdict, dataclass, fields
 
+# The engine's own choices and defaults, so the wire can never drift from what the engine accepts.
+from pdllm.prefill_service.config import (  # noqa: E402
+    KV_MODES,
+    PREFILL_ATTENTIONS,
+    RETENTION_SCORES,
+    SCORE_MODES,
+    EngineConfig,
+)
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from pdllm.shared.rpc.errors import InvalidRequestError
 
 METHODS = ("vanilla", "pdllm")
-KV_MODES = ("full-mask", "chunk-query", "chunk-only")
-SCORE_MODES = ("pseudo-label", "self-info", "query-only")
-RETENTION_SCORES = ("bidirectional", "query-to-chunk")
-PREFILL_ATTENTIONS = ("causal", "bidirectional")
 
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 
@@ -31,23 +36,23 @@ class RequestDefaults:
     """Values used for fields the client leaves unset (method defaults follow EngineConfig's)."""
 
     model: str = ""
-    gen_length: int = 32
+    gen_length: int = GenerationConfig.gen_length
     steps: int | None = None  # None: one step per answer token
     block_length: int | None = None  # None: a single block; also used when the default does not divide
-    threshold: float | None = None
-    temperature: float = 0.0
-    seed: int = 0
+    threshold: float | None = GenerationConfig.threshold
+    temperature: float = GenerationConfig.temperature
+    seed: int = GenerationConfig.seed
     method: str = "pdllm"
-    chunk_size: int = 1024
-    top_k: int = 4
-    top_b: int | None = None
-    kv_mode: str = "full-mask"
-    score_mode: str = "pseudo-label"
-    pseudo_label_tokens: int = 4
-    pseudo_label_rounds: int = 2
-    retention_score: str = "bidirectional"
-    query_window: int | None = None
-    prefill_attention: str = "causal"
+    chunk_size: int = EngineConfig.chunk_size
+    top_k: int = EngineConfig.top_k
+    top_b: int | None = EngineConfig.top_b
+    kv_mode: str = EngineConfig.kv_mode
+    score_mode: str = EngineConfig.score_mode
+    pseudo_label_tokens: int = EngineConfig.pseudo_labels
+    pseudo_label_rounds: int = EngineConfig.pseudo_rounds
+    retention_score: str = EngineConfig.retention_score
+    query_window: int | None = EngineConfig.query_window
+    prefill_attention: str = EngineConfig.prefill_attention
 
 
 @dataclass(frozen=True)
