@@ -14,8 +14,7 @@ import re
 import uuid
 from dataclasses import asdict, dataclass, fields
 
-# The engine's own choices and defaults, so the wire can never drift from what the engine accepts.
-from pdllm.prefill_service.config import (  # noqa: E402
+from pdllm.prefill_service.config import (
     KV_MODES,
     PREFILL_ATTENTIONS,
     RETENTION_SCORES,
@@ -23,9 +22,10 @@ from pdllm.prefill_service.config import (  # noqa: E402
     EngineConfig,
 )
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
-from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.errors import InvalidRequestError
 
+# Mode choices and defaults come from the engine's configs, so the wire never drifts from the engine.
 METHODS = ("vanilla", "pdllm")
 
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
