@@ -30,6 +30,8 @@ import torch
 from ..training.corpus import Haystack, read_haystack, sentence_texts, tokenize_haystack
 
 TASKS = ("needle", "needle_distractors", "multidoc", "two_hop")
+# Training-only: several facts and several questions in one sequence (dense retrieval supervision).
+TRAIN_TASKS = (*TASKS, "multi_needle")
 KEYS = ("access code", "access code", "access code", "badge number", "locker number", "vault PIN")
 _ONSETS = [
     "b",
@@ -119,6 +121,8 @@ class Content:
     answer: str
     blocks: list[Block]
     gold_facts: list[str]
+    # Further (question, answer) pairs about other facts of the same context (multi_needle only).
+    extra_qa: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _content(task: str, depth: float, hay: int, rng: random.Random) -> Content:
@@ -153,7 +157,22 @@ def _content(task: str, depth: float, hay: int, rng: random.Random) -> Content:
         return Content(question, code, [block], [hop1, hop2])
     if task == "multidoc":
         return _multidoc(depth, hay, rng)
+    if task == "multi_needle":
+        return _multi_needle(depth, hay, rng)
     raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
+
+
+def _multi_needle(depth: float, hay: int, rng: random.Random) -> Content:
+    people: dict[str, tuple[str, str]] = {}
+    while len(people) < rng.randint(3, 8):
+        first, last = _person(rng)
+        people[f"{first} {last}"] = (rng.choice(KEYS), _code(rng))
+    qa = [(f"What is the {key} of {owner}?", code) for owner, (key, code) in people.items()]
+    facts = [_access_fact(owner, key, code) for owner, (key, code) in people.items()]
+    fracs = [depth] + [rng.random() for _ in facts[1:]]
+    asked = rng.sample(range(1, len(facts)), rng.randint(1, min(3, len(facts) - 1)))
+    block = Block(hay=hay, facts=[(f, t, i == 0) for i, (f, t) in enumerate(zip(fracs, facts))])
+    return Content(qa[0][0], qa[0][1], [block], [facts[0]], extra_qa=[qa[i] for i in asked])
 
 
 def _multidoc(depth: float, hay: int, rng: random.Random) -> Content:
@@ -286,6 +305,13 @@ class TaskFactory:
         self, task: str, context_tokens: int, depth: float, rng: random.Random
     ) -> tuple[torch.Tensor, list[int], list[int], list[tuple[int, int]]]:
         """(context ids [context_tokens], query ids, answer ids, gold fact spans in the context)."""
+        ctx, qa, spans = self.build_multi_ids(task, context_tokens, depth, rng)
+        return ctx, qa[0][0], qa[0][1], spans
+
+    def build_multi_ids(
+        self, task: str, context_tokens: int, depth: float, rng: random.Random
+    ) -> tuple[torch.Tensor, list[tuple[list[int], list[int]]], list[tuple[int, int]]]:
+        """Like :meth:`build_ids` with every (query ids, answer ids) pair; the first is the main one."""
         content, encoded = self._plan(task, context_tokens, depth, rng)
         pieces: list[torch.Tensor] = []
         spans: list[tuple[int, int]] = []
@@ -304,9 +330,9 @@ class TaskFactory:
                         spans.append((pos, pos + len(ids)))
                     pieces.append(torch.tensor(ids, dtype=torch.int32))
                     pos += len(ids)
-        query = self.encode(format_query(content.question))
-        answer = self.encode(format_answer(content.answer))
-        return torch.cat(pieces).long(), query, answer, spans
+        qa = [(content.question, content.answer), *content.extra_qa]
+        encoded_qa = [(self.encode(format_query(q)), self.encode(format_answer(a))) for q, a in qa]
+        return torch.cat(pieces).long(), encoded_qa, spans
 
     def _hay_text(self, a: int, b: int) -> tuple[str, int]:
         """Text of token range [a, b) and its token count: whole sentences, the last one cut at a word

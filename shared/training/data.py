@@ -25,14 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..eval.tasks import TASKS, TaskFactory, fact_text
+from ..eval.tasks import TRAIN_TASKS, TaskFactory, fact_text
 
 MODES = ("text", "diff_task", "sft", "chunk", "causal", "recall")
 # Every query and answer is shorter (measured: query <= 27 tokens, answer <= 8); slack becomes extra prose.
 QUERY_RESERVE = 32
 GEN_RESERVE = 9
 # Context tokens a task needs at least (distractor facts take up to ~100 tokens).
-MIN_ROOM = {"needle_distractors": 160, "multidoc": 120, "two_hop": 64}
+MIN_ROOM = {"needle_distractors": 160, "multidoc": 120, "two_hop": 64, "multi_needle": 200}
+MAX_EXTRA_QA = 3
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class DataConfig:
     curriculum_steps: int = 0
     curriculum_weights: tuple[float, ...] = (0.6, 0.3, 0.1, 0.0)
     mode_weights: tuple[float, ...] = (0.05, 0.1, 0.25, 0.15, 0.25, 0.2)  # in MODES order
-    task_weights: tuple[float, ...] = (0.4, 0.25, 0.2, 0.15)  # in TASKS order
+    task_weights: tuple[float, ...] = (0.35, 0.2, 0.15, 0.1, 0.2)  # in TRAIN_TASKS order
     max_extra_gen: int = 24  # answer region = answer + EOS + up to this many more EOS
     chunk_sizes: tuple[int, ...] = (64, 128, 256, 512)
     p_chunk_sees_query: float = 0.3
@@ -78,22 +79,40 @@ class BatchBuilder:
         return hay.ids[(torch.arange(end - n, end) % hay.num_tokens)].long()
 
     def _task(self, rng: random.Random, room: int) -> str:
-        task = rng.choices(TASKS, weights=self.cfg.task_weights)[0]
+        task = rng.choices(TRAIN_TASKS, weights=self.cfg.task_weights)[0]
         # Short sequences cannot hold many facts: fall back to the single needle there.
         return task if room >= MIN_ROOM.get(task, 0) else "needle"
 
     def _gen(self, answer: list[int], rng: random.Random) -> list[int]:
         return answer + [self.eos] * (1 + rng.randint(0, self.cfg.max_extra_gen))
 
-    def _vanilla(self, t: int, rng: random.Random) -> tuple[torch.Tensor, int]:
-        """[BOS] context query answer-region of exactly ``t`` tokens; returns (ids, answer start)."""
-        n_ctx = t - 1 - QUERY_RESERVE - GEN_RESERVE - self.cfg.max_extra_gen
-        task = self._task(rng, n_ctx)
-        ctx, query, answer, _ = self.f.build_ids(task, n_ctx, rng.random(), rng)
+    def _vanilla(self, t: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[BOS] context (question answer)* question answer-region, exactly ``t`` tokens.
+
+        Returns (ids, generation-region mask, answer-token mask). Only multi_needle has extra question /
+        answer pairs; their answers are targets too (several retrievals per sequence).
+        """
+        room = t - 1 - QUERY_RESERVE - GEN_RESERVE - self.cfg.max_extra_gen
+        task = self._task(rng, room)
+        pairs = 1 + MAX_EXTRA_QA if task == "multi_needle" else 1
+        n_ctx = t - 1 - pairs * (QUERY_RESERVE + GEN_RESERVE) - self.cfg.max_extra_gen
+        if task == "multi_needle" and n_ctx < MIN_ROOM[task]:
+            task, n_ctx = "needle", room
+        ctx, qa, _ = self.f.build_multi_ids(task, n_ctx, rng.random(), rng)
+        (query, answer), extras = qa[0], qa[1:]
         gen = self._gen(answer, rng)
-        slack = t - 1 - n_ctx - len(query) - len(gen)
-        ids = torch.cat([torch.tensor([self.bos]), self._hay(slack, rng), ctx, torch.tensor(query + gen)])
-        return ids, t - len(gen), len(answer)
+        tail, answer_mask = [], []
+        for q, a in [*extras, (query, gen)]:
+            tail += q + a
+            answer_mask += [False] * len(q) + [True] * len(a)
+        slack = t - 1 - n_ctx - len(tail)
+        ids = torch.cat([torch.tensor([self.bos]), self._hay(slack, rng), ctx, torch.tensor(tail)])
+        targets = torch.zeros(t, dtype=torch.bool)
+        targets[t - len(tail) :] = torch.tensor(answer_mask)
+        gen_region = targets.clone()
+        is_answer = targets.clone()
+        is_answer[t - len(gen) + len(answer) :] = False  # the EOS padding is not part of the answer
+        return ids, gen_region, is_answer
 
     def _chunked(self, t: int, rng: random.Random) -> tuple[torch.Tensor, int, torch.Tensor]:
         avail = t - QUERY_RESERVE - GEN_RESERVE - self.cfg.max_extra_gen
@@ -173,6 +192,8 @@ class BatchBuilder:
         b = max(1, cfg.tokens_per_batch // t)
         mode = rng.choices(MODES, weights=cfg.mode_weights)[0]
         rows, starts, lens, segs, repeats = [], [], [], [], {}
+        vanilla_regions: dict[int, torch.Tensor] = {}
+        vanilla_answers: dict[int, torch.Tensor] = {}
         for r in range(b):
             if mode == "recall" or (mode == "causal" and rng.random() < cfg.p_causal_recall):
                 ids, repeats[r] = self._recall(t, rng)
@@ -195,10 +216,10 @@ class BatchBuilder:
                 starts.append(start)
                 lens.append(n_ans)
             else:
-                ids, start, n_ans = self._vanilla(t, rng)
+                ids, vanilla_regions[r], vanilla_answers[r] = self._vanilla(t, rng)
                 rows.append(ids)
-                starts.append(start)
-                lens.append(n_ans)
+                starts.append(t)
+                lens.append(0)
         ids = torch.stack(rows)
         pos = torch.arange(t)[None]
         first = torch.tensor(starts)[:, None]
@@ -206,6 +227,9 @@ class BatchBuilder:
         answer_region = gen_region & (pos < first + torch.tensor(lens)[:, None])
         for r, marked in repeats.items():
             answer_region[r] = marked
+        for r, region in vanilla_regions.items():
+            gen_region[r] = region
+            answer_region[r] = vanilla_answers[r]
         answer_only = mode in ("sft", "chunk")
         loss_region = gen_region if answer_only else (pos >= 1).expand(b, t).clone()
         batch = Batch(mode=mode, ids=ids, loss_region=loss_region, answer_region=answer_region)

@@ -36,15 +36,33 @@ def test_batches_have_exact_shape_and_regions(factory, tokenizer, mode):
     assert not b.loss_region[:, 0].any()
     if mode in ("sft", "chunk"):
         for r in range(rows):
-            region = b.ids[r][b.loss_region[r]].tolist()
-            answer = b.ids[r][b.answer_region[r]].tolist()
-            assert region[: len(answer)] == answer and set(region[len(answer) :]) == {tokenizer.eos_token_id}
-            before = tokenizer.decode(b.ids[r][: int(b.loss_region[r].float().argmax())])
-            assert before.endswith("\nAnswer:")
+            region, answer = b.loss_region[r], b.answer_region[r]
+            assert bool((answer & ~region).any()) is False
+            assert set(b.ids[r][region & ~answer].tolist()) == {tokenizer.eos_token_id}
+            starts = (answer & ~torch.roll(answer, 1)).nonzero().flatten()
+            for s in starts.tolist():  # every answer follows its question's "Answer:"
+                assert tokenizer.decode(b.ids[r][:s]).endswith("\nAnswer:")
+            assert bool(region[-1])
+
+
+def test_multi_needle_rows_ask_several_questions(factory, tokenizer):
+    cfg = only("sft", task_weights=(0, 0, 0, 0, 1.0), seq_len=768, length_weights=(0, 0, 0, 1.0))
+    b = builder(factory, tokenizer, cfg).build(random.Random(9))
+    counts = [tokenizer.decode(row).count("\nQuestion:") for row in b.ids]
+    assert max(counts) >= 2
+    for r in range(b.ids.shape[0]):
+        text = tokenizer.decode(b.ids[r])
+        spans = (b.answer_region[r] & ~torch.roll(b.answer_region[r], 1)).nonzero().flatten().tolist()
+        assert len(spans) == counts[r]
+        for s in spans:
+            e = s
+            while e < b.ids.shape[1] and b.answer_region[r][e]:
+                e += 1
+            assert f" is{tokenizer.decode(b.ids[r][s:e])}." in text
 
 
 def test_vanilla_answer_is_in_context(factory, tokenizer):
-    b = builder(factory, tokenizer, only("sft", task_weights=(1.0, 0, 0, 0))).build(random.Random(2))
+    b = builder(factory, tokenizer, only("sft", task_weights=(1.0, 0, 0, 0, 0))).build(random.Random(2))
     for r in range(b.ids.shape[0]):
         answer = tokenizer.decode(b.ids[r][b.answer_region[r]]).strip()
         assert f" is {answer}." in tokenizer.decode(b.ids[r])
@@ -67,7 +85,7 @@ def test_chunk_batches_and_mask(factory, tokenizer):
 
 
 def test_causal_negatives_drop_the_gold_fact(factory, tokenizer):
-    cfg = only("causal", p_causal_negative=1.0, p_causal_recall=0.0, task_weights=(1.0, 0, 0, 0))
+    cfg = only("causal", p_causal_negative=1.0, p_causal_recall=0.0, task_weights=(1.0, 0, 0, 0, 0))
     b = builder(factory, tokenizer, cfg).build(random.Random(4))
     for r in range(b.ids.shape[0]):
         answer = tokenizer.decode(b.ids[r][b.answer_region[r]]).strip()
