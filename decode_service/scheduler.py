@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationResult
 from pdllm.shared.rpc.errors import PdllmError
@@ -69,9 +70,23 @@ class DecodeJob:
 
 
 class DecodeScheduler:
-    def __init__(self, max_active: int = 16, max_waiting: int = 256) -> None:
+    def __init__(
+        self, max_active: int = 16, max_waiting: int = 256, registry: CollectorRegistry | None = None
+    ) -> None:
         self.max_active = max_active
         self.max_waiting = max_waiting
+        self.step_seconds = Histogram(
+            "pdllm_decode_step_seconds",
+            "Wall time of one denoising step of one request",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=registry,
+        )
+        self.build_seconds = Histogram(
+            "pdllm_decode_build_seconds", "Decode KV build per request", registry=registry
+        )
+        Gauge("pdllm_decode_active", "Requests being decoded or waiting", registry=registry).set_function(
+            lambda: self.depth
+        )
         self._waiting: deque[DecodeJob] = deque()
         self._active: list[DecodeJob] = []
         self._cv = threading.Condition()
@@ -129,6 +144,7 @@ class DecodeScheduler:
             job.events.put(exc)
             return
         job.build_s = time.perf_counter() - start
+        self.build_seconds.observe(job.build_s)
         with self._cv:
             self._active.append(job)
 
@@ -143,7 +159,9 @@ class DecodeScheduler:
                 finished.append(job)
                 continue
             try:
+                before = session.seconds
                 session.step()
+                self.step_seconds.observe(session.seconds - before)
             except Exception as exc:
                 _log.exception("decode step failed", extra={"request_id": job.request_id})
                 job.events.put(exc)

@@ -137,9 +137,9 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) ->
     from pdllm.decode_service.server import DecodeServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 
-    scheduler = DecodeScheduler(max_active=args.max_active, max_waiting=args.max_waiting)
-    servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
     registry = CollectorRegistry()
+    scheduler = DecodeScheduler(max_active=args.max_active, max_waiting=args.max_waiting, registry=registry)
+    servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
     _register_kv_metrics(engine.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
     return build_server(config, [spec], registry).start(), scheduler.close

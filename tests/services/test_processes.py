@@ -95,6 +95,7 @@ def test_stream_yields_increasing_partials(cluster) -> None:
     assert [p.step for p in partials] == list(range(1, 9))
     assert [p.unmasked for p in partials] == sorted(p.unmasked for p in partials)
     assert events[-1].HasField("final") and events[-1].final.trace.timings.ttft_s > 0
+    assert cluster["decode"].metric("pdllm_decode_step_seconds_count") >= 8
 
 
 @pytest.mark.parametrize(("kind", "edit", "phrase"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
