@@ -95,7 +95,9 @@ def run_grid(
     settings: EvalSettings,
     train_length: int,
     progress: bool = True,
+    on_cell: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
+    """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results."""
     answerers = {m: make_answerer(loaded, m, settings, train_length) for m in methods}
     rows: list[dict] = []
     total = len(methods) * len(tasks) * len(lengths) * len(depths) * samples
@@ -126,6 +128,8 @@ def run_grid(
                     bar.set_postfix_str(
                         " ".join(f"{r['method']}={r['accuracy']:.2f}" for r in rows[-len(methods) :])
                     )
+                    if on_cell is not None:
+                        on_cell(rows)
     return rows
 
 
@@ -236,9 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         kv_mode=args.kv_mode,
     )
     start = time.perf_counter()
-    rows = run_grid(
-        loaded, methods, tasks, lengths, _floats(args.depths), args.samples, settings, train_length
-    )
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     c, k = settings.method_params(train_length, 16)
     header = {
@@ -249,11 +250,26 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.date.today().isoformat(),
         "command": "pdllm eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "pdllm": f"chunk_size={c} top_k~{k} score_mode={settings.score_mode} kv_mode={settings.kv_mode}",
-        "seconds": round(time.perf_counter() - start, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
-    write_markdown(rows, header, args.out / f"{args.name}.md")
+
+    def save(rows: list[dict]) -> None:
+        done = {**header, "seconds": round(time.perf_counter() - start, 1)}
+        (args.out / f"{args.name}.json").write_text(json.dumps({**done, "rows": rows}, indent=1) + "\n")
+        write_markdown(rows, done, args.out / f"{args.name}.md")
+
+    rows = run_grid(
+        loaded,
+        methods,
+        tasks,
+        lengths,
+        _floats(args.depths),
+        args.samples,
+        settings,
+        train_length,
+        on_cell=save,
+    )
+    save(rows)
     for path in write_heatmaps(rows, args.out, args.name):
         print(f"wrote {path}", file=sys.stderr)
     print((args.out / f"{args.name}.md").read_text())

@@ -45,6 +45,11 @@ class DataConfig:
     # Before this many (global) steps, lengths follow curriculum_weights: short sequences carry more
     # questions per token, which is what gets retrieval going.
     curriculum_steps: int = 0
+    # Before this many (global) steps, modes follow causal_phase_weights. Retrieval circuits form far
+    # sooner under next-token prediction than under bidirectional denoising, and then carry over to the
+    # diffusion modes (scripts/recall_toy.py shows both; Dream itself starts from an autoregressive model).
+    causal_phase_steps: int = 0
+    causal_phase_weights: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)
     curriculum_weights: tuple[float, ...] = (0.6, 0.3, 0.1, 0.0)
     mode_weights: tuple[float, ...] = (0.05, 0.1, 0.25, 0.15, 0.25, 0.2)  # in MODES order
     task_weights: tuple[float, ...] = (0.35, 0.2, 0.15, 0.1, 0.2)  # in TRAIN_TASKS order
@@ -190,7 +195,8 @@ class BatchBuilder:
         frac = rng.choices(cfg.length_fractions, weights=weights)[0]
         t = int(cfg.seq_len * frac)
         b = max(1, cfg.tokens_per_batch // t)
-        mode = rng.choices(MODES, weights=cfg.mode_weights)[0]
+        mode_weights = cfg.causal_phase_weights if step < cfg.causal_phase_steps else cfg.mode_weights
+        mode = rng.choices(MODES, weights=mode_weights)[0]
         rows, starts, lens, segs, repeats = [], [], [], [], {}
         vanilla_regions: dict[int, torch.Tensor] = {}
         vanilla_answers: dict[int, torch.Tensor] = {}

@@ -163,3 +163,11 @@ def test_loss_matches_model_logits_api(factory, tokenizer, mode):
         ce = torch.nn.functional.cross_entropy(logits, b.ids[r, pos], reduction="sum")
         total += float(ce * weight[r])
     assert res.loss.item() == pytest.approx(total / b.ids.shape[0], rel=1e-4)
+
+
+def test_causal_phase_then_configured_mix(factory, tokenizer):
+    cfg = dataclasses.replace(SMALL, causal_phase_steps=100, mode_weights=only("sft").mode_weights)
+    b = builder(factory, tokenizer, cfg)
+    rng = random.Random(0)
+    assert {b.build(rng, step).mode for step in range(0, 100, 20)} == {"causal"}
+    assert {b.build(rng, step).mode for step in range(100, 200, 20)} == {"sft"}
