@@ -27,9 +27,8 @@ from ..generation.sampler import GenerationConfig
 from ..generation.vanilla import generate_vanilla
 from ..model.loader import LoadedModel, load_model
 from ..prompt import encode_prompt
+from .report import METHODS, write_heatmaps, write_markdown
 from .tasks import TASKS, Sample, make_sample
-
-METHODS = ("vanilla", "pdllm")
 
 
 @dataclass(frozen=True)
@@ -131,63 +130,6 @@ def run_grid(
                     if on_cell is not None:
                         on_cell(rows)
     return rows
-
-
-def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
-    lines = [f"# {header['title']}", ""]
-    lines += [f"- {k}: {v}" for k, v in header.items() if k != "title"]
-    for task in sorted({r["task"] for r in rows}):
-        depths = sorted({r["depth"] for r in rows if r["task"] == task})
-        lines += ["", f"## {task} (exact match, %)", ""]
-        lines.append("| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
-        lines.append("| --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
-        for method in sorted({r["method"] for r in rows}):
-            for length in sorted({r["context_length"] for r in rows if r["task"] == task}):
-                cells = [
-                    r["accuracy"]
-                    for d in depths
-                    for r in rows
-                    if (r["task"], r["method"], r["context_length"], r["depth"]) == (task, method, length, d)
-                ]
-                if cells:
-                    body = " | ".join(f"{100 * a:.0f}" for a in cells)
-                    lines.append(f"| {method} | {length} | {body} | {100 * sum(cells) / len(cells):.1f} |")
-    path.write_text("\n".join(lines) + "\n")
-
-
-def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for task in sorted({r["task"] for r in rows}):
-        methods = sorted({r["method"] for r in rows if r["task"] == task}, key=METHODS.index)
-        lengths = sorted({r["context_length"] for r in rows if r["task"] == task})
-        depths = sorted({r["depth"] for r in rows if r["task"] == task})
-        fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 3.6), squeeze=False)
-        for ax, method in zip(axes[0], methods):
-            grid = torch.full((len(lengths), len(depths)), float("nan"))
-            for r in rows:
-                if r["task"] == task and r["method"] == method:
-                    grid[lengths.index(r["context_length"]), depths.index(r["depth"])] = r["accuracy"]
-            im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
-            ax.set_xlabel("gold fact depth")
-            ax.set_ylabel("context tokens")
-            ax.set_title(f"{method} — {task}")
-            for i in range(len(lengths)):
-                for j in range(len(depths)):
-                    if not torch.isnan(grid[i, j]):
-                        ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=6)
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact match")
-        path = out_dir / f"{name}_{task}.png"
-        fig.savefig(path, dpi=130, bbox_inches="tight")
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 def _floats(text: str) -> list[float]:

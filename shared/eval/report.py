@@ -1,0 +1,115 @@
+"""Reports of ``pdllm eval`` runs: Markdown tables, heatmaps (methods side by side, as the paper's
+Figure 6), and merging the JSON of several runs (a grid split over device calls) into one report.
+
+``python -m pdllm.shared.eval.report --name NAME --out DIR A.json B.json ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+METHODS = ("vanilla", "pdllm")
+
+
+def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
+    lines = [f"# {header['title']}", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items() if k != "title"]
+    for task in sorted({r["task"] for r in rows}):
+        depths = sorted({r["depth"] for r in rows if r["task"] == task})
+        lines += ["", f"## {task} (exact match, %)", ""]
+        lines.append("| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
+        lines.append("| --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
+        for method in sorted({r["method"] for r in rows}):
+            for length in sorted({r["context_length"] for r in rows if r["task"] == task}):
+                got = {
+                    r["depth"]: r["accuracy"]
+                    for r in rows
+                    if (r["task"], r["method"], r["context_length"]) == (task, method, length)
+                }
+                if got:
+                    body = " | ".join(f"{100 * got[d]:.0f}" if d in got else "—" for d in depths)
+                    mean = 100 * sum(got.values()) / len(got)
+                    lines.append(f"| {method} | {length} | {body} | {mean:.1f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for task in sorted({r["task"] for r in rows}):
+        methods = sorted({r["method"] for r in rows if r["task"] == task}, key=METHODS.index)
+        lengths = sorted({r["context_length"] for r in rows if r["task"] == task})
+        depths = sorted({r["depth"] for r in rows if r["task"] == task})
+        fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 3.6), squeeze=False)
+        for ax, method in zip(axes[0], methods):
+            grid = torch.full((len(lengths), len(depths)), float("nan"))
+            for r in rows:
+                if r["task"] == task and r["method"] == method:
+                    grid[lengths.index(r["context_length"]), depths.index(r["depth"])] = r["accuracy"]
+            im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
+            ax.set_xlabel("gold fact depth")
+            if ax is axes[0][0]:
+                ax.set_ylabel("context tokens")
+            ax.set_title(f"{method} — {task}")
+            for i in range(len(lengths)):
+                for j in range(len(depths)):
+                    if not torch.isnan(grid[i, j]):
+                        ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=6)
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact match")
+        path = out_dir / f"{name}_{task}.png"
+        fig.savefig(path, dpi=130, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def merge(paths: list[Path]) -> tuple[dict, list[dict]]:
+    """Header of the first run (commands of all joined) and the rows of all; a later run's cell wins."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    if len({r["train_length"] for r in runs}) > 1:
+        raise ValueError("runs with different train_length cannot be merged")
+    header = {k: v for k, v in runs[0].items() if k not in ("rows", "seconds", "command")}
+    header["command"] = " ; ".join(r.get("command", "?") for r in runs)
+    header["seconds"] = round(sum(r.get("seconds", 0.0) for r in runs), 1)
+    cells: dict[tuple, dict] = {}
+    for run in runs:
+        for row in run["rows"]:
+            cells[(row["method"], row["task"], row["context_length"], row["depth"])] = row
+    return header, list(cells.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Merge pdllm eval JSON files into one report")
+    ap.add_argument("runs", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    try:
+        header, rows = merge(args.runs)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.title:
+        header["title"] = args.title
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+    write_markdown(rows, header, args.out / f"{args.name}.md")
+    for path in write_heatmaps(rows, args.out, args.name):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
