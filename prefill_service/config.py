@@ -6,6 +6,8 @@ Open choices made here (the paper leaves them implicit):
   "self-info" and "pseudo-label" always condition on the whole query suffix.
 - ``top_k`` larger than the number of chunks is clamped to it (every chunk is kept), not an error.
 - ``top_b`` keeps B tokens per selected chunk *including* its BOS, which is always kept.
+- ``chunk_boundary="sentence"`` lets a chunk end early, after the last sentence end in its last quarter
+  (``layout.split_context``); chunks never exceed ``chunk_size`` context tokens either way.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ KVMode = Literal["full-mask", "chunk-query", "chunk-only"]
 ScoreMode = Literal["pseudo-label", "self-info", "query-only"]
 PrefillAttention = Literal["causal", "bidirectional"]
 RetentionScore = Literal["bidirectional", "query-to-chunk"]
+ChunkBoundary = Literal["fixed", "sentence"]
 
 KV_MODES = ("full-mask", "chunk-query", "chunk-only")
 SCORE_MODES = ("pseudo-label", "self-info", "query-only")
 PREFILL_ATTENTIONS = ("causal", "bidirectional")
 RETENTION_SCORES = ("bidirectional", "query-to-chunk")
+CHUNK_BOUNDARIES = ("fixed", "sentence")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     chunk_size: int = 1024
+    # "fixed": every chunk but the last has chunk_size tokens; "sentence": a chunk may end after the last
+    # sentence end in its last quarter (keeps a fact that straddles a fixed boundary in one chunk).
+    chunk_boundary: ChunkBoundary = "fixed"
     top_k: int = 4
     # None: keep every token of a selected chunk.
     top_b: int | None = None
@@ -53,6 +60,7 @@ class EngineConfig:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         if self.top_b is not None and (not isinstance(self.top_b, int) or self.top_b <= 0):
             raise ValueError(f"top_b must be a positive integer or None, got {self.top_b!r}")
+        _choice("chunk_boundary", self.chunk_boundary, CHUNK_BOUNDARIES)
         _choice("kv_mode", self.kv_mode, KV_MODES)
         _choice("score_mode", self.score_mode, SCORE_MODES)
         _choice("prefill_attention", self.prefill_attention, PREFILL_ATTENTIONS)

@@ -5,12 +5,19 @@ in document order. Positions are continuous across the selected chunks (a chunk 
 previous *selected* chunk, whatever lies between them in the document), the query follows the last one.
 With top-B the kept tokens keep these positions; the dropped ones leave holes (the query does not move).
 Instruction and query never enter the chunk pool.
+
+Chunk boundaries (``EngineConfig.chunk_boundary``): "fixed" cuts every ``chunk_size`` tokens; "sentence"
+lets a chunk end earlier, right after the last sentence-end token (``sentence_end_ids``) among its last
+quarter of tokens, so it keeps at least ``ceil(0.75 * chunk_size)`` tokens; with no sentence end there it
+is cut at ``chunk_size`` as before. Either way the chunks concatenate back to the context exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +50,54 @@ def _ids(name: str, ids: Sequence[int] | torch.Tensor | None) -> list[int]:
     return out
 
 
+# A token ends a sentence when its text ends with . ! ? (then maybe whitespace / closing quotes) or holds a
+# newline.
+_SENTENCE_END = re.compile(r"""[.!?][\s"'\u201d\u2019\u00bb]*$""")
+
+
+def sentence_end_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokens that end a sentence (decoded text per the rule above; special tokens never do)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
+    ends = set()
+    for i in range(size):
+        if i in special:
+            continue
+        text = tokenizer.decode([i])
+        if "\n" in text or _SENTENCE_END.search(text):
+            ends.add(i)
+    return frozenset(ends)
+
+
+def split_context(
+    context: Sequence[int],
+    chunk_size: int,
+    boundary: str = "fixed",
+    sentence_ends: Collection[int] | None = None,
+) -> list[list[int]]:
+    """The context's chunks (no BOS), each at most ``chunk_size`` tokens; see the module docstring."""
+    c, n = chunk_size, len(context)
+    if boundary == "fixed":
+        return [list(context[i : i + c]) for i in range(0, n, c)]
+    if boundary != "sentence":
+        raise ValueError(f"chunk_boundary must be one of fixed, sentence; got {boundary!r}")
+    if sentence_ends is None:
+        raise ValueError("chunk_boundary='sentence' needs the sentence-end token ids (sentence_end_ids)")
+    min_len = -(-3 * c // 4)  # ceil(0.75 * c)
+    chunks, start = [], 0
+    while start < n:
+        end = min(start + c, n)
+        if end < n:
+            # The last sentence end at index >= start + min_len - 1, so the chunk keeps >= min_len tokens.
+            for j in range(end - 1, start + min_len - 2, -1):
+                if context[j] in sentence_ends:
+                    end = j + 1
+                    break
+        chunks.append(list(context[start:end]))
+        start = end
+    return chunks
+
+
 def make_request(
     context_ids: Sequence[int] | torch.Tensor,
     question_ids: Sequence[int] | torch.Tensor,
@@ -50,8 +105,10 @@ def make_request(
     config: EngineConfig,
     vocab_size: int,
     instruction_ids: Sequence[int] | torch.Tensor | None = None,
+    sentence_ends: Collection[int] | None = None,
 ) -> Request:
-    """Validate the request and split the context into BOS-prefixed chunks of ``chunk_size`` tokens."""
+    """Validate the request and split the context into BOS-prefixed chunks of at most ``chunk_size``
+    tokens (``sentence_ends``: the tokenizer's sentence-end ids, needed by ``chunk_boundary="sentence"``)."""
     context = _ids("context", context_ids)
     query = _ids("question", question_ids)
     instruction = _ids("instruction", instruction_ids)
@@ -64,8 +121,8 @@ def make_request(
     for name, ids in (("context", context), ("question", query), ("instruction", instruction)):
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name} has token id {max(ids)} >= vocab size {vocab_size}")
-    c = config.chunk_size
-    chunks = [[bos_id, *context[i : i + c]] for i in range(0, len(context), c)]
+    parts = split_context(context, config.chunk_size, config.chunk_boundary, sentence_ends)
+    chunks = [[bos_id, *part] for part in parts]
     return Request(instruction=instruction, chunks=chunks, query=query)
 
 

@@ -59,7 +59,7 @@ def chunk_prefill(
                 continue
             bank.kv[:, :, i, :, : bank.lens[i]] = value.to(device=device, dtype=bank.kv.dtype)
             stats.hits += 1
-    # Equal-length chunks together: only the document's last chunk is ever shorter.
+    # Longest first, so equal-length chunks batch together (fixed boundaries: only the last is shorter).
     todo.sort(key=lambda i: -bank.lens[i])
     for a in range(0, len(todo), batch):
         group = todo[a : a + batch]

@@ -15,7 +15,7 @@ are cached in the chunk store under different position schemes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,14 @@ from pdllm.decode_service.graphs import GraphCache
 from pdllm.prefill_service.attention import ChunkBank
 from pdllm.prefill_service.build import build_static
 from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import DecodeLayout, Request, decode_layout, make_request, select_top_k
+from pdllm.prefill_service.layout import (
+    DecodeLayout,
+    Request,
+    decode_layout,
+    make_request,
+    select_top_k,
+    sentence_end_ids,
+)
 from pdllm.prefill_service.prefill import chunk_prefill
 from pdllm.prefill_service.reference import ChunkScore
 from pdllm.prefill_service.scoring import score_chunks
@@ -69,7 +76,8 @@ class PrefillingEngine:
     """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU unless
     ``reuse_chunks`` is False). ``decode_attention`` (default: "buffer" on CUDA, else "segments"): "segments" (split over static segments, LSE merge) or
     "buffer" (one preallocated contiguous buffer, SDPA), "triton" (split-S kernel over paged static KV).
-    ``cuda_graph``: replay the decode step (CUDA)."""
+    ``cuda_graph``: replay the decode step (CUDA). ``sentence_ends``: token ids that end a sentence, for
+    ``chunk_boundary="sentence"`` (None: computed once from the tokenizer when first needed)."""
 
     def __init__(
         self,
@@ -80,6 +88,7 @@ class PrefillingEngine:
         decode_attention: str | None = None,
         reuse_chunks: bool = True,
         cuda_graph: bool = False,
+        sentence_ends: Collection[int] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -95,10 +104,23 @@ class PrefillingEngine:
         self.store: ChunkKVStore | None = (
             store if store is not None else (LRUChunkStore() if reuse_chunks else None)
         )
+        self._sentence_ends = frozenset(sentence_ends) if sentence_ends is not None else None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def sentence_ends(self, config: EngineConfig | None = None) -> frozenset[int] | None:
+        """The sentence-end token ids ``config`` needs for its chunk layout (None for fixed chunks)."""
+        if (config or self.config).chunk_boundary != "sentence":
+            return None
+        if self._sentence_ends is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "chunk_boundary='sentence' needs a tokenizer (or explicit sentence_ends) to find sentence ends"
+                )
+            self._sentence_ends = sentence_end_ids(self.tokenizer)
+        return self._sentence_ends
 
     def _ids(self, name: str, value: Ids | None) -> list[int] | torch.Tensor | None:
         if not isinstance(value, str):
@@ -126,6 +148,7 @@ class PrefillingEngine:
             cfg,
             model.config.vocab_size,
             self._ids("instruction", instruction),  # type: ignore[arg-type]
+            self.sentence_ends(cfg),
         )
         trace = Trace(num_chunks=request.num_chunks, context_tokens=sum(len(c) - 1 for c in request.chunks))
         meter = MemoryMeter(device)
