@@ -74,6 +74,12 @@ def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--top-b", type=int, default=None, help="B: tokens kept per chunk (default: all)")
     m.add_argument("--kv-mode", choices=["full-mask", "chunk-query", "chunk-only"], default=None)
     m.add_argument("--score-mode", choices=["pseudo-label", "self-info", "query-only"], default=None)
+    m.add_argument(
+        "--chunk-boundary",
+        choices=["fixed", "sentence"],
+        default=None,
+        help="fixed: cut every C tokens; sentence: end a chunk at a sentence end in its last quarter",
+    )
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -116,6 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "top_b": args.top_b,
             "kv_mode": args.kv_mode,
             "score_mode": args.score_mode,
+            "chunk_boundary": args.chunk_boundary,
         }
         engine_cfg = EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
         engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)

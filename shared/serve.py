@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dtype", default=_env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"]
     )
+    e = p.add_argument_group("engine (prefill and decode workers)")
+    e.add_argument(
+        "--chunk-boundary",
+        default=_env_default("--chunk-boundary", "fixed"),
+        choices=["fixed", "sentence"],
+        help="how prefill cuts the context into chunks (decode takes the chunks' token ids from prefill)",
+    )
     k = p.add_argument_group("KV tier")
     k.add_argument(
         "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"
@@ -106,12 +113,16 @@ def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from pdllm.shared.engine import PrefillingEngine
+    from pdllm.shared.engine import EngineConfig, PrefillingEngine
     from pdllm.shared.model.loader import load_model
 
+    # Worker-level engine defaults; a request's MethodParams override the fields it sets.
+    config = EngineConfig(chunk_boundary=args.chunk_boundary)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     store = _kv_store(args, loaded.config, args.dtype)
-    return PrefillingEngine(loaded.model, loaded.tokenizer, store=store), loaded
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store)
+    engine.sentence_ends()  # fail at startup, not on the first request, if sentence ends can't be found
+    return engine, loaded
 
 
 def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -> RpcServer:

@@ -38,6 +38,7 @@ class EvalSettings:
     top_k: int | None = None  # default: as many chunks as fit in the training length with the query
     score_mode: str = "pseudo-label"
     kv_mode: str = "full-mask"
+    chunk_boundary: str = "fixed"
 
     def method_params(self, train_length: int, query_tokens: int) -> tuple[int, int]:
         c = self.chunk_size or max(train_length // 4, 16)
@@ -71,7 +72,11 @@ def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, trai
         c, k = settings.method_params(train_length, len(ids.query))
         if (c, k) not in engines:
             cfg = EngineConfig(
-                chunk_size=c, top_k=k, score_mode=settings.score_mode, kv_mode=settings.kv_mode
+                chunk_size=c,
+                top_k=k,
+                score_mode=settings.score_mode,
+                kv_mode=settings.kv_mode,
+                chunk_boundary=settings.chunk_boundary,
             )
             engines[(c, k)] = PrefillingEngine(loaded.model, tok, cfg)
         out, _ = engines[(c, k)].generate(ids.context, ids.query, gen)
@@ -152,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--score-mode", default="pseudo-label")
     p.add_argument("--kv-mode", default="full-mask")
+    p.add_argument("--chunk-boundary", default="fixed", choices=["fixed", "sentence"])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="longctx_eval")
     return p
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         score_mode=args.score_mode,
         kv_mode=args.kv_mode,
+        chunk_boundary=args.chunk_boundary,
     )
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "date": dt.date.today().isoformat(),
         "command": "pdllm eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "pdllm": f"chunk_size={c} top_k~{k} score_mode={settings.score_mode} kv_mode={settings.kv_mode}",
+        "pdllm": f"chunk_size={c} top_k~{k} score_mode={settings.score_mode} kv_mode={settings.kv_mode}"
+        f" chunk_boundary={settings.chunk_boundary}",
     }
     args.out.mkdir(parents=True, exist_ok=True)
 
