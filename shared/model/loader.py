@@ -171,11 +171,18 @@ def _load_tokenizer(model_dir: Path) -> Any | None:
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # AutoTokenizer peeks at config.json, whose model_type (Dream, LLaDA) transformers does not know and
+    # warns about; the tokenizer files themselves are complete, so that warning only confuses users.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types; surface one clear error
         raise CheckpointError(f"{model_dir}: cannot load tokenizer ({exc})") from exc
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def save_checkpoint(model: DiffusionLM, out_dir: str | Path, tokenizer: Any | None = None) -> Path:
