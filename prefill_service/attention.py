@@ -26,6 +26,13 @@ class ChunkBank:
         """Chunk ``i`` in the chunk-KV layout ``[layers, 2, Hkv, T, D]`` (a view)."""
         return self.kv[:, :, i, :, : self.lens[i]]
 
+    def take(self, rows: list[int]) -> ChunkBank:
+        """A bank of ``rows`` in that order: a view when they are a run, else a copy."""
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            return ChunkBank(self.kv[:, :, rows[0] : rows[0] + len(rows)], [self.lens[i] for i in rows])
+        index = torch.tensor(rows, dtype=torch.long, device=self.kv.device)
+        return ChunkBank(self.kv.index_select(2, index), [self.lens[i] for i in rows])
+
 
 @dataclass
 class WriteKV:

@@ -9,7 +9,7 @@ and never forwarded, so a second question on the same document skips step 3 enti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class PrefillStats:
     chunks: int = 0
     hits: int = 0
     forwarded: int = 0
+    hit_rows: list[int] = field(default_factory=list)  # chunks whose KV came from the store
 
 
 def empty_bank(model: DiffusionLM, lens: Sequence[int]) -> ChunkBank:
@@ -59,6 +60,7 @@ def chunk_prefill(
                 continue
             bank.kv[:, :, i, :, : bank.lens[i]] = value.to(device=device, dtype=bank.kv.dtype)
             stats.hits += 1
+            stats.hit_rows.append(i)
     # Longest first, so equal-length chunks batch together (fixed boundaries: only the last is shorter).
     todo.sort(key=lambda i: -bank.lens[i])
     for a in range(0, len(todo), batch):

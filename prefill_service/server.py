@@ -4,18 +4,19 @@ Chunk prefill writes every chunk's step-3 KV into the KV tier (which is also whe
 the same document finds it), then the chunks are scored and the top-K selected. The worker answers
 with handles (tier keys + token ids) rather than KV: the decode worker rebuilds the decode KV from
 token ids for the full-mask and chunk-query modes (one forward over K chunks, cheaper than moving the
-KV; see ``benchmarks/``) and pulls step-3 KV by key only for chunk-only. Requests run one at a time on
-the device; concurrent requests queue on the lock in arrival order.
+KV; see ``benchmarks/``) and pulls step-3 KV by key only for chunk-only. One device thread runs
+the requests: concurrent ones meet in the :class:`PrefillBatcher` queue and share batched chunk
+prefill forwards (``--prefill-batch-requests``), in arrival order.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+from concurrent.futures import CancelledError
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdllm.prefill_service.batching import BatchingConfig, PrefillBatcher
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
@@ -28,11 +29,23 @@ from pdllm.shared.rpc.server import termination_event
 
 class PrefillServicer(workers_pb2_grpc.PrefillServicer):
     def __init__(
-        self, engine: PrefillingEngine, worker_name: str = "", registry: CollectorRegistry | None = None
+        self,
+        engine: PrefillingEngine,
+        worker_name: str = "",
+        registry: CollectorRegistry | None = None,
+        batching: BatchingConfig | None = None,
     ) -> None:
         self.engine = engine
         self.worker_name = worker_name
-        self._lock = threading.Lock()
+        self.batch_requests = Histogram(
+            "pdllm_prefill_batch_requests",
+            "Requests sharing one batched chunk prefill",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=registry,
+        )
+        self.batcher = PrefillBatcher(
+            engine.select_many, batching, on_batch=lambda n, _tokens: self.batch_requests.observe(n)
+        )
         # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
         self.chunks = Counter(
             "pdllm_prefill_chunks",
@@ -43,28 +56,26 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         self.tokens = Counter("pdllm_prefill_context_tokens", "Context tokens prefilled", registry=registry)
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
-        arrived = time.perf_counter()
         cancelled = termination_event(context)
         with bind_request_id(request.request_id):
             try:
                 cfg = engine_config(request.method, self.engine.config)
                 gen = generation_config(request.generation)
+                job = self.engine.job(
+                    list(request.context_ids),
+                    list(request.question_ids),
+                    gen,
+                    list(request.instruction_ids) or None,
+                    config=cfg,
+                )
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
-            with self._lock:
-                if cancelled.is_set():
-                    raise PdllmError("cancelled while queued", code=grpc.StatusCode.CANCELLED)
-                queue_s = time.perf_counter() - arrived
-                try:
-                    sel = self.engine.select(
-                        list(request.context_ids),
-                        list(request.question_ids),
-                        gen,
-                        list(request.instruction_ids) or None,
-                        config=cfg,
-                    )
-                except ValueError as exc:
-                    raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+            try:
+                sel, queue_s = self.batcher.submit(job, cancelled)
+            except CancelledError as exc:
+                raise PdllmError("cancelled while queued", code=grpc.StatusCode.CANCELLED) from exc
+            except ValueError as exc:
+                raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
         self.chunks.labels("hit").inc(sel.trace.cache_hits)
         self.chunks.labels("computed").inc(sel.trace.cache_misses)
         self.tokens.inc(len(request.context_ids))

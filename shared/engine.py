@@ -42,7 +42,7 @@ from pdllm.prefill_service.trace import MemoryMeter, Trace
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
-__all__ = ["EngineConfig", "PrefillResult", "PrefillingEngine", "Trace"]
+__all__ = ["EngineConfig", "PrefillResult", "PrefillingEngine", "SelectJob", "Selection", "Trace"]
 
 Ids = Sequence[int] | torch.Tensor | str
 
@@ -59,6 +59,19 @@ class Selection:
     bank: ChunkBank | None
     keys: list[str]
     position_scheme: str
+
+
+@dataclass(frozen=True)
+class SelectJob:
+    """A validated request waiting for steps 3-5 (see :meth:`PrefillingEngine.select_many`)."""
+
+    request: Request
+    gen: GenerationConfig
+    config: EngineConfig
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(len(c) - 1 for c in self.request.chunks)
 
 
 @dataclass
@@ -138,24 +151,69 @@ class PrefillingEngine:
         config: EngineConfig | None = None,
     ) -> Selection:
         """Steps 3-5 (what a prefill worker runs): chunk prefill, scoring, top-K selection."""
+        job = self.job(context, question, gen, instruction, config)
+        out = self.select_many([job])[0]
+        if isinstance(out, ValueError):
+            raise out
+        return out
+
+    def job(
+        self,
+        context: Ids,
+        question: Ids,
+        gen: GenerationConfig,
+        instruction: Ids | None = None,
+        config: EngineConfig | None = None,
+    ) -> SelectJob:
+        """One validated request for :meth:`select_many` (ValueError on bad input)."""
         gen.validate()
         cfg = config or self.config
-        model, device = self.model, self.device
         request = make_request(
             self._ids("context", context),  # type: ignore[arg-type]
             self._ids("question", question),  # type: ignore[arg-type]
-            model.config.bos_token_id,
+            self.model.config.bos_token_id,
             cfg,
-            model.config.vocab_size,
+            self.model.config.vocab_size,
             self._ids("instruction", instruction),  # type: ignore[arg-type]
             self.sentence_ends(cfg),
         )
-        trace = Trace(num_chunks=request.num_chunks, context_tokens=sum(len(c) - 1 for c in request.chunks))
-        meter = MemoryMeter(device)
-        with trace.phase("prefill", device):
-            bank, stats = chunk_prefill(
-                model, request.chunks, "causal", cfg.chunk_size, cfg.prefill_batch, self.store
-            )
+        return SelectJob(request, gen, cfg)
+
+    def select_many(self, jobs: Sequence[SelectJob]) -> list[Selection | ValueError]:
+        """Steps 3-5 for several requests at once: the chunks of all requests that share a chunk size are
+        prefilled in the same batched forwards (a chunk two requests share is forwarded once), then every
+        request is scored and selected on its own. Results equal :meth:`select` on each request alone."""
+        out: list[Selection | ValueError] = [ValueError("not run")] * len(jobs)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, job in enumerate(jobs):
+            groups.setdefault((job.config.chunk_size, job.config.prefill_batch), []).append(j)
+        for (chunk_size, batch), members in groups.items():
+            unique: dict[tuple[int, ...], int] = {}
+            rows: list[list[int]] = []
+            for j in members:
+                rows.append([unique.setdefault(tuple(c), len(unique)) for c in jobs[j].request.chunks])
+            meter = MemoryMeter(self.device)  # shared: the batch's peak is every member's peak
+            timer = Trace()
+            with timer.phase("prefill", self.device):
+                bank, stats = chunk_prefill(
+                    self.model, [list(c) for c in unique], "causal", chunk_size, batch, self.store
+                )
+            hit = set(stats.hit_rows)
+            for j, idx in zip(members, rows):
+                request = jobs[j].request
+                trace = Trace(num_chunks=request.num_chunks, context_tokens=jobs[j].num_context_tokens)
+                trace.timings["prefill"] = timer.timings["prefill"]
+                trace.cache_hits = sum(i in hit for i in idx)
+                trace.cache_misses = len(idx) - trace.cache_hits
+                trace.prefill_skipped = stats.forwarded == 0
+                try:
+                    out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx))
+                except ValueError as exc:  # one request's problem is not its batch-mates'
+                    out[j] = exc
+        return out
+
+    def _score_select(self, job: SelectJob, trace: Trace, meter: MemoryMeter, bank: ChunkBank) -> Selection:
+        model, device, cfg, request = self.model, self.device, job.config, job.request
         with trace.phase("score", device):
             scores = score_chunks(model, request, cfg, bank)
         with trace.phase("select", device):
@@ -164,8 +222,6 @@ class PrefillingEngine:
             {"chunk": s.chunk, "s_i": s.s_i, "s_p": s.s_p, "total": s.total} for s in scores
         ]
         trace.selected = selected
-        trace.cache_hits, trace.cache_misses = stats.hits, stats.chunks - stats.hits
-        trace.prefill_skipped = stats.forwarded == 0
         keys = chunk_keys(model.config.model_id, bank.kv.dtype, cfg.chunk_size, "causal", request.chunks)
         return Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"))
 

@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="name clients use (default: the model dir)",
     )
     r.add_argument("--max-prompt-bytes", type=int, default=_env_default("--max-prompt-bytes", 4 << 20, int))
+    pb = p.add_argument_group("prefill")
+    pb.add_argument(
+        "--prefill-batch-requests",
+        type=int,
+        default=_env_default("--prefill-batch-requests", 8, int),
+        help="concurrent requests whose chunks share one batched prefill (1: no cross-request batching)",
+    )
+    pb.add_argument(
+        "--prefill-batch-wait-ms",
+        type=float,
+        default=_env_default("--prefill-batch-wait-ms", 2.0, float),
+        help="how long the first request of a batch waits for company",
+    )
     d = p.add_argument_group("decode")
     d.add_argument("--max-active", type=int, default=_env_default("--max-active", 16, int))
     d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
@@ -125,15 +138,19 @@ def _engine(args: argparse.Namespace) -> Any:
     return engine, loaded
 
 
-def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -> RpcServer:
+def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -> tuple[RpcServer, Callable]:
+    from pdllm.prefill_service.batching import BatchingConfig
     from pdllm.prefill_service.server import PrefillServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 
     registry = CollectorRegistry()
-    servicer = PrefillServicer(engine, worker_name=f"prefill@{_hostname()}", registry=registry)
+    batching = BatchingConfig(
+        max_requests=args.prefill_batch_requests, wait_s=args.prefill_batch_wait_ms / 1e3
+    )
+    servicer = PrefillServicer(engine, f"prefill@{_hostname()}", registry, batching)
     _register_kv_metrics(engine.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
-    return build_server(config, [spec], registry).start()
+    return build_server(config, [spec], registry).start(), servicer.batcher.close
 
 
 def _register_kv_metrics(store: Any, registry: CollectorRegistry) -> None:
@@ -268,13 +285,14 @@ def start(args: argparse.Namespace) -> Deployment:
         return Deployment([server], [close])
     engine, loaded = _engine(args)
     if args.role == "prefill":
-        return Deployment([start_prefill(args, config, engine)])
+        server, close = start_prefill(args, config, engine)
+        return Deployment([server], [close])
     if args.role == "decode":
         server, close = start_decode(args, config, engine)
         return Deployment([server], [close])
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
-    prefill = start_prefill(args, replace(internal, role="prefill"), engine)
+    prefill, close_prefill = start_prefill(args, replace(internal, role="prefill"), engine)
     decode, close_decode = start_decode(args, replace(internal, role="decode"), engine)
     args = argparse.Namespace(
         **{
@@ -285,7 +303,7 @@ def start(args: argparse.Namespace) -> Deployment:
         }
     )
     router, close_router = start_router(args, config, loaded.tokenizer, workers=internal)
-    return Deployment([router, prefill, decode], [close_router, close_decode])
+    return Deployment([router, prefill, decode], [close_router, close_decode, close_prefill])
 
 
 def main(argv: list[str] | None = None) -> int:

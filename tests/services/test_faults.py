@@ -110,7 +110,14 @@ def test_fifty_concurrent_streams(cluster, engine) -> None:
     assert failures == []
     assert len(latencies) == 50
     q = statistics.quantiles(latencies, n=100)
-    print(f"\n50 concurrent streams: p50 {q[49]:.2f}s p99 {q[98]:.2f}s max {max(latencies):.2f}s")
+    # Concurrent requests shared batched chunk prefills on the prefill worker (cross-request batching).
+    batched = cluster["prefill"].metric("pdllm_prefill_batch_requests_sum")
+    batches = cluster["prefill"].metric("pdllm_prefill_batch_requests_count")
+    assert batched >= 50 and batches < batched
+    print(
+        f"\n50 concurrent streams: p50 {q[49]:.2f}s p99 {q[98]:.2f}s max {max(latencies):.2f}s; "
+        f"{batched:.0f} prefills in {batches:.0f} batches"
+    )
 
 
 def test_redis_killed_requests_still_answered(cluster, engine) -> None:

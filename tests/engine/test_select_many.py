@@ -1,0 +1,56 @@
+"""Cross-request batching: ``select_many`` equals ``select`` on each request alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.generation.sampler import GenerationConfig
+from tests.engine.helpers import model, tokens
+
+GEN = GenerationConfig(gen_length=6, steps=3)
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_batched_selection_equals_one_at_a_time(family: str) -> None:
+    m = model(family)
+    doc = tokens(50, 1)
+    repeated = tokens(10, 9) * 4  # identical chunks inside one request: forwarded once, copied per row
+    cases = [
+        (doc, tokens(5, 2), EngineConfig(chunk_size=12, top_k=2)),
+        (doc, tokens(4, 3), EngineConfig(chunk_size=12, top_k=3)),  # same document, another question
+        (tokens(33, 4), tokens(6, 5), EngineConfig(chunk_size=8, top_k=2)),  # another chunk size
+        (repeated, tokens(5, 6), EngineConfig(chunk_size=10, top_k=2, score_mode="self-info")),
+    ]
+    batched_engine = PrefillingEngine(m, None, EngineConfig(), reuse_chunks=False)
+    jobs = [batched_engine.job(c, q, GEN, config=cfg) for c, q, cfg in cases]
+    batched = batched_engine.select_many(jobs)
+    for (c, q, cfg), got in zip(cases, batched):
+        alone = PrefillingEngine(m, None, cfg, reuse_chunks=False).select(c, q, GEN)
+        assert not isinstance(got, ValueError)
+        assert got.selected == alone.selected
+        assert got.keys == alone.keys
+        for a, b in zip(got.scores, alone.scores):
+            assert a.chunk == b.chunk
+            assert a.total == pytest.approx(b.total, abs=1e-5)
+        assert got.trace.num_chunks == alone.trace.num_chunks
+
+
+def test_batch_shares_the_store_and_counts_hits_per_request() -> None:
+    m = model("dream")
+    engine = PrefillingEngine(m, None, EngineConfig(chunk_size=12, top_k=2))
+    doc = tokens(48, 1)
+    first = engine.select_many([engine.job(doc, tokens(5, 2), GEN)])[0]
+    assert (first.trace.cache_hits, first.trace.cache_misses) == (0, 4)
+    warm, cold = engine.select_many(
+        [engine.job(doc, tokens(5, 3), GEN), engine.job(tokens(24, 7), tokens(5, 3), GEN)]
+    )
+    assert (warm.trace.cache_hits, warm.trace.cache_misses, warm.trace.prefill_skipped) == (4, 0, False)
+    assert (cold.trace.cache_hits, cold.trace.cache_misses) == (0, 2)
+
+
+def test_bad_request_is_rejected_before_batching() -> None:
+    engine = PrefillingEngine(model("dream"), None, EngineConfig(chunk_size=12))
+    with pytest.raises(ValueError, match="question is empty"):
+        engine.job(tokens(20, 1), [], GEN)
