@@ -37,7 +37,7 @@ from pdllm.prefill_service.layout import (
 from pdllm.prefill_service.prefill import chunk_prefill
 from pdllm.prefill_service.reference import ChunkScore
 from pdllm.prefill_service.scoring import score_chunks
-from pdllm.prefill_service.store import ChunkKVStore, LRUChunkStore, chunk_keys, position_scheme
+from pdllm.prefill_service.store import ChunkKVStore, chunk_keys, default_chunk_store, position_scheme
 from pdllm.prefill_service.trace import MemoryMeter, Trace
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -115,7 +115,7 @@ class PrefillingEngine:
         self.cuda_graph = cuda_graph
         self.graph_cache = GraphCache() if cuda_graph else None
         self.store: ChunkKVStore | None = (
-            store if store is not None else (LRUChunkStore() if reuse_chunks else None)
+            store if store is not None else (default_chunk_store() if reuse_chunks else None)
         )
         self._sentence_ends = frozenset(sentence_ends) if sentence_ends is not None else None
 

@@ -6,7 +6,7 @@ import torch
 
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.prefill_service.prefill import chunk_prefill
-from pdllm.prefill_service.store import LRUChunkStore, chunk_keys
+from pdllm.prefill_service.store import chunk_keys, default_chunk_store
 from pdllm.shared.engine import PrefillingEngine
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.engine.helpers import model, tokens
@@ -17,16 +17,18 @@ GEN = GenerationConfig(gen_length=6, steps=3)
 
 def test_second_question_skips_prefill_and_matches_a_cold_run() -> None:
     m = model("dream")
-    store = LRUChunkStore()
+    store = default_chunk_store()
     context = tokens(40, 1)
     engine = PrefillingEngine(m, None, EngineConfig(chunk_size=C, top_k=2), store=store)
     _, first = engine.generate(context, tokens(5, 2), GEN)
     assert (first.cache_hits, first.cache_misses, first.prefill_skipped) == (0, 4, False)
-    assert (store.hits, store.misses, store.puts) == (0, 4, 4)
+    st = store.stats()
+    assert (st.hits, st.misses, st.puts) == (0, 4, 4)
     question = tokens(5, 3)
     warm, second = engine.generate(context, question, GEN)
     assert (second.cache_hits, second.cache_misses, second.prefill_skipped) == (4, 0, True)
-    assert (store.hits, store.puts) == (4, 4)
+    st = store.stats()
+    assert (st.hits, st.puts) == (4, 4)
     cold, cold_trace = PrefillingEngine(
         m, None, EngineConfig(chunk_size=C, top_k=2), reuse_chunks=False
     ).generate(context, question, GEN)
@@ -36,7 +38,7 @@ def test_second_question_skips_prefill_and_matches_a_cold_run() -> None:
 
 def test_shared_chunks_are_reused_across_documents() -> None:
     m = model("llada")
-    store = LRUChunkStore()
+    store = default_chunk_store()
     engine = PrefillingEngine(m, None, EngineConfig(chunk_size=C, top_k=1), store=store)
     base = tokens(3 * C, 5)
     engine.prefill(base, tokens(4, 6), GEN)
@@ -57,7 +59,7 @@ def test_keys_separate_attention_schemes_and_chunk_sizes() -> None:
 def test_stored_kv_is_the_chunk_layout_and_lru_evicts_by_bytes() -> None:
     m = model("dream")
     chunks = [[1, *tokens(C, 1)], [1, *tokens(5, 2)]]
-    store = LRUChunkStore()
+    store = default_chunk_store()
     bank, stats = chunk_prefill(m, chunks, "causal", C, 8, store)
     assert stats.forwarded == 2
     keys = chunk_keys(m.config.model_id, torch.float32, C, "causal", chunks)
@@ -66,6 +68,6 @@ def test_stored_kv_is_the_chunk_layout_and_lru_evicts_by_bytes() -> None:
     assert stored[1].shape == (cfg.num_layers, 2, cfg.num_kv_heads, 6, cfg.head_dim)
     torch.testing.assert_close(stored[0], bank.segment(0), rtol=0, atol=0)
     one = stored[0].numel() * stored[0].element_size()
-    small = LRUChunkStore(capacity_bytes=one + 1)
+    small = default_chunk_store(capacity_bytes=one + 1)
     assert small.put_many([(keys[0], stored[0]), (keys[1], stored[1])]) == 2
     assert small.get_many(keys)[0] is None and small.get_many(keys)[1] is not None
