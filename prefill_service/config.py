@@ -12,8 +12,9 @@ Open choices made here (the paper leaves them implicit):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 KVMode = Literal["full-mask", "chunk-query", "chunk-only"]
 ScoreMode = Literal["pseudo-label", "self-info", "query-only"]
@@ -76,6 +77,17 @@ class EngineConfig:
             raise ValueError(f"query_window must be positive or None, got {self.query_window}")
         if self.prefill_batch <= 0 or self.retention_block <= 0:
             raise ValueError("prefill_batch and retention_block must be positive")
+
+    @classmethod
+    def from_settings(cls, base: Mapping[str, Any], **overrides: Any) -> EngineConfig:
+        """``base`` (e.g. a checkpoint's recommended settings), then the ``overrides`` that are not None."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(base) - names)
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {unknown}; known: {sorted(names)}")
+        cfg = cls(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+        cfg.validate()
+        return cfg
 
     def scoring_window(self) -> int | None:
         """How many trailing query tokens chunk scoring conditions on (None: all of them)."""

@@ -116,15 +116,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         from .engine import EngineConfig, PrefillingEngine
 
-        overrides = {
-            "chunk_size": args.chunk_size,
-            "top_k": args.top_k,
-            "top_b": args.top_b,
-            "kv_mode": args.kv_mode,
-            "score_mode": args.score_mode,
-            "chunk_boundary": args.chunk_boundary,
-        }
-        engine_cfg = EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+        engine_cfg = EngineConfig.from_settings(
+            loaded.serving.engine,
+            chunk_size=args.chunk_size,
+            top_k=args.top_k,
+            top_b=args.top_b,
+            kv_mode=args.kv_mode,
+            score_mode=args.score_mode,
+            chunk_boundary=args.chunk_boundary,
+        )
         engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)
         result, tr = engine.generate(
             ids.context, ids.query, gen, instruction_ids=ids.instruction or None, progress=True

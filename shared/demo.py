@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--document", type=Path, default=DATA / "demo_document.txt")
     p.add_argument("--question", default=None, help="default: the bundled document's question")
     p.add_argument("--method", choices=["pdllm", "vanilla"], default="pdllm")
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--chunk-size", type=int, default=None, help="default: the checkpoint's (pdllm.json)")
+    p.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's (pdllm.json)")
     p.add_argument("--gen-length", type=int, default=16)
     return p
 

@@ -44,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine (prefill and decode workers)")
     e.add_argument(
         "--chunk-boundary",
-        default=_env_default("--chunk-boundary", "fixed"),
+        default=_env_default("--chunk-boundary", None),
         choices=["fixed", "sentence"],
-        help="how prefill cuts the context into chunks (decode takes the chunks' token ids from prefill)",
+        help="how prefill cuts the context into chunks (default: the checkpoint's pdllm.json, else fixed)",
     )
     k = p.add_argument_group("KV tier")
     k.add_argument(
@@ -129,9 +129,10 @@ def _engine(args: argparse.Namespace) -> Any:
     from pdllm.shared.engine import EngineConfig, PrefillingEngine
     from pdllm.shared.model.loader import load_model
 
-    # Worker-level engine defaults; a request's MethodParams override the fields it sets.
-    config = EngineConfig(chunk_boundary=args.chunk_boundary)
+    # Worker-level engine defaults (the checkpoint's pdllm.json, then flags); a request's MethodParams
+    # override the fields it sets.
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    config = EngineConfig.from_settings(loaded.serving.engine, chunk_boundary=args.chunk_boundary)
     store = _kv_store(args, loaded.config, args.dtype)
     engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store)
     engine.sentence_ends()  # fail at startup, not on the first request, if sentence ends can't be found
@@ -193,14 +194,14 @@ def start_router(
         pool.start()
     view = Pools(healthy=lambda role: pools[role].healthy(), channel=lambda a: _any_channel(pools, a))
     view.on_failure(lambda role, address: pools[role].report_failure(address))
-    from pdllm.shared.model.loader import resolve_model_dir
+    from pdllm.shared.model.loader import read_serving_defaults, resolve_model_dir
     from pdllm.shared.rpc.validation import RequestDefaults, ValidationLimits
 
-    name = args.model_name or resolve_model_dir(args.model).name
+    model_dir = resolve_model_dir(args.model)
+    name = args.model_name or model_dir.name
     limits = ValidationLimits(models=(name,), max_prompt_bytes=args.max_prompt_bytes)
-    servicer = RouterServicer(
-        tokenizer, view, RouterConfig(max_queue=args.max_queue), limits, RequestDefaults(model=name)
-    )
+    defaults = RequestDefaults.for_engine(read_serving_defaults(model_dir).engine, model=name)
+    servicer = RouterServicer(tokenizer, view, RouterConfig(max_queue=args.max_queue), limits, defaults)
     spec = service_spec(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
     server = build_server(config, [spec]).start()
 

@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--methods", default="vanilla,pdllm")
     p.add_argument("--tasks", default="needle,multidoc")
-    p.add_argument("--train-length", type=int, default=None, help="default: the model's max positions")
+    p.add_argument(
+        "--train-length",
+        type=int,
+        default=None,
+        help="default: the checkpoint's pdllm.json, else its max positions",
+    )
     p.add_argument("--length-multiples", default="0.5,1,2,4,8,16", help="context lengths / train length")
     p.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
     p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")
-    train_length = args.train_length or loaded.config.max_position_embeddings
+    train_length = args.train_length or loaded.serving.train_length or loaded.config.max_position_embeddings
     lengths = [int(round(m * train_length)) for m in _floats(args.length_multiples)]
     settings = EvalSettings(
         gen_length=args.gen_length,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,44 @@ class CheckpointError(ValueError):
     """A checkpoint directory cannot be loaded; the message names the file and the problem."""
 
 
+# A checkpoint may carry the settings it was trained for, so commands need no model-specific flags.
+SERVING_FILE = "pdllm.json"
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    """``pdllm.json`` of a checkpoint: its training length and recommended engine settings
+    (``EngineConfig`` field names; explicit flags and request fields override them)."""
+
+    train_length: int | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class LoadedModel:
     model: DiffusionLM
     config: ModelConfig
     tokenizer: Any | None
     path: Path
+    serving: ServingDefaults = field(default_factory=ServingDefaults)
+
+
+def read_serving_defaults(model_dir: Path) -> ServingDefaults:
+    path = model_dir / SERVING_FILE
+    if not path.is_file():
+        return ServingDefaults()
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict) or set(raw) - {"train_length", "engine"}:
+        raise CheckpointError(f"{path}: expected an object with 'train_length' and/or 'engine'")
+    length, engine = raw.get("train_length"), raw.get("engine", {})
+    if length is not None and (not isinstance(length, int) or length <= 0):
+        raise CheckpointError(f"{path}: train_length must be a positive integer, got {length!r}")
+    if not isinstance(engine, dict):
+        raise CheckpointError(f"{path}: 'engine' must be an object of EngineConfig settings")
+    return ServingDefaults(train_length=length, engine=dict(engine))
 
 
 _LLADA_RENAMES = [
@@ -156,7 +188,8 @@ def load_model(
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
     model.eval()
     tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=model_dir)
+    serving = read_serving_defaults(model_dir)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=model_dir, serving=serving)
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from pdllm.prefill_service.config import (
     KV_MODES,
@@ -53,6 +55,25 @@ class RequestDefaults:
     retention_score: str = EngineConfig.retention_score
     query_window: int | None = EngineConfig.query_window
     prefill_attention: str = EngineConfig.prefill_attention
+
+    @classmethod
+    def for_engine(cls, settings: Mapping[str, Any], **values: Any) -> RequestDefaults:
+        """Defaults whose method fields follow ``EngineConfig.from_settings(settings)`` (a checkpoint's
+        recommended engine settings), so the router fills unset fields as the workers would."""
+        e = EngineConfig.from_settings(settings)
+        method = {
+            "chunk_size": e.chunk_size,
+            "top_k": e.top_k,
+            "top_b": e.top_b,
+            "kv_mode": e.kv_mode,
+            "score_mode": e.score_mode,
+            "pseudo_label_tokens": e.pseudo_labels,
+            "pseudo_label_rounds": e.pseudo_rounds,
+            "retention_score": e.retention_score,
+            "query_window": e.query_window,
+            "prefill_attention": e.prefill_attention,
+        }
+        return cls(**{**method, **values})
 
 
 @dataclass(frozen=True)
