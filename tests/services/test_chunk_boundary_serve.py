@@ -18,7 +18,7 @@ from .test_all_in_one import CONTEXT, QUESTION
 
 
 def test_env_sets_the_worker_chunk_boundary(monkeypatch) -> None:
-    assert build_parser().parse_args([]).chunk_boundary == "fixed"
+    assert build_parser().parse_args([]).chunk_boundary is None  # the checkpoint's pdllm.json, else fixed
     monkeypatch.setenv("PDLLM_CHUNK_BOUNDARY", "sentence")
     assert build_parser().parse_args([]).chunk_boundary == "sentence"
 
