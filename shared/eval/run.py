@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pdllm.prefill_service.config import EngineConfig
+
 from ..generation.sampler import GenerationConfig
 from ..generation.vanilla import generate_vanilla
 from ..model.loader import LoadedModel, load_model
@@ -33,17 +35,31 @@ from .tasks import TASKS, Sample, make_sample
 
 @dataclass(frozen=True)
 class EvalSettings:
-    gen_length: int = 8
-    chunk_size: int | None = None  # default: train_length // 4
-    top_k: int | None = None  # default: as many chunks as fit in the training length with the query
-    score_mode: str = "pseudo-label"
-    kv_mode: str = "full-mask"
-    chunk_boundary: str = "fixed"
+    """pdllm's settings; None = the checkpoint's pdllm.json, else the rules below / EngineConfig's."""
 
-    def method_params(self, train_length: int, query_tokens: int) -> tuple[int, int]:
-        c = self.chunk_size or max(train_length // 4, 16)
-        k = self.top_k or max(1, (train_length - query_tokens - self.gen_length) // (c + 1))
-        return c, k
+    gen_length: int = 8
+    chunk_size: int | None = None  # else: train_length // 4
+    top_k: int | None = None  # else: as many chunks as fit in the training length with the query
+    score_mode: str | None = None
+    kv_mode: str | None = None
+    chunk_boundary: str | None = None
+
+    def engine_config(self, loaded: LoadedModel, train_length: int, query_tokens: int) -> EngineConfig:
+        model = loaded.serving.engine
+        c = self.chunk_size or model.get("chunk_size") or max(train_length // 4, 16)
+        k = (
+            self.top_k
+            or model.get("top_k")
+            or max(1, (train_length - query_tokens - self.gen_length) // (c + 1))
+        )
+        return EngineConfig.from_settings(
+            model,
+            chunk_size=c,
+            top_k=k,
+            score_mode=self.score_mode,
+            kv_mode=self.kv_mode,
+            chunk_boundary=self.chunk_boundary,
+        )
 
 
 Answerer = Callable[[Sample], str]
@@ -63,23 +79,16 @@ def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, trai
         return vanilla
     if method != "pdllm":
         raise ValueError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
-    from ..engine import EngineConfig, PrefillingEngine
+    from ..engine import PrefillingEngine
 
-    engines: dict[tuple[int, int], PrefillingEngine] = {}
+    engines: dict[EngineConfig, PrefillingEngine] = {}
 
     def pdllm(sample: Sample) -> str:
         ids = encode_prompt(tok, sample.context, sample.question)
-        c, k = settings.method_params(train_length, len(ids.query))
-        if (c, k) not in engines:
-            cfg = EngineConfig(
-                chunk_size=c,
-                top_k=k,
-                score_mode=settings.score_mode,
-                kv_mode=settings.kv_mode,
-                chunk_boundary=settings.chunk_boundary,
-            )
-            engines[(c, k)] = PrefillingEngine(loaded.model, tok, cfg)
-        out, _ = engines[(c, k)].generate(ids.context, ids.query, gen)
+        cfg = settings.engine_config(loaded, train_length, len(ids.query))
+        if cfg not in engines:
+            engines[cfg] = PrefillingEngine(loaded.model, tok, cfg)
+        out, _ = engines[cfg].generate(ids.context, ids.query, gen)
         return tok.decode(out.token_ids, skip_special_tokens=True)
 
     return pdllm
@@ -160,9 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-length", type=int, default=8)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--score-mode", default="pseudo-label")
-    p.add_argument("--kv-mode", default="full-mask")
-    p.add_argument("--chunk-boundary", default="fixed", choices=["fixed", "sentence"])
+    p.add_argument("--score-mode", default=None, choices=["pseudo-label", "self-info", "query-only"])
+    p.add_argument("--kv-mode", default=None, choices=["full-mask", "chunk-query", "chunk-only"])
+    p.add_argument(
+        "--chunk-boundary", default=None, choices=["fixed", "sentence"], help="default: the model's"
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="longctx_eval")
     return p
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    c, k = settings.method_params(train_length, 16)
+    e = settings.engine_config(loaded, train_length, 16)
     header = {
         "title": f"Long-context retrieval: {', '.join(methods)} on {loaded.path.name}",
         "model": loaded.config.model_id,
@@ -203,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "date": dt.date.today().isoformat(),
         "command": "pdllm eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "pdllm": f"chunk_size={c} top_k~{k} score_mode={settings.score_mode} kv_mode={settings.kv_mode}"
-        f" chunk_boundary={settings.chunk_boundary}",
+        "pdllm": f"chunk_size={e.chunk_size} top_k~{e.top_k} score_mode={e.score_mode} kv_mode={e.kv_mode}"
+        f" chunk_boundary={e.chunk_boundary}",
     }
     args.out.mkdir(parents=True, exist_ok=True)
 

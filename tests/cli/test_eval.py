@@ -1,0 +1,79 @@
+"""`pdllm eval` end to end on a tiny checkpoint: output files, their schema, and the checkpoint's defaults."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pdllm.shared.eval.report import main as report_main
+from pdllm.shared.eval.run import main
+
+from ..model.tiny_checkpoint import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    make_tiny_checkpoint(path)
+    (path / "pdllm.json").write_text(
+        json.dumps({"train_length": 128, "engine": {"chunk_size": 32, "chunk_boundary": "sentence"}})
+    )
+    return path
+
+
+def test_grid_writes_json_markdown_and_heatmaps(ckpt, tmp_path, capsys) -> None:
+    argv = ["--model", str(ckpt), "--tasks", "needle", "--samples", "2", "--depths", "0,1"]
+    argv += ["--length-multiples", "0.5,1", "--gen-length", "4", "--out", str(tmp_path), "--name", "t"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["train_length"] == 128  # from pdllm.json
+    assert "chunk_size=32" in data["pdllm"] and "chunk_boundary=sentence" in data["pdllm"]
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2  # methods x lengths x depths
+    assert {r["context_length"] for r in rows} == {64, 128}
+    for r in rows:
+        assert set(r) >= {"method", "task", "context_length", "depth", "accuracy", "samples"}
+        assert r["samples"] == 2 and 0.0 <= r["accuracy"] <= 1.0
+    assert (tmp_path / "t.md").read_text().count("| vanilla |") == 2
+    assert (tmp_path / "t_needle.png").stat().st_size > 0
+    capsys.readouterr()
+
+    # Merging two runs: the later run's cell wins, cells only one run has are kept.
+    second = tmp_path / "second"
+    assert main([*argv[:-4], "--methods", "pdllm", "--out", str(second), "--name", "t"]) == 0
+    assert (
+        report_main([str(tmp_path / "t.json"), str(second / "t.json"), "--out", str(tmp_path), "--name", "m"])
+        == 0
+    )
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert len(merged["rows"]) == len(rows)
+    assert " ; " in merged["command"]
+
+
+def test_unknown_task_is_a_clear_error(ckpt, tmp_path) -> None:
+    with pytest.raises(ValueError, match="unknown task"):
+        main(["--model", str(ckpt), "--tasks", "haystack", "--out", str(tmp_path)])
+
+
+def test_shipped_defaults_without_file(ckpt, tmp_path) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare)
+    (bare / "pdllm.json").unlink()
+    argv = [
+        "--model",
+        str(bare),
+        "--tasks",
+        "needle",
+        "--samples",
+        "1",
+        "--depths",
+        "0",
+        "--methods",
+        "pdllm",
+    ]
+    argv += ["--length-multiples", "1", "--train-length", "128", "--gen-length", "4", "--out", str(tmp_path)]
+    assert main([*argv, "--name", "b"]) == 0
+    header = json.loads((tmp_path / "b.json").read_text())["pdllm"]
+    assert "chunk_size=32" in header and "chunk_boundary=fixed" in header  # train_length // 4, engine default
