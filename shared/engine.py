@@ -205,7 +205,7 @@ class PrefillingEngine:
                 trace.timings["prefill"] = timer.timings["prefill"]
                 trace.cache_hits = sum(i in hit for i in idx)
                 trace.cache_misses = len(idx) - trace.cache_hits
-                trace.prefill_skipped = stats.forwarded == 0
+                trace.prefill_skipped = trace.cache_misses == 0  # all its chunks came from the store
                 try:
                     out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx))
                 except ValueError as exc:  # one request's problem is not its batch-mates'
