@@ -161,7 +161,7 @@ def test_loss_matches_model_logits_api(factory, tokenizer, mode):
         pos = targets_at[r].nonzero().flatten()
         logits = model(inputs[r : r + 1], attention=att, logits_at=pos[None])[0]
         ce = torch.nn.functional.cross_entropy(logits, b.ids[r, pos], reduction="sum")
-        total += float(ce * weight[r])
+        total += float((ce * weight[r]).detach())
     assert res.loss.item() == pytest.approx(total / b.ids.shape[0], rel=1e-4)
 
 
