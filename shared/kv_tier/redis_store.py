@@ -20,10 +20,14 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ModuleNotFoundError:  # only the Redis tier needs redis-py; engines and the CPU tier run without it
+    redis = None
 
 from pdllm.shared.kv_tier.format import MAGIC, KVCorruptError, KVFormatError, KVMeta, decode, encode
 from pdllm.shared.kv_tier.stats import KVStats, StatsRecorder
@@ -32,7 +36,7 @@ MANIFEST_MAGIC = b"PDKM"
 MANIFEST_VERSION = 1
 _MANIFEST = struct.Struct("<4sHIQQI")  # magic, version, parts, total bytes, part bytes, crc32 of the rest
 MAX_PARTS = 1 << 16
-_BACKEND_ERRORS = (redis.RedisError, OSError)
+_BACKEND_ERRORS = (redis.RedisError, OSError) if redis is not None else (OSError,)
 MiB = 1 << 20
 
 
@@ -99,6 +103,8 @@ class RedisStore:
         self.config = config
         self.meta = meta
         self.name = name
+        if redis is None:
+            raise ValueError("the Redis KV tier needs the redis package (pip install 'redis[hiredis]')")
         # One quick retry lets a pooled connection that died with a restarted server reconnect transparently.
         self._client = redis.Redis.from_url(
             config.url,
