@@ -24,10 +24,12 @@ class ServeProcess:
     address: str = ""
     metrics_port: int | None = None
     log: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to (or overriding) this process's environment
 
     def start(self, timeout_s: float = 90.0) -> ServeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PDLLM_AUTH_TOKEN", None)
+        env.update(self.env)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
