@@ -426,8 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows["split_load"]["answers_equal_all_in_one"] = f"{same}/{conc}"
                 if "requests_per_s" in rows["all_load"] and "requests_per_s" in rows["split_load"]:
                     value = rows["split_load"]["requests_per_s"] / rows["all_load"]["requests_per_s"]
+                    answered = rows["all_load"]["failed"] == 0 and rows["split_load"]["failed"] == 0
                     ratios["split_vs_all_throughput"] = {"value": value, "target_min": TARGET_SPLIT_RATIO,
-                                                         "met": value >= TARGET_SPLIT_RATIO}  # fmt: skip
+                                                         "met": answered and value >= TARGET_SPLIT_RATIO,
+                                                         "every_request_answered": answered}  # fmt: skip
             print(f"split x{conc}: {json.dumps(rows['split_load'])}", flush=True)
         else:
             meta["skipped"].append("split (budget)")
