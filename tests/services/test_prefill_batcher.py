@@ -33,21 +33,24 @@ class Device:
         return [ValueError(f"bad {j.name}") if j.name.startswith("bad") else f"sel-{j.name}" for j in jobs]
 
 
-def submit_all(batcher, jobs, events=None):
+def submit_all(batcher, device, jobs, events=None):
+    """The first job alone (it holds the device), then the rest queue up behind it in order."""
     events = events or [threading.Event() for _ in jobs]
     pool = ThreadPoolExecutor(len(jobs))
-    futures = []
-    for job, ev in zip(jobs, events):
+    futures = [pool.submit(batcher.submit, jobs[0], events[0])]
+    assert device.started.wait(5)
+    for n, (job, ev) in enumerate(zip(jobs[1:], events[1:]), start=1):
         futures.append(pool.submit(batcher.submit, job, ev))
-        time.sleep(0.01)  # arrival order
+        deadline = time.monotonic() + 5
+        while batcher._queue.qsize() < n and time.monotonic() < deadline:  # queued before the next one
+            time.sleep(0.001)
     return pool, futures
 
 
 def test_waiting_requests_share_one_batch_in_arrival_order() -> None:
     device = Device()
     batcher = PrefillBatcher(device, BatchingConfig(max_requests=3, wait_s=0.0))
-    pool, futures = submit_all(batcher, [Job(f"r{i}") for i in range(6)])
-    device.started.wait(2)
+    pool, futures = submit_all(batcher, device, [Job(f"r{i}") for i in range(6)])
     time.sleep(0.1)
     device.release.set()
     results = [f.result(5) for f in futures]
@@ -62,8 +65,7 @@ def test_token_budget_splits_batches_without_reordering() -> None:
     device = Device()
     batcher = PrefillBatcher(device, BatchingConfig(max_requests=8, max_tokens=250, wait_s=0.0))
     jobs = [Job("a"), Job("b", 100), Job("c", 100), Job("d", 100)]
-    pool, futures = submit_all(batcher, jobs)
-    device.started.wait(2)
+    pool, futures = submit_all(batcher, device, jobs)
     time.sleep(0.1)
     device.release.set()
     [f.result(5) for f in futures]
@@ -76,8 +78,7 @@ def test_cancelled_while_queued_never_runs_and_bad_input_fails_alone() -> None:
     device = Device()
     batcher = PrefillBatcher(device, BatchingConfig(max_requests=4, wait_s=0.0))
     events = [threading.Event() for _ in range(4)]
-    pool, futures = submit_all(batcher, [Job("r0"), Job("gone"), Job("bad1"), Job("r3")], events)
-    device.started.wait(2)
+    pool, futures = submit_all(batcher, device, [Job("r0"), Job("gone"), Job("bad1"), Job("r3")], events)
     events[1].set()  # the client went away while r0 held the device
     time.sleep(0.1)
     device.release.set()
