@@ -13,20 +13,8 @@ import dataclasses
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.rpc.validation import ResolvedRequest
+from pdllm.shared.rpc.validation import METHOD_FIELDS, ResolvedRequest
 
-# MethodParams field -> EngineConfig field, for the optional scalars and the non-empty strings.
-_METHOD_FIELDS = {
-    "chunk_size": "chunk_size",
-    "top_k": "top_k",
-    "pseudo_label_tokens": "pseudo_labels",
-    "pseudo_label_rounds": "pseudo_rounds",
-    "query_window": "query_window",
-    "kv_mode": "kv_mode",
-    "score_mode": "score_mode",
-    "retention_score": "retention_score",
-    "prefill_attention": "prefill_attention",
-}
 _OPTIONAL_SCALARS = {"chunk_size", "top_k", "pseudo_label_tokens", "pseudo_label_rounds", "query_window"}
 
 
@@ -59,7 +47,7 @@ def engine_config(method: pb.MethodParams, base: EngineConfig | None = None) -> 
     """
     base = base or EngineConfig()
     overrides: dict[str, object] = {"top_b": method.top_b if method.HasField("top_b") else None}
-    for wire, field in _METHOD_FIELDS.items():
+    for wire, field in METHOD_FIELDS.items():
         if wire in _OPTIONAL_SCALARS:
             if method.HasField(wire):
                 overrides[field] = getattr(method, wire)

@@ -33,6 +33,21 @@ METHODS = ("vanilla", "pdllm")
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
+# MethodParams field (also RequestDefaults' name) -> EngineConfig field, for the optional scalars and the
+# non-empty strings; top_b is the one optional field whose absence means "keep all" rather than a default.
+METHOD_FIELDS = {
+    "chunk_size": "chunk_size",
+    "top_k": "top_k",
+    "pseudo_label_tokens": "pseudo_labels",
+    "pseudo_label_rounds": "pseudo_rounds",
+    "query_window": "query_window",
+    "kv_mode": "kv_mode",
+    "score_mode": "score_mode",
+    "retention_score": "retention_score",
+    "prefill_attention": "prefill_attention",
+}
+
+
 @dataclass(frozen=True)
 class RequestDefaults:
     """Values used for fields the client leaves unset (method defaults follow EngineConfig's)."""
@@ -61,19 +76,8 @@ class RequestDefaults:
         """Defaults whose method fields follow ``EngineConfig.from_settings(settings)`` (a checkpoint's
         recommended engine settings), so the router fills unset fields as the workers would."""
         e = EngineConfig.from_settings(settings)
-        method = {
-            "chunk_size": e.chunk_size,
-            "top_k": e.top_k,
-            "top_b": e.top_b,
-            "kv_mode": e.kv_mode,
-            "score_mode": e.score_mode,
-            "pseudo_label_tokens": e.pseudo_labels,
-            "pseudo_label_rounds": e.pseudo_rounds,
-            "retention_score": e.retention_score,
-            "query_window": e.query_window,
-            "prefill_attention": e.prefill_attention,
-        }
-        return cls(**{**method, **values})
+        method = {wire: getattr(e, field) for wire, field in METHOD_FIELDS.items()}
+        return cls(**{**method, "top_b": e.top_b, **values})
 
 
 @dataclass(frozen=True)
