@@ -22,9 +22,12 @@ from pdllm.shared.model.transformer import DiffusionLM
 @dataclass
 class PrefillStats:
     chunks: int = 0
-    hits: int = 0
     forwarded: int = 0
     hit_rows: list[int] = field(default_factory=list)  # chunks whose KV came from the store
+
+    @property
+    def hits(self) -> int:
+        return len(self.hit_rows)
 
 
 def empty_bank(model: DiffusionLM, lens: Sequence[int]) -> ChunkBank:
@@ -59,7 +62,6 @@ def chunk_prefill(
                 todo.append(i)
                 continue
             bank.kv[:, :, i, :, : bank.lens[i]] = value.to(device=device, dtype=bank.kv.dtype)
-            stats.hits += 1
             stats.hit_rows.append(i)
     # Longest first, so equal-length chunks batch together (fixed boundaries: only the last is shorter).
     todo.sort(key=lambda i: -bank.lens[i])
