@@ -38,6 +38,14 @@ def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_tables(rows: list[dict], header: dict, out_dir: Path, name: str) -> Path:
+    """``<name>.json`` (header + rows) and ``<name>.md``; returns the Markdown path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+    write_markdown(rows, header, out_dir / f"{name}.md")
+    return out_dir / f"{name}.md"
+
+
 def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
     import matplotlib
 
@@ -103,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.title:
         header["title"] = args.title
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
-    write_markdown(rows, header, args.out / f"{args.name}.md")
+    write_tables(rows, header, args.out, args.name)
     for path in write_heatmaps(rows, args.out, args.name):
         print(f"wrote {path}")
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import shlex
 import sys
@@ -29,7 +28,7 @@ from ..generation.sampler import GenerationConfig
 from ..generation.vanilla import generate_vanilla
 from ..model.loader import LoadedModel, load_model
 from ..prompt import encode_prompt
-from .report import METHODS, write_heatmaps, write_markdown
+from .report import METHODS, write_heatmaps, write_tables
 from .tasks import TASKS, Sample, make_sample
 
 
@@ -217,12 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         "pdllm": f"chunk_size={e.chunk_size} top_k~{e.top_k} score_mode={e.score_mode} kv_mode={e.kv_mode}"
         f" chunk_boundary={e.chunk_boundary}",
     }
-    args.out.mkdir(parents=True, exist_ok=True)
 
-    def save(rows: list[dict]) -> None:
-        done = {**header, "seconds": round(time.perf_counter() - start, 1)}
-        (args.out / f"{args.name}.json").write_text(json.dumps({**done, "rows": rows}, indent=1) + "\n")
-        write_markdown(rows, done, args.out / f"{args.name}.md")
+    def save(rows: list[dict]) -> Path:
+        return write_tables(
+            rows, {**header, "seconds": round(time.perf_counter() - start, 1)}, args.out, args.name
+        )
 
     rows = run_grid(
         loaded,
@@ -235,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         train_length,
         on_cell=save,
     )
-    save(rows)
+    table = save(rows)
     for path in write_heatmaps(rows, args.out, args.name):
         print(f"wrote {path}", file=sys.stderr)
-    print((args.out / f"{args.name}.md").read_text())
+    print(table.read_text())
     return 0
 
 
