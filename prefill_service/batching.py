@@ -47,11 +47,11 @@ class PrefillBatcher:
         self,
         select_many: SelectMany,
         config: BatchingConfig | None = None,
-        on_batch: Callable[[int, int], None] | None = None,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config or BatchingConfig()
         self._select_many = select_many
-        self._on_batch = on_batch  # (requests, context tokens) of every batch run, for metrics
+        self._on_batch = on_batch  # requests in every batch run, for metrics
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._carry: _Pending | None = None
         self._thread = threading.Thread(target=self._loop, name="prefill-batcher", daemon=True)
@@ -109,7 +109,7 @@ class PrefillBatcher:
                     p.future.set_exception(exc)
                 continue
             if self._on_batch is not None:
-                self._on_batch(len(live), sum(p.job.num_context_tokens for p in live))
+                self._on_batch(len(live))
             for p, res in zip(live, results):
                 if isinstance(res, ValueError):
                     p.future.set_exception(res)

@@ -43,9 +43,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
             registry=registry,
         )
-        self.batcher = PrefillBatcher(
-            engine.select_many, batching, on_batch=lambda n, _tokens: self.batch_requests.observe(n)
-        )
+        self.batcher = PrefillBatcher(engine.select_many, batching, on_batch=self.batch_requests.observe)
         # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
         self.chunks = Counter(
             "pdllm_prefill_chunks",
