@@ -19,8 +19,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kubernetes import client, watch
-from kubernetes import config as kube_config
 
 log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # links an EndpointSlice to its Service
@@ -147,8 +145,12 @@ class KubernetesDiscovery(DiscoverySource):
 
     def __init__(self, config: KubernetesDiscoveryConfig, api_client: Any) -> None:
         super().__init__(config.services.keys())
+        # Imported here: only this source needs the client, so static routing runs without it installed.
+        from kubernetes import client, watch
+
         self._config = config
         self._api = client.DiscoveryV1Api(api_client)
+        self._new_watch = watch.Watch
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watches: list[Any] = []
@@ -194,7 +196,7 @@ class KubernetesDiscovery(DiscoverySource):
         resource_version = listed.metadata.resource_version
         self.publish(role, ready_addresses(slices.values(), self._config.port_name))
         while not self._stop.is_set():
-            w = watch.Watch()
+            w = self._new_watch()
             with self._watch_lock:
                 self._watches.append(w)
             try:
@@ -373,6 +375,11 @@ class WorkerPool:
 
 def kubernetes_api_client() -> Any:
     """ApiClient from the pod's service account, else from ~/.kube/config (running the router off-cluster)."""
+    try:
+        from kubernetes import client
+        from kubernetes import config as kube_config
+    except ImportError as exc:
+        raise DiscoveryError(f"kubernetes discovery needs the kubernetes client package ({exc})") from exc
     try:
         kube_config.load_incluster_config()
     except kube_config.ConfigException:
