@@ -83,11 +83,15 @@ def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
 
 
 def merge(paths: list[Path]) -> tuple[dict, list[dict]]:
-    """Header of the first run (commands of all joined) and the rows of all; a later run's cell wins."""
+    """Header of the last run (commands of all joined) and the rows of all; a later run's cell wins.
+
+    The last run's header describes the settings of the cells it won (e.g. a newer default), so it is the
+    one to show; earlier runs only fill cells the later ones did not measure.
+    """
     runs = [json.loads(p.read_text()) for p in paths]
     if len({r["train_length"] for r in runs}) > 1:
         raise ValueError("runs with different train_length cannot be merged")
-    header = {k: v for k, v in runs[0].items() if k not in ("rows", "seconds", "command")}
+    header = {k: v for k, v in runs[-1].items() if k not in ("rows", "seconds", "command")}
     header["command"] = " ; ".join(r.get("command", "?") for r in runs)
     header["seconds"] = round(sum(r.get("seconds", 0.0) for r in runs), 1)
     cells: dict[tuple, dict] = {}
