@@ -8,7 +8,8 @@ random bf16 weights. Prompt: random context of L tokens + a 24-token query suffi
 32 steps, greedy, no EOS stop. Vanilla = ``generate_vanilla`` (every step re-encodes prompt + response with
 SDPA/FlashAttention in bf16; logits only for the masked rows). pdllm = ``PrefillingEngine`` with C=1024, K=4,
 pseudo-label scoring (P=4, R=2), full-mask KV build, chunk reuse off (a cold request), decode step replayed
-as a CUDA graph. Each measured run follows a warm-up run of the same path. Peaks measured in the same run:
+as a CUDA graph. The model runs packed (q/k/v and gate/up GEMMs) with the fused Triton elementwise kernels for
+both methods; pdllm is also measured with the eager elementwise ops (``set_fused(False)``) in the same run. Each measured run follows a warm-up run of the same path. Peaks measured in the same run:
 bf16 GEMM (8192^3) and HBM (device copy, read + write). Roofline of a pdllm run = (prefill + scoring + build
 FLOPs) / GEMM peak + steps x (weights + static KV bytes) / HBM peak.
 """
@@ -68,7 +69,8 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    return model.eval()
+    model.eval().pack_projections()
+    return model
 
 
 def sync(device: torch.device) -> None:
@@ -162,6 +164,14 @@ def gpu_check(device: torch.device) -> dict:
         model = DiffusionLM(cfg)
         model.init_weights(3, std=0.2)
         model = model.to(device).eval()
+        model.pack_projections()
+        ids = torch.randint(3, 500, (2, 40), generator=rng).to(device)
+        with torch.no_grad():
+            fused = model(ids)
+            model.set_fused(False)
+            eager = model(ids)
+            model.set_fused(True)
+        report[f"fused_vs_eager_logits_max_abs_{family}"] = float((fused - eager).abs().max())
         context = torch.randint(3, 500, (150,), generator=rng).tolist()
         query = torch.randint(3, 500, (6,), generator=rng).tolist()
         for kv_mode, top_b in (
@@ -212,6 +222,23 @@ def run_pdllm(engine: PrefillingEngine, context: list[int], query: list[int], ge
             "loop_s": result.decode_seconds, "static_tokens": sum(trace.kept_tokens)}  # fmt: skip
 
 
+def run_eager(model: DiffusionLM, engine: PrefillingEngine, context: list[int], query: list[int],
+              gen: GenerationConfig, device: torch.device, errors: dict[str, str], n: int) -> dict | None:  # fmt: skip
+    """pdllm with the eager elementwise ops (own engine: its CUDA graphs hold the eager kernels)."""
+    model.set_fused(False)
+    try:
+        run_pdllm(engine, context, query, gen, device)
+        r = run_pdllm(engine, context, query, gen, device)
+    except Exception as exc:
+        errors[f"eager@{n}"] = f"{type(exc).__name__}: {exc}"[:500]
+        return None
+    finally:
+        model.set_fused(True)
+    t = r["trace"]["timings"]
+    return {"pdllm_s": r["seconds"], "decode_step_ms": r["loop_s"] / r["steps"] * 1e3,
+            "prefill_s": t["prefill"] + t["score"]}  # fmt: skip
+
+
 def random_ids(n: int, vocab: int, rng: torch.Generator) -> list[int]:
     # Clear of the special ids at the top of the vocabulary (BOS/EOS/MASK).
     return torch.randint(3, max(4, vocab - 1024), (n,), generator=rng).tolist()
@@ -225,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="e2e_speedup")
     ap.add_argument("--decode-attention", default=None, help="comma list of segments,buffer,triton")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="eager elementwise ops for every run")
     ap.add_argument("--gen-length", type=int, default=32, help="generated tokens (= steps)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip lengths whose vanilla would overrun")
     ap.add_argument("--profile-length", type=int, default=None, help="torch profiler table of one pdllm run")
@@ -246,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     model = build_model(mcfg, device, dtype)
+    model.set_fused(not args.no_fused)
     counts = Counts.of(model)
     peaks = measure_peaks(device, dtype)
     print(f"model ready after {time.perf_counter() - started:.0f}s, peaks {peaks}", flush=True)
@@ -254,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         m: PrefillingEngine(model, None, ecfg, decode_attention=m, reuse_chunks=False, cuda_graph=graph)
         for m in modes
     }
+    eager_engine = PrefillingEngine(model, None, ecfg, decode_attention=modes[-1], reuse_chunks=False,
+                                    cuda_graph=graph)  # fmt: skip
     rng = torch.Generator().manual_seed(0)
     query = random_ids(QUERY_TOKENS, mcfg.vocab_size, rng)
     elem = torch.finfo(dtype).bits // 8
@@ -293,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"decode attention {mode} failed at {n}: {errors[f'{mode}@{n}']}", flush=True)
         if not by_mode:
             break
+        eager = (
+            None if args.no_fused else run_eager(model, eager_engine, context, query, gen, device, errors, n)
+        )
         best = min(by_mode, key=lambda m: by_mode[m]["seconds"])
         pd = by_mode[best]
         timings = pd["trace"]["timings"]
@@ -317,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             "static_tokens": pd["static_tokens"],
             **roof,
             "roofline_ratio": pd["seconds"] / roof["roofline_s"],
+            "eager_elementwise": eager,
         }
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "phases_s"}), flush=True)
@@ -342,6 +377,10 @@ def profile(args: argparse.Namespace, engine: PrefillingEngine, context: list[in
     (args.out / f"{args.name}_profile.txt").write_text(f"context {len(context)} tokens\n{table}\n")
 
 
+def eager_cell(e: dict | None) -> str:
+    return "—" if e is None else f"{e['pdllm_s']:.3f} / {e['decode_step_ms']:.2f} / {e['prefill_s']:.3f}"
+
+
 def write(args: argparse.Namespace, rows: list[dict], peaks: dict[str, float], device: torch.device,
           mcfg: ModelConfig, ecfg: EngineConfig, gen: GenerationConfig, errors: dict[str, str], check: dict) -> None:  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -364,8 +403,8 @@ def write(args: argparse.Namespace, rows: list[dict], peaks: dict[str, float], d
         "(graph capture excluded, it is in the decode phase and the end-to-end time).",
         "",
         "| context | vanilla s | pdllm s | speedup | prefill+score s (floor) | build s (floor) | decode step ms (floor) "
-        "| roofline s | x roofline | decode attn | peak GiB vanilla / pdllm |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| roofline s | x roofline | decode attn | peak GiB vanilla / pdllm | eager elementwise: pdllm s / step ms / prefill+score s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -373,7 +412,7 @@ def write(args: argparse.Namespace, rows: list[dict], peaks: dict[str, float], d
             f"| {r['prefill_s']:.3f} ({r['prefill_score_floor_s']:.3f}) | {r['phases_s']['build']:.3f} ({r['build_floor_s']:.3f}) "
             f"| {r['decode_step_ms']:.2f} ({r['decode_step_floor_ms']:.2f}) | {r['roofline_s']:.3f} "
             f"| {r['roofline_ratio']:.2f} | {r['decode_attention']} "
-            f"| {r['vanilla_peak_gib']:.1f} / {r['pdllm_peak_gib']:.1f} |"
+            f"| {r['vanilla_peak_gib']:.1f} / {r['pdllm_peak_gib']:.1f} | {eager_cell(r['eager_elementwise'])} |"
         )
     if errors:
         lines += [

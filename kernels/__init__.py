@@ -6,6 +6,9 @@
 - :mod:`.paged_kv`: ``PagedKVPool``, the page pool those kernels read (chunk writes, page tables).
 - :mod:`.chunk_prefill_attention`: block-diagonal varlen attention for chunked prefill / scoring (+ LSE).
 - :mod:`.retention_scores`: top-B token-retention scores from the prefill's LSE (Triton + reference).
+- :mod:`.rms_norm`: RMSNorm, optionally fused with the residual add before it (Triton + reference).
+- :mod:`.rope`: RoPE of q and k in one launch from strided views (Triton + reference).
+- :mod:`.silu_mul`: SwiGLU ``silu(gate) * up``, separate or from one fused ``gate_up`` (Triton + reference).
 
 Measured behaviour and the backend choice are in ``benchmarks/results/attention_notes.md``.
 """

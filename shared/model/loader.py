@@ -147,8 +147,12 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
+    pack: bool | None = None,
 ) -> LoadedModel:
-    """Load a checkpoint directory onto ``device`` in ``dtype``; errors name the file and the problem."""
+    """Load a checkpoint directory onto ``device`` in ``dtype``; errors name the file and the problem.
+
+    ``pack`` (default: on CUDA) calls :meth:`DiffusionLM.pack_projections` (inference: fused q/k/v and
+    gate/up GEMMs). CPU stays unpacked so its results are those of the plain per-projection GEMMs."""
     model_dir = resolve_model_dir(path)
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = read_config(model_dir)
@@ -187,6 +191,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
     model.eval()
+    if device.type == "cuda" if pack is None else pack:
+        model.pack_projections()
     tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
     serving = read_serving_defaults(model_dir)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=model_dir, serving=serving)
@@ -223,7 +229,8 @@ def save_checkpoint(model: DiffusionLM, out_dir: str | Path, tokenizer: Any | No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # clone: a packed model's projections are views of one tensor, which safetensors refuses to save
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

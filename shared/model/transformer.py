@@ -1,32 +1,79 @@
 """The dLLM transformer (Qwen2 layout for Dream, LLaMA layout for LLaDA), with explicit everything.
 
 Parameter names follow Hugging Face's ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` so checkpoints load
-without renaming. The forward takes explicit position ids and an explicit attention backend (see
+without renaming. Inference on CUDA takes a fused route (:func:`fused_route`): RMSNorm (+ residual add),
+RoPE and SiLU*up as single Triton kernels from ``pdllm.kernels`` and, after :meth:`DiffusionLM.pack_projections`,
+one GEMM for q/k/v and one for gate/up; the eager torch ops stay the definition (CPU, training). The forward takes explicit position ids and an explicit attention backend (see
 ``attention.py``); it never owns a cache, which is what lets chunked prefill, scoring and sparse decode
 reuse it unchanged.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdllm.kernels.rms_norm import rms_norm
+from pdllm.kernels.rope import apply_rope as apply_rope_fused
+from pdllm.kernels.silu_mul import silu_mul_fused
+
 from .attention import AttentionBackend, DenseAttention
 from .config import ModelConfig, ModelConfigError
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def fused_route(module: nn.Module, x: torch.Tensor) -> bool:
+    """Use the fused Triton kernels: CUDA inference only (they have no backward; CPU keeps the torch ops),
+    unless :meth:`DiffusionLM.set_fused` turned them off."""
+    return module.fused and _HAS_TRITON and x.is_cuda and not torch.is_grad_enabled()
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
+        self.fused = True
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_route(self, x):
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class Packed:
+    """Several ``nn.Linear`` on the same input as one GEMM over a concatenated weight (inference only).
+
+    The linears' parameters become frozen views into the packed tensor, so memory does not grow and
+    ``state_dict`` keeps its names; pack after the model is on its final device and dtype.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        has_bias = [lin.bias is not None for lin in linears]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("cannot pack linears where only some have a bias")
+        self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+        start = 0
+        for lin, size in zip(linears, self.sizes, strict=True):
+            lin.weight = nn.Parameter(self.weight[start : start + size], requires_grad=False)
+            if self.bias is not None:
+                lin.bias = nn.Parameter(self.bias[start : start + size], requires_grad=False)
+            start += size
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,15 +140,24 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.fused = True
+        self.qkv: Packed | None = None  # set by pack_projections
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if fused_route(self, x):
+            q, k = apply_rope_fused(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(self.layer, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -112,9 +168,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = True
+        self.gate_up: Packed | None = None  # set by pack_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and fused_route(self, x):
+            return self.down_proj(silu_mul_fused(self.gate_up.linear(x)))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -124,11 +188,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.fused = True
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        if fused_route(self, x):  # residual add and the second norm in one pass over the activations
+            norm = self.post_attention_layernorm
+            h, x = rms_norm(attn, norm.weight, norm.eps, residual=x)
+            return x + self.mlp(h)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -163,6 +233,22 @@ class DiffusionLM(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def set_fused(self, enabled: bool) -> None:
+        """Turn the fused CUDA kernels on (default) or off (the eager torch ops, e.g. to measure them)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SelfAttention, MLP, DecoderLayer)):
+                module.fused = enabled
+
+    def pack_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up in every layer (fewer, larger kernels: a decode step of a
+        7B model runs at M ~ 56 rows, where each launch counts). Inference only; idempotent."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None:
+                attn.qkv = Packed([attn.q_proj, attn.k_proj, attn.v_proj])
+            if mlp.gate_up is None:
+                mlp.gate_up = Packed([mlp.gate_proj, mlp.up_proj])
 
     def hidden_states(
         self,

@@ -3,7 +3,8 @@
 TRITON_INTERPRET must be set before ``@triton.jit`` runs (triton reads it at decoration time), and other
 test modules may already have imported the kernels, so each case runs in a fresh process:
 ``TRITON_INTERPRET=1 python tests/kernels/interpreter_cases.py CASE``. Exit 0 = pass.
-bf16 is not checked here: the interpreter's numpy backend has no bf16 matmul; the GPU check covers it.
+bf16 is not checked for the attention kernels: the interpreter's numpy backend has no bf16 matmul; the GPU
+check covers it. The elementwise kernels (rms_norm, rope, silu_mul) are checked in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -72,6 +73,109 @@ def case_retention() -> None:
         got = retention_scores(q, k, cu, ql, lse=lse, causal=causal, block_n=block, block_m=16)
         assert _rel(got, want) < 1e-5, (lens, _rel(got, want))
         assert bool((got[cu[1] - ql[0] : cu[1]] == 0).all())
+
+
+def _report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: norm-wise relative error < 1e-5; bf16: within 1 ulp elementwise. Prints what was measured."""
+    from tests.kernels.test_fused_elementwise import max_ulp
+
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype)
+    if got.dtype == torch.float32:
+        err = _rel(got, want)
+        assert err < 1e-5, (name, err)
+        print(f"{name} fp32 rel={err:.2e}")
+    else:
+        ulp = max_ulp(got, want)
+        assert ulp <= 1, (name, ulp)
+        print(f"{name} {got.dtype} max_ulp={ulp}")
+
+
+def case_rms_norm() -> None:
+    from pdllm.kernels.rms_norm import rms_norm, rms_norm_reference
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in [(2, 3, 100), (2, 3584)]:
+            x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+            r = torch.randn(*shape, generator=gen).to(dtype)
+            w = torch.randn(shape[-1], generator=gen).to(dtype)
+            _report(f"rms_norm{shape}", rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+            out, s = rms_norm(x, w, 1e-6, residual=r)
+            want_out, want_s = rms_norm_reference(x, w, 1e-6, residual=r)
+            assert torch.equal(s, want_s), shape  # one rounding of an exact fp32 sum: always exact
+            _report(f"rms_norm+res{shape}", out, want_out)
+        # Non-contiguous leading dims, and an fp32 weight promoting the output.
+        xt = torch.randn(3, 2, 64, generator=gen).to(dtype).transpose(0, 1)
+        w32 = torch.randn(64, generator=gen)
+        _report("rms_norm(transposed)", rms_norm(xt, w32, 1e-5), rms_norm_reference(xt, w32, 1e-5))
+
+
+def case_rope() -> None:
+    from pdllm.kernels.rope import apply_rope, apply_rope_reference
+    from tests.kernels.test_fused_elementwise import rope_inputs
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, hq, hk, t, d in [(2, 6, 2, 3, 96), (1, 28, 4, 2, 128)]:
+            q, k, cos, sin = rope_inputs(gen, b, hq, hk, t, d, dtype)
+            q0, k0 = q.clone(), k.clone()
+            oq, ok = apply_rope(q, k, cos, sin)
+            wq, wk = apply_rope_reference(q, k, cos, sin)
+            assert torch.equal(q, q0) and torch.equal(k, k0)  # inputs untouched
+            # Token-major memory viewed as [B, H, T, D]: the layout eager torch gives for these views.
+            assert oq.transpose(1, 2).is_contiguous() and ok.transpose(1, 2).is_contiguous()
+            _report(f"rope q{(b, hq, t, d)}", oq, wq)
+            _report(f"rope k{(b, hk, t, d)}", ok, wk)
+        # Contiguous [B, H, T, D] inputs and a batch-broadcast cos/sin (stride 0) work through strides too.
+        q, k, cos, sin = rope_inputs(gen, 1, 4, 2, 3, 32, dtype)
+        q, k = q.contiguous(), k.contiguous()
+        cos, sin = cos.expand(2, -1, -1), sin.expand(2, -1, -1)
+        q, k = q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1)
+        for got, want in zip(apply_rope(q, k, cos, sin), apply_rope_reference(q, k, cos, sin)):
+            _report("rope(expanded)", got, want)
+
+
+def case_silu_mul() -> None:
+    from pdllm.kernels.silu_mul import silu_mul, silu_mul_fused, silu_mul_fused_reference, silu_mul_reference
+
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in [(3, 96), (2, 1, 1500)]:
+            gate = (torch.randn(*shape, generator=gen) * 4).to(dtype)
+            up = torch.randn(*shape, generator=gen).to(dtype)
+            _report(f"silu_mul{shape}", silu_mul(gate, up), silu_mul_reference(gate, up))
+            gu = torch.cat([gate, up], -1)
+            _report(f"silu_mul_fused{shape}", silu_mul_fused(gu), silu_mul_fused_reference(gu))
+        gt = torch.randn(40, 3, generator=gen).to(dtype).t()  # non-contiguous: copied to rows
+        _report("silu_mul(transposed)", silu_mul(gt, gt), silu_mul_reference(gt, gt))
+
+
+def case_model_fused() -> None:
+    """The model's fused route (packed GEMMs + the three kernels, as taken on CUDA) == its eager ops."""
+    from pdllm.shared.model import transformer
+    from tests.model.helpers import tiny_model
+
+    transformer.fused_route = lambda module, x: module.fused and not torch.is_grad_enabled()  # CPU stands in
+    for family in ("dream", "llada"):
+        model = tiny_model(family, seed=8)
+        model.pack_projections()
+        ids = torch.randint(3, 90, (2, 19), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            fused = model(ids)
+            model.set_fused(False)
+            eager = model(ids)
+        err = _rel(fused, eager)
+        assert err < 1e-5, (family, err)
+        print(f"model {family} fused vs eager fp32 rel={err:.2e}")
+
+
+def case_elementwise() -> None:
+    """The three elementwise kernels and the model's fused route in one process (the interpreter start-up
+    dominates their cost)."""
+    case_rms_norm()
+    case_rope()
+    case_silu_mul()
+    case_model_fused()
 
 
 def main() -> None:

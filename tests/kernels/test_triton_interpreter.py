@@ -12,7 +12,7 @@ import pytest
 CASES = Path(__file__).with_name("interpreter_cases.py")
 
 
-@pytest.mark.parametrize("case", ["split_s", "retention"])
+@pytest.mark.parametrize("case", ["split_s", "retention", "elementwise"])
 def test_kernel_under_interpreter(case: str) -> None:
     pytest.importorskip("triton", reason="triton not installed; the GPU check covers the kernels")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
