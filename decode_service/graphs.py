@@ -14,6 +14,7 @@ which keeps the reload logic testable.
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 
 import torch
@@ -33,16 +34,15 @@ class GraphedStep:
         query_len: int,
         warmup: int = 2,
     ) -> None:
+        # No closure over self: a reference cycle would leave this object (and its CUDA graph) to the
+        # cyclic GC, which can run in the middle of another step's capture, where destroying a graph is an
+        # illegal CUDA call that invalidates that capture.
+        self.model = model
         self.local = local
+        self.positions = positions
         self.query_len = query_len
         self.backend = backend
-        rows = torch.arange(query_len, local.shape[0], device=local.device)[None]
-
-        def step() -> torch.Tensor:
-            hidden = model.hidden_states(self.local[None], positions, backend)
-            return model.logits_from_hidden(hidden, rows)[0]
-
-        self._step = step
+        self.rows = torch.arange(query_len, local.shape[0], device=local.device)[None]
         self.graph: torch.cuda.CUDAGraph | None = None
         if local.device.type != "cuda":
             return
@@ -50,11 +50,20 @@ class GraphedStep:
         stream.wait_stream(torch.cuda.current_stream(local.device))
         with torch.cuda.stream(stream):
             for _ in range(warmup):
-                step()
+                self._step()
         torch.cuda.current_stream(local.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = step()
+        gc.collect()  # free unreachable graphs now, then keep the collector out of the capture
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()
+        finally:
+            gc.enable()
+
+    def _step(self) -> torch.Tensor:
+        hidden = self.model.hidden_states(self.local[None], self.positions, self.backend)
+        return self.model.logits_from_hidden(hidden, self.rows)[0]
 
     def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         self.local[self.query_len :] = response
