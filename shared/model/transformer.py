@@ -155,7 +155,8 @@ class SelfAttention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if fused_route(self, x):
-            q, k = apply_rope_fused(q, k, cos, sin)
+            # expand: callers may pass one row of positions for a whole batch (eager broadcasts it)
+            q, k = apply_rope_fused(q, k, cos.expand(b, -1, -1), sin.expand(b, -1, -1))
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(self.layer, q, k, v)

@@ -109,7 +109,7 @@ def test_fifty_concurrent_streams(cluster, engine) -> None:
     assert not any(t.is_alive() for t in threads), "streams still running after 180 s"
     assert failures == []
     assert len(latencies) == 50
-    q = statistics.quantiles(latencies, n=100)
+    q = statistics.quantiles(latencies, n=100, method="inclusive")  # never beyond the max
     # Concurrent requests shared batched chunk prefills on the prefill worker (cross-request batching).
     batched = cluster["prefill"].metric("pdllm_prefill_batch_requests_sum")
     batches = cluster["prefill"].metric("pdllm_prefill_batch_requests_count")
