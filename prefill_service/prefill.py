@@ -45,15 +45,18 @@ def chunk_prefill(
     chunk_size: int,
     batch: int,
     store: ChunkKVStore | None = None,
+    keys: Sequence[str] | None = None,
 ) -> tuple[ChunkBank, PrefillStats]:
-    """KV of every chunk (BOS included) at chunk-local positions; ``attention`` is "causal"/"bidirectional"."""
+    """KV of every chunk (BOS included) at chunk-local positions; ``attention`` is "causal"/"bidirectional".
+
+    ``keys``: the chunks' store keys when the caller has them already (else computed here, with a store)."""
     device = next(model.parameters()).device
     bank = empty_bank(model, [len(c) for c in chunks])
     stats = PrefillStats(chunks=len(chunks))
     todo = list(range(len(chunks)))
-    keys: list[str] = []
     if store is not None:
-        keys = chunk_keys(model.config.model_id, bank.kv.dtype, chunk_size, attention, chunks)
+        if keys is None:
+            keys = chunk_keys(model.config.model_id, bank.kv.dtype, chunk_size, attention, chunks)
         found = store.get_many(keys)
         todo = []
         for i, value in enumerate(found):
@@ -69,7 +72,7 @@ def chunk_prefill(
         group = todo[a : a + batch]
         _forward_group(model, chunks, group, bank, attention, device)
         stats.forwarded += len(group)
-    if store is not None and todo:
+    if store is not None and keys is not None and todo:
         store.put_many([(keys[i], bank.segment(i).contiguous()) for i in sorted(todo)])
     return bank, stats
 

@@ -204,10 +204,11 @@ class PrefillingEngine:
                 rows.append([unique.setdefault(tuple(c), len(unique)) for c in jobs[j].request.chunks])
             meter = MemoryMeter(self.device)  # shared: the batch's peak is every member's peak
             timer = Trace()
+            chunks = [list(c) for c in unique]
+            dtype = next(self.model.parameters()).dtype
+            keys = chunk_keys(self.model.config.model_id, dtype, chunk_size, "causal", chunks)  # hashed once
             with timer.phase("prefill", self.device):
-                bank, stats = chunk_prefill(
-                    self.model, [list(c) for c in unique], "causal", chunk_size, batch, self.store
-                )
+                bank, stats = chunk_prefill(self.model, chunks, "causal", chunk_size, batch, self.store, keys)
             hit = set(stats.hit_rows)
             for j, idx in zip(members, rows):
                 request = jobs[j].request
@@ -217,12 +218,14 @@ class PrefillingEngine:
                 trace.cache_misses = len(idx) - trace.cache_hits
                 trace.prefill_skipped = trace.cache_misses == 0  # all its chunks came from the store
                 try:
-                    out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx))
+                    out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx])
                 except ValueError as exc:  # one request's problem is not its batch-mates'
                     out[j] = exc
         return out
 
-    def _score_select(self, job: SelectJob, trace: Trace, meter: MemoryMeter, bank: ChunkBank) -> Selection:
+    def _score_select(
+        self, job: SelectJob, trace: Trace, meter: MemoryMeter, bank: ChunkBank, keys: list[str]
+    ) -> Selection:
         model, device, cfg, request = self.model, self.device, job.config, job.request
         with trace.phase("score", device):
             scores = score_chunks(model, request, cfg, bank)
@@ -232,7 +235,6 @@ class PrefillingEngine:
             {"chunk": s.chunk, "s_i": s.s_i, "s_p": s.s_p, "total": s.total} for s in scores
         ]
         trace.selected = selected
-        keys = chunk_keys(model.config.model_id, bank.kv.dtype, cfg.chunk_size, "causal", request.chunks)
         return Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"))
 
     def chunk_kv(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdllm.prefill_service.config import EngineConfig
+from pdllm.prefill_service.store import chunk_keys
 from pdllm.shared.engine import PrefillingEngine
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.engine.helpers import model, tokens
@@ -31,6 +32,8 @@ def test_batched_selection_equals_one_at_a_time(family: str) -> None:
         assert not isinstance(got, ValueError)
         assert got.selected == alone.selected
         assert got.keys == alone.keys
+        dtype = next(m.parameters()).dtype  # the keys are those of the request's own chunks, in order
+        assert got.keys == chunk_keys(m.config.model_id, dtype, cfg.chunk_size, "causal", got.request.chunks)
         for a, b in zip(got.scores, alone.scores):
             assert a.chunk == b.chunk
             assert a.total == pytest.approx(b.total, abs=1e-5)
