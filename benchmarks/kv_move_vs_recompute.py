@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make tests.fixtures and benchmarks importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_speedup import dream7b  # noqa: E402
+from benchmarks.shapes import dream7b  # noqa: E402
 from pdllm.prefill_service.config import EngineConfig  # noqa: E402
 from pdllm.prefill_service.layout import decode_layout, select_top_k  # noqa: E402
 from pdllm.shared.engine import PrefillingEngine  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/serve_load.py --out benchmarks/results              # GPU: Dream-7B shapes, bf16
     python benchmarks/serve_load.py --smoke --out /tmp/serve_load         # CPU: tiny random model, < 90 s
 
-Model: Dream-7B shapes (``benchmarks.e2e_speedup.dream7b``) with random weights, written once as a
+Model: Dream-7B shapes (``benchmarks.shapes.dream7b``) with random weights, written once as a
 checkpoint (``--ckpt-dir``, default under /tmp; reused when its marker matches) with the shipped
 tokenizer (ids < 4096 < the model's vocabulary) and a ``pdllm.json`` giving the engine settings
 (C=1024, K=4, fixed chunks; smoke: C=256, K=3). Prompts: seeded needle documents of ``--context-tokens``
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make benchmarks and tests importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_speedup import build_model, dream7b, sync, tiny  # noqa: E402
+from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
 from pdllm.shared import serve  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from pdllm.shared.model.config import ModelConfig  # noqa: E402
