@@ -86,12 +86,14 @@ class PrefillResult:
     meter: MemoryMeter
 
 
-def default_decode_attention(device: torch.device) -> str:
-    """ "triton" on CUDA (faster than "buffer" at every length measured: 9.9 vs 11.0 ms per Dream-7B decode
-    step on an H100, benchmarks/results/e2e_speedup.md), "buffer" there without triton, else "segments"."""
+def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
+    """ "triton" for CUDA-graph decode (faster than "buffer" at every length measured: 9.9 vs 11.0 ms per
+    Dream-7B step on an H100, benchmarks/results/e2e_notes.md); "buffer" for eager CUDA decode, where the
+    split-S launcher's Python dispatch (120-300 µs per call, attention_notes.md) would outweigh the kernel;
+    "segments" off CUDA."""
     if device.type != "cuda":
         return "segments"
-    return "triton" if importlib.util.find_spec("triton") is not None else "buffer"
+    return "triton" if cuda_graph and importlib.util.find_spec("triton") is not None else "buffer"
 
 
 class PrefillingEngine:
@@ -118,7 +120,7 @@ class PrefillingEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         if decode_attention is None:
-            decode_attention = default_decode_attention(self.device)
+            decode_attention = default_decode_attention(self.device, cuda_graph)
         if decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
         self.decode_attention = decode_attention

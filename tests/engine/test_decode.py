@@ -119,3 +119,15 @@ def test_graph_cache_reloads_static_kv_for_a_new_request() -> None:
     assert (cached.graph_cache.captures, cached.graph_cache.hits) == (1, 2)
     first = plain.generate(tokens(48, 1), tokens(5, 11), GEN)[0].raw_tokens
     assert first != plain.generate(tokens(48, 2), tokens(5, 12), GEN)[0].raw_tokens
+
+
+def test_default_decode_attention_follows_device_and_graphs() -> None:
+    import importlib.util
+
+    from pdllm.shared.engine import default_decode_attention
+
+    cuda = torch.device("cuda")  # a device object needs no GPU
+    assert default_decode_attention(torch.device("cpu"), cuda_graph=True) == "segments"
+    assert default_decode_attention(cuda, cuda_graph=False) == "buffer"  # eager: the launcher would dominate
+    want = "triton" if importlib.util.find_spec("triton") is not None else "buffer"
+    assert default_decode_attention(cuda, cuda_graph=True) == want
