@@ -224,13 +224,19 @@ def _load_tokenizer(model_dir: Path) -> Any | None:
         hf_logging.set_verbosity(level)
 
 
+def _own_cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with its own storage: a packed model's projections are views of one tensor, which
+    safetensors refuses to save (a device tensor's ``.cpu()`` is a fresh copy already)."""
+    out = t.detach().cpu().contiguous()
+    return out.clone() if out.data_ptr() == t.data_ptr() else out
+
+
 def save_checkpoint(model: DiffusionLM, out_dir: str | Path, tokenizer: Any | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) loadable by :func:`load_model`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    # clone: a packed model's projections are views of one tensor, which safetensors refuses to save
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state = {k: _own_cpu_copy(v) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

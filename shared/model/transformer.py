@@ -1,11 +1,13 @@
 """The dLLM transformer (Qwen2 layout for Dream, LLaMA layout for LLaDA), with explicit everything.
 
 Parameter names follow Hugging Face's ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` so checkpoints load
-without renaming. Inference on CUDA takes a fused route (:func:`fused_route`): RMSNorm (+ residual add),
-RoPE and SiLU*up as single Triton kernels from ``pdllm.kernels`` and, after :meth:`DiffusionLM.pack_projections`,
-one GEMM for q/k/v and one for gate/up; the eager torch ops stay the definition (CPU, training). The forward takes explicit position ids and an explicit attention backend (see
+without renaming. The forward takes explicit position ids and an explicit attention backend (see
 ``attention.py``); it never owns a cache, which is what lets chunked prefill, scoring and sparse decode
 reuse it unchanged.
+
+Inference on CUDA takes a fused route (:func:`fused_route`): RMSNorm (+ residual add), RoPE and SiLU*up
+as single Triton kernels from ``pdllm.kernels`` and, after :meth:`DiffusionLM.pack_projections`, one GEMM
+for q/k/v and one for gate/up. The eager torch ops stay the definition (CPU, training).
 """
 
 from __future__ import annotations
