@@ -87,10 +87,10 @@ class PrefillResult:
 
 
 def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
-    """ "triton" for CUDA-graph decode (faster than "buffer" at every length measured: 9.9 vs 11.0 ms per
-    Dream-7B step on an H100, benchmarks/results/e2e_notes.md); "buffer" for eager CUDA decode, where the
-    split-S launcher's Python dispatch (120-300 µs per call, attention_notes.md) would outweigh the kernel;
-    "segments" off CUDA."""
+    """Decode attention when none is named. "triton" for CUDA-graph decode: faster than "buffer" at every
+    length measured (9.9 vs 11.0 ms per Dream-7B step on an H100, benchmarks/results/e2e_notes.md).
+    "buffer" for eager CUDA decode, where the split-S launcher's Python dispatch (120-300 µs per call,
+    attention_notes.md) would outweigh the kernel. "segments" off CUDA."""
     if device.type != "cuda":
         return "segments"
     return "triton" if cuda_graph and importlib.util.find_spec("triton") is not None else "buffer"
