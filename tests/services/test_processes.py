@@ -82,7 +82,7 @@ def test_second_question_on_same_document_skips_chunk_prefill(cluster, tiny_dir)
     n = first.trace.num_chunks
     assert prefill.metric("pdllm_prefill_chunks_total", 'result="computed"') == computed
     assert prefill.metric("pdllm_prefill_chunks_total", 'result="hit"') == hits + n
-    assert second.trace.cache_hits >= n and second.trace.timings.prefill_s < first.trace.timings.prefill_s * 5
+    assert second.trace.cache_hits == n  # every chunk from the store (a time comparison would be flaky)
     assert list(second.token_ids) == _engine_answer(tiny_dir, "When did the archive reopen?")
 
 
