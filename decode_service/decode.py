@@ -40,6 +40,10 @@ class StaticKV:
     def num_tokens(self) -> int:
         return sum(int(s.shape[3]) for s in self.segments)
 
+    def tensor(self) -> torch.Tensor:
+        """All static KV as one ``[layers, 2, Hkv, S, D]`` tensor (the build's own when it made one)."""
+        return self.contiguous if self.contiguous is not None else torch.cat(self.segments, dim=3)
+
 
 class DecodePolicy(Protocol):
     """Decides, step by step, which static KV the decode tokens attend to (and may update its state).
@@ -74,21 +78,34 @@ class StaticPolicy:
         if self.mode == "segments":
             self._backend = SegmentedAttention(static.segments)
         elif self.mode == "buffer":
-            kv = static.contiguous
-            if kv is None:
-                kv = torch.cat(static.segments, dim=3)
-            self._backend = BufferedAttention(kv, local_tokens)
+            self._backend = BufferedAttention(static.tensor(), local_tokens)
         elif self.mode == "triton":
-            kv = static.contiguous
-            if kv is None:
-                kv = torch.cat(static.segments, dim=3)
-            self._backend = PagedSplitSAttention(kv)
+            self._backend = PagedSplitSAttention(static.tensor())
         else:
             raise ValueError(f"decode attention must be one of {DECODE_ATTENTIONS}, got {self.mode!r}")
 
     def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend:
         assert self._backend is not None, "begin() must run before backend()"
         return self._backend
+
+    @property
+    def graph_cacheable(self) -> bool:
+        """Its captured steps can be reused across requests (reloadable in place)."""
+        return self.mode in ("buffer", "triton")
+
+
+def local_inputs(
+    model: DiffusionLM, query_ids: list[int], static: StaticKV, gen: GenerationConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode forward's own tokens ``[query suffix, masked response]`` and their positions
+    ``[1, q + gen_length]`` right after the static prefix."""
+    device = next(model.parameters()).device
+    local = torch.full(
+        (len(query_ids) + gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=device
+    )
+    local[: len(query_ids)] = torch.as_tensor(query_ids, device=device)
+    positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
+    return local, positions
 
 
 @torch.inference_mode()
@@ -108,16 +125,12 @@ def decode(
     gen.validate()
     policy = policy or StaticPolicy()
     q = len(query_ids)
-    local = torch.full((q + gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=device)
-    local[:q] = torch.as_tensor(query_ids, device=device)
-    positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
+    local, positions = local_inputs(model, query_ids, static, gen)
     if cuda_graph:
         if not policy.step_invariant:
             raise ValueError("cuda_graph needs a step-invariant decode policy")
-        cacheable = isinstance(policy, StaticPolicy) and policy.mode in ("buffer", "triton")
-        if graph_cache is not None and cacheable:
-            kv = static.contiguous if static.contiguous is not None else torch.cat(static.segments, dim=3)
-            graphed = graph_cache.step(model, policy.mode, kv, local, positions, q)
+        if graph_cache is not None and isinstance(policy, StaticPolicy) and policy.graph_cacheable:
+            graphed = graph_cache.step(model, policy.mode, static.tensor(), local, positions, q)
         else:
             policy.begin(static, local.shape[0])
             graphed = GraphedStep(model, policy.backend(0, local), local, positions, q)
@@ -147,11 +160,8 @@ def decode_logits_fn(
     policy: DecodePolicy,
 ) -> LogitsFn:
     """The eager decode step: forward ``[query, response]`` after ``static``, attention per ``policy``."""
-    device = next(model.parameters()).device
     q = len(query_ids)
-    local = torch.full((q + gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=device)
-    local[:q] = torch.as_tensor(query_ids, device=device)
-    positions = torch.arange(static.query_start, static.query_start + local.shape[0], device=device)[None]
+    local, positions = local_inputs(model, query_ids, static, gen)
     policy.begin(static, local.shape[0])
     step = 0
 

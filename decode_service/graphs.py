@@ -8,8 +8,9 @@ response rows inside the graph and the masked rows picked afterwards (row-wise i
 
 :class:`GraphCache` keeps captured steps by shape (static KV tokens, query start, local tokens): a later
 request with the same shape copies its static KV and query into the captured buffers and replays, so it
-pays neither the capture nor its warm-up forwards. On CPU the same objects run eagerly (no capture),
-which keeps the reload logic testable.
+pays neither the capture nor its warm-up forwards; :class:`SessionStep` lets the decode worker's
+interleaved sessions share one. On CPU the same objects run eagerly (no capture), which keeps the reload
+logic testable.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class GraphedStep:
         self.query_len = query_len
         self.backend = backend
         self.rows = torch.arange(query_len, local.shape[0], device=local.device)[None]
+        self.owner: object | None = None  # token of the SessionStep whose inputs the buffers hold
         self.graph: torch.cuda.CUDAGraph | None = None
         if local.device.type != "cuda":
             return
@@ -107,6 +109,7 @@ class GraphCache:
         if graphed is not None:
             graphed.backend.load(static)  # type: ignore[attr-defined]
             graphed.local.copy_(local)
+            graphed.owner = None
             self._entries.move_to_end(key)
             self.hits += 1
             return graphed
@@ -117,3 +120,36 @@ class GraphCache:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return graphed
+
+
+class SessionStep:
+    """One decode session's step over a cached captured step that sessions of the same shape share.
+
+    The decode worker interleaves sessions step by step (continuous batching), so before a replay the
+    captured buffers are reloaded with this session's static KV and query whenever another session used
+    them last (one copy of the static KV per switch). The owner is an opaque token, not the session
+    itself: no reference cycle leaves a captured graph to the cyclic GC.
+    """
+
+    def __init__(
+        self,
+        cache: GraphCache,
+        model: DiffusionLM,
+        mode: str,
+        static: torch.Tensor,
+        local: torch.Tensor,
+        positions: torch.Tensor,
+        query_len: int,
+    ) -> None:
+        self.static, self.local = static, local
+        self.token = object()
+        self.graphed = cache.step(model, mode, static, local, positions, query_len)
+        self.graphed.owner = self.token
+
+    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        graphed = self.graphed
+        if graphed.owner is not self.token:
+            graphed.backend.load(self.static)  # type: ignore[attr-defined]
+            graphed.local.copy_(self.local)
+            graphed.owner = self.token
+        return graphed(response, at)

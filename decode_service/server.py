@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn
+from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn, local_inputs
+from pdllm.decode_service.graphs import SessionStep
 from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.prefill_service.layout import Request, decode_layout
@@ -22,7 +23,7 @@ from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.engine import PrefillingEngine
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
+from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, LogitsFn
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
@@ -91,7 +92,14 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         else:
             request_stats = (0, 0)
         static = self.engine.build(req, layout, cfg, local)
-        fn = decode_logits_fn(model, req.query, static, gen, StaticPolicy(self.engine.decode_attention))
+        policy = StaticPolicy(self.engine.decode_attention)
+        cache = self.engine.graph_cache
+        fn: LogitsFn
+        if cache is not None and policy.graph_cacheable:  # `serve --cuda-graph`
+            tokens, positions = local_inputs(model, req.query, static, gen)
+            fn = SessionStep(cache, model, policy.mode, static.tensor(), tokens, positions, len(req.query))
+        else:
+            fn = decode_logits_fn(model, req.query, static, gen, policy)
         device = next(model.parameters()).device
         session = DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, device)
         session.cache_stats = request_stats  # type: ignore[attr-defined]

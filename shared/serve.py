@@ -29,7 +29,20 @@ _log = logging.getLogger("pdllm.serve")
 
 def _env_default(flag: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
     raw = os.environ.get(env_name(flag))
-    return default if raw in (None, "") else convert(raw)
+    if raw in (None, ""):
+        return default
+    try:
+        return convert(raw)
+    except ValueError as exc:
+        raise ValueError(f"{env_name(flag)}={raw!r}: {exc}") from exc
+
+
+def _env_bool(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {raw!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("decode")
     d.add_argument("--max-active", type=int, default=_env_default("--max-active", 16, int))
     d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
+    d.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("--cuda-graph", False, _env_bool),
+        help="replay decode steps as CUDA graphs shared by same-shape requests, with the split-S kernel "
+        "(CUDA only; default off: measured in the engine, not yet under serving load)",
+    )
     add_server_arguments(p)
     return p
 
@@ -134,7 +154,9 @@ def _engine(args: argparse.Namespace) -> Any:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     config = EngineConfig.from_settings(loaded.serving.engine, chunk_boundary=args.chunk_boundary)
     store = _kv_store(args, loaded.config, args.dtype)
-    engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store)
+    if args.cuda_graph and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store, cuda_graph=args.cuda_graph)
     engine.sentence_ends()  # fail at startup, not on the first request, if sentence ends can't be found
     return engine, loaded
 
@@ -315,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     deployment = start(args)
     public = deployment.servers[0]
     metrics = f", metrics on port {public.metrics_port}" if public.metrics_port else ""
-    print(f"pdllm {args.role} serving on {public.address}{metrics}", file=sys.stderr, flush=True)
+    # One write call: print() writes the text and the newline apart, and a log line from another thread
+    # could land between them (supervisors and tests read this line to learn the address).
+    sys.stderr.write(f"pdllm {args.role} serving on {public.address}{metrics}\n")
+    sys.stderr.flush()
     try:
         public.serve_until_signal()
     finally:

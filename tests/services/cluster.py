@@ -13,7 +13,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_READY = re.compile(r"serving on (\S+?)(?:, metrics on port (\d+))?$")
+# No end anchor: another thread's log line may follow on the same line of stderr.
+_READY = re.compile(r"serving on ([^\s,]+)(?:, metrics on port (\d+))?")
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""`serve --cuda-graph`: the decode worker's sessions share cached decode steps.
+
+CI has no GPU, so the served engine here is the CPU stand-in of a graphed one (same cache, same reload
+logic, eager replay): concurrent same-shape requests must each get the in-process engine's answer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.shared import serve
+from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.model.loader import load_model
+from pdllm.shared.prompt import encode_prompt
+from pdllm.shared.rpc.client import PdllmClient
+
+from ..model.tiny_checkpoint import make_tiny_checkpoint
+
+QUESTIONS = ["Where is the old mill?", "Where is the old well?", "Where is the old kiln?"]  # one length
+CONTEXT = " ".join(
+    f"Record {i}: the ledger of the harbour office lists cargo number {i * 37}." for i in range(40)
+)
+METHOD = {"chunk_size": 32, "top_k": 2, "gen_length": 8, "steps": 8}
+
+
+def test_flag_env_and_device_check(tmp_path, monkeypatch) -> None:
+    assert serve.build_parser().parse_args([]).cuda_graph is False
+    monkeypatch.setenv("PDLLM_CUDA_GRAPH", "1")
+    assert serve.build_parser().parse_args([]).cuda_graph is True
+    assert serve.build_parser().parse_args(["--no-cuda-graph"]).cuda_graph is False
+    monkeypatch.setenv("PDLLM_CUDA_GRAPH", "maybe")
+    with pytest.raises(ValueError, match="PDLLM_CUDA_GRAPH='maybe'"):
+        serve.build_parser()
+    monkeypatch.delenv("PDLLM_CUDA_GRAPH")
+    tiny_dir = make_tiny_checkpoint(tmp_path / "tiny")
+    args = serve.build_parser().parse_args(["--role", "decode", "--model", str(tiny_dir), "--cuda-graph"])
+    with pytest.raises(ValueError, match="--cuda-graph needs a CUDA device"):
+        serve.start(args)
+
+
+def test_concurrent_requests_share_cached_steps_and_answer_exactly(tmp_path, monkeypatch) -> None:
+    tiny_dir = make_tiny_checkpoint(tmp_path / "tiny")
+    engines: list[PrefillingEngine] = []
+    build = serve._engine
+
+    def graphed_engine(args):  # what `--cuda-graph` builds on CUDA, with the buffer backend on CPU
+        engine, loaded = build(args)
+        engine = PrefillingEngine(
+            loaded.model, loaded.tokenizer, engine.config, engine.store, "buffer", cuda_graph=True
+        )
+        engines.append(engine)
+        return engine, loaded
+
+    monkeypatch.setattr(serve, "_engine", graphed_engine)
+    args = serve.build_parser().parse_args(
+        ["--role", "all", "--model", str(tiny_dir), "--port", "0", "--metrics-port", "-1"]
+    )
+    deployment = serve.start(args)
+    try:
+        with PdllmClient(deployment.address, timeout_s=120) as client, ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda q: client.generate(CONTEXT, q, **METHOD).token_ids, QUESTIONS))
+    finally:
+        deployment.stop()
+    loaded = load_model(tiny_dir)
+    plain = PrefillingEngine(loaded.model, loaded.tokenizer, EngineConfig(chunk_size=32, top_k=2))
+    gen = GenerationConfig(gen_length=8, steps=8)
+    for question, got in zip(QUESTIONS, answers, strict=True):
+        ids = encode_prompt(loaded.tokenizer, CONTEXT, question)
+        assert list(got) == plain.generate(ids.context, ids.query, gen)[0].token_ids, question
+    cache = engines[0].graph_cache  # one shape: one capture, the other requests reuse it
+    assert cache is not None and (cache.captures, cache.hits) == (1, len(QUESTIONS) - 1)
