@@ -235,11 +235,11 @@ def step_metric(decode: ServeProcess) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------------- scenarios
 def in_process(ckpt: Path, device: str, dtype: str, docs: list[tuple[str, str]], warm: tuple[str, str],
-               gen: int) -> dict:  # fmt: skip
+               gen: int, serve_flags: list[str]) -> dict:  # fmt: skip
     """Scenario 1: the engine ``pdllm serve`` builds, called directly (tokenization included)."""
     t = time.perf_counter()
     engine, loaded = serve._engine(serve.build_parser().parse_args(["--model", str(ckpt), "--device", device,
-                                                                    "--dtype", dtype]))  # fmt: skip
+                                                                    "--dtype", dtype, *serve_flags]))  # fmt: skip
     load_s = time.perf_counter() - t
     try:
         with torch.inference_mode():
@@ -287,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         "--ckpt-dir", type=Path, default=None, help="default: $TMPDIR/pdllm_serve_load/<model>-<dtype>"
     )
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip scenarios that would overrun")
+    ap.add_argument(
+        "--cuda-graph", action="store_true", help="every engine as `serve --cuda-graph` builds it"
+    )
     args = ap.parse_args(argv)
+    serve_flags = ["--cuda-graph"] if args.cuda_graph else []
     clock = Clock(args.budget_s)
     smoke = args.smoke
     device = args.device or ("cpu" if smoke or not torch.cuda.is_available() else "cuda")
@@ -324,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_threads_per_process": 1 if device == "cpu" else None,
         "split_placement": {"prefill_gpu": split_gpus[0], "decode_gpu": split_gpus[1]} if gpus else "cpu",
         "budget_s": args.budget_s,
+        "serve_flags": serve_flags,
         "skipped": [],
     }
     rows: dict[str, dict] = {}
@@ -349,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(pool)} documents ready after {clock.elapsed():.0f}s", flush=True)
 
     # 1. in-process baseline
-    base = in_process(ckpt, device, dtype, singles, warm, gen)
+    base = in_process(ckpt, device, dtype, singles, warm, gen, serve_flags)
     rows["in_process_single"] = {k: v for k, v in base.items() if k != "answers"}
     print(f"in-process single: {base['median_s']:.3f}s (model load {base['load_s']:.1f}s)", flush=True)
     save()
@@ -369,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "0",
         "--metrics-port",
         "0",
+        *serve_flags,
     ]
     try:
         # 2 + 3. all-in-one
@@ -460,7 +466,7 @@ def write(out: Path, name: str, meta: dict, rows: dict[str, dict], ratios: dict[
         f"{meta['context_tokens']} tokens, {meta['concurrency']} concurrent streams, gen {meta['gen_length']} "
         f"({meta['steps']} steps). GPUs visible: {meta['gpus_visible']}; split placement: {meta['split_placement']}. "
         f"Runtime {meta.get('runtime_s', 0):.0f} s (checkpoint: {'reused' if meta['checkpoint']['reused'] else 'written'} "
-        f"in {meta['checkpoint']['seconds']:.0f} s).",
+        f"in {meta['checkpoint']['seconds']:.0f} s). Serve flags: {' '.join(meta['serve_flags']) or 'none'}.",
         "",
         "| scenario | requests | failed | median s | req/s | gen tok/s | TTFT p50 / p90 s | step ms p50 (stream) "
         "| decode step ms (worker) | latency p50 / max s |",
