@@ -149,13 +149,13 @@ def _engine(args: argparse.Namespace) -> Any:
     from pdllm.shared.engine import EngineConfig, PrefillingEngine
     from pdllm.shared.model.loader import load_model
 
+    if args.cuda_graph and not str(args.device).startswith("cuda"):  # before a long model load
+        raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
     # Worker-level engine defaults (the checkpoint's pdllm.json, then flags); a request's MethodParams
     # override the fields it sets.
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     config = EngineConfig.from_settings(loaded.serving.engine, chunk_boundary=args.chunk_boundary)
     store = _kv_store(args, loaded.config, args.dtype)
-    if args.cuda_graph and not str(args.device).startswith("cuda"):
-        raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
     engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store, cuda_graph=args.cuda_graph)
     engine.sentence_ends()  # fail at startup, not on the first request, if sentence ends can't be found
     return engine, loaded
