@@ -63,6 +63,12 @@ class GraphedStep:
         finally:
             gc.enable()
 
+    def load(self, static: torch.Tensor, local: torch.Tensor, owner: object | None) -> None:
+        """Put another request's static KV and local tokens (same shapes) into the captured buffers."""
+        self.backend.load(static)  # type: ignore[attr-defined]
+        self.local.copy_(local)
+        self.owner = owner
+
     def _step(self) -> torch.Tensor:
         hidden = self.model.hidden_states(self.local[None], self.positions, self.backend)
         return self.model.logits_from_hidden(hidden, self.rows)[0]
@@ -107,9 +113,7 @@ class GraphCache:
         key = (mode, static.shape[3], int(positions[0, 0]), local.shape[0], query_len)
         graphed = self._entries.get(key)
         if graphed is not None:
-            graphed.backend.load(static)  # type: ignore[attr-defined]
-            graphed.local.copy_(local)
-            graphed.owner = None
+            graphed.load(static, local, owner=None)
             self._entries.move_to_end(key)
             self.hits += 1
             return graphed
@@ -131,25 +135,13 @@ class SessionStep:
     itself: no reference cycle leaves a captured graph to the cyclic GC.
     """
 
-    def __init__(
-        self,
-        cache: GraphCache,
-        model: DiffusionLM,
-        mode: str,
-        static: torch.Tensor,
-        local: torch.Tensor,
-        positions: torch.Tensor,
-        query_len: int,
-    ) -> None:
-        self.static, self.local = static, local
+    def __init__(self, graphed: GraphedStep, static: torch.Tensor, local: torch.Tensor) -> None:
+        """``graphed``: from :meth:`GraphCache.step` over this session's ``static`` and ``local``."""
+        self.graphed, self.static, self.local = graphed, static, local
         self.token = object()
-        self.graphed = cache.step(model, mode, static, local, positions, query_len)
-        self.graphed.owner = self.token
+        graphed.owner = self.token
 
     def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        graphed = self.graphed
-        if graphed.owner is not self.token:
-            graphed.backend.load(self.static)  # type: ignore[attr-defined]
-            graphed.local.copy_(self.local)
-            graphed.owner = self.token
-        return graphed(response, at)
+        if self.graphed.owner is not self.token:
+            self.graphed.load(self.static, self.local, owner=self.token)
+        return self.graphed(response, at)

@@ -96,8 +96,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         cache = self.engine.graph_cache
         fn: LogitsFn
         if cache is not None and policy.graph_cacheable:  # `serve --cuda-graph`
-            tokens, positions = local_inputs(model, req.query, static, gen)
-            fn = SessionStep(cache, model, policy.mode, static.tensor(), tokens, positions, len(req.query))
+            kv, (tokens, positions) = static.tensor(), local_inputs(model, req.query, static, gen)
+            fn = SessionStep(
+                cache.step(model, policy.mode, kv, tokens, positions, len(req.query)), kv, tokens
+            )
         else:
             fn = decode_logits_fn(model, req.query, static, gen, policy)
         device = next(model.parameters()).device

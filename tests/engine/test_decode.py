@@ -151,7 +151,8 @@ def test_interleaved_sessions_share_one_cached_step_and_decode_exactly() -> None
         pre = engine.prefill(context, question, gen)
         local, positions = local_inputs(m, pre.request.query, pre.static, gen)
         assert engine.graph_cache is not None
-        step = SessionStep(engine.graph_cache, m, "buffer", pre.static.tensor(), local, positions, 5)
+        kv = pre.static.tensor()
+        step = SessionStep(engine.graph_cache.step(m, "buffer", kv, local, positions, 5), kv, local)
         sessions.append(DenoiseSession(gen, m.config.mask_token_id, m.config.eos_token_id, step))
         wants.append(plain.generate(context, question, gen)[0].raw_tokens)
     assert engine.graph_cache.captures == 1 and engine.graph_cache.hits == 2  # one shape, one step
