@@ -124,11 +124,11 @@ def decode(
     device = next(model.parameters()).device
     gen.validate()
     policy = policy or StaticPolicy()
-    q = len(query_ids)
-    local, positions = local_inputs(model, query_ids, static, gen)
     if cuda_graph:
         if not policy.step_invariant:
             raise ValueError("cuda_graph needs a step-invariant decode policy")
+        q = len(query_ids)
+        local, positions = local_inputs(model, query_ids, static, gen)
         if graph_cache is not None and isinstance(policy, StaticPolicy) and policy.graph_cacheable:
             graphed = graph_cache.step(model, policy.mode, static.tensor(), local, positions, q)
         else:

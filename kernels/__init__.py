@@ -12,3 +12,8 @@
 
 Measured behaviour and the backend choice are in ``benchmarks/results/attention_notes.md``.
 """
+
+import importlib.util
+
+# Whether the Triton kernels can run at all here (each kernel module still imports triton lazily).
+HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -78,7 +78,7 @@ if triton is not None:
         tl.store(OUT + row * n + offs, out.to(OUT.dtype.element_ty), mask=ok)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``[..., N]`` as ``[rows, N]`` with a unit last stride (a view when the leading dims allow)."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -96,8 +96,8 @@ def rms_norm(
         raise ValueError(f"hidden size {n} > {MAX_HIDDEN}: the single-tile kernel keeps a row in registers")
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else x2
     if x2.shape[0] and n:
         block = triton.next_power_of_2(n)
         warps = 4 if block <= 1024 else 8 if block <= 4096 else 16

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdllm.kernels.rms_norm import as_rows
+
 try:
     import triton
     import triton.language as tl
@@ -59,12 +61,6 @@ if triton is not None:
         tl.store(OUT + row * n + offs, out.to(OUT.dtype.element_ty), mask=ok)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``[..., N]`` as ``[rows, N]`` with a unit last stride (a view when the leading dims allow)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _launch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gate``/``up``: ``[rows, I]`` with unit last stride (row strides may differ)."""
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
@@ -81,7 +77,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("silu_mul needs triton; use silu_mul_reference on this machine")
     _check(gate, up)
-    return _launch(_rows(gate), _rows(up)).view(gate.shape)
+    return _launch(as_rows(gate), as_rows(up)).view(gate.shape)
 
 
 def silu_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,6 +85,6 @@ def silu_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("silu_mul_fused needs triton; use silu_mul_fused_reference on this machine")
     gate, up = _halves(gate_up)
-    rows = _rows(gate_up)  # one copy at most; the halves are column slices of the same rows
+    rows = as_rows(gate_up)  # one copy at most; the halves are column slices of the same rows
     half = gate.shape[-1]
     return _launch(rows[:, :half], rows[:, half:]).view(gate.shape)

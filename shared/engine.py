@@ -15,7 +15,6 @@ are cached in the chunk store under different position schemes.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticKV, StaticPolicy, decode
 from pdllm.decode_service.graphs import GraphCache
+from pdllm.kernels import HAS_TRITON
 from pdllm.prefill_service.attention import ChunkBank
 from pdllm.prefill_service.build import build_static
 from pdllm.prefill_service.config import EngineConfig
@@ -93,7 +93,7 @@ def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
     attention_notes.md) would outweigh the kernel. "segments" off CUDA."""
     if device.type != "cuda":
         return "segments"
-    return "triton" if cuda_graph and importlib.util.find_spec("triton") is not None else "buffer"
+    return "triton" if cuda_graph and HAS_TRITON else "buffer"
 
 
 class PrefillingEngine:

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdllm.shared.rpc.options import add_server_arguments, env_name, server_config_from_args
+from pdllm.shared.rpc.options import add_server_arguments, env_value, server_config_from_args
 from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
 
 ROLES = ("router", "prefill", "decode", "all")
@@ -28,13 +28,7 @@ _log = logging.getLogger("pdllm.serve")
 
 
 def _env_default(flag: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
-    raw = os.environ.get(env_name(flag))
-    if raw in (None, ""):
-        return default
-    try:
-        return convert(raw)
-    except ValueError as exc:
-        raise ValueError(f"{env_name(flag)}={raw!r}: {exc}") from exc
+    return env_value(flag, convert, default, os.environ)
 
 
 def _env_bool(raw: str) -> bool:

@@ -12,12 +12,11 @@ for q/k/v and one for gate/up. The eager torch ops stay the definition (CPU, tra
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdllm.kernels import HAS_TRITON
 from pdllm.kernels.rms_norm import rms_norm
 from pdllm.kernels.rope import apply_rope as apply_rope_fused
 from pdllm.kernels.silu_mul import silu_mul_fused
@@ -25,13 +24,11 @@ from pdllm.kernels.silu_mul import silu_mul_fused
 from .attention import AttentionBackend, DenseAttention
 from .config import ModelConfig, ModelConfigError
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
 
 def fused_route(module: nn.Module, x: torch.Tensor) -> bool:
     """Use the fused Triton kernels: CUDA inference only (they have no backward; CPU keeps the torch ops),
     unless :meth:`DiffusionLM.set_fused` turned them off."""
-    return module.fused and _HAS_TRITON and x.is_cuda and not torch.is_grad_enabled()
+    return module.fused and HAS_TRITON and x.is_cuda and not torch.is_grad_enabled()
 
 
 class RMSNorm(nn.Module):

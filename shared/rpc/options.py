@@ -23,7 +23,8 @@ def env_name(flag: str) -> str:
     return "PDLLM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def _env(flag: str, convert: Callable[[str], T], default: T, environ: Mapping[str, str]) -> T:
+def env_value(flag: str, convert: Callable[[str], T], default: T, environ: Mapping[str, str]) -> T:
+    """``flag``'s environment variable converted, else ``default``; a bad value names the variable."""
     raw = environ.get(env_name(flag))
     if raw is None or raw == "":
         return default
@@ -41,7 +42,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, 
         g.add_argument(
             flag,
             type=convert,
-            default=_env(flag, convert, default, env),
+            default=env_value(flag, convert, default, env),
             help=f"{help_text} (env {env_name(flag)}; default {default})",
         )
 
