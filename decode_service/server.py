@@ -1,10 +1,10 @@
-"""The decode worker: ``pdllm.v1.Decode``, continuous batching over the engine's step 6-7.
+"""The decode worker: ``pdllm.v1.Decode``, the engine's steps 6-7 in batched rounds (``scheduler.py``).
 
 For a pdllm request the worker rebuilds the decode KV of the selected chunks from their token ids
 (full-mask / chunk-query: one forward over K chunks + query) or loads their step-3 KV from the KV tier
-by handle key (chunk-only; recomputed when the tier misses), then denoises through the shared sampler.
-A vanilla request carries the whole context and is decoded without any cache (the baseline).
-Partial outputs stream after every step when asked for.
+by handle key (chunk-only; recomputed when the tier misses); the session then joins the batched denoising
+rounds of all active requests. A vanilla request carries the whole context and is stepped alone without
+any cache (the baseline). Partial outputs stream after every step when asked for.
 """
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn, local_inputs
-from pdllm.decode_service.graphs import SessionStep
-from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial
+from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial, StaticDecode
 from pdllm.prefill_service.config import EngineConfig
 from pdllm.prefill_service.layout import Request, decode_layout
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.engine import PrefillingEngine
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, LogitsFn
+from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
@@ -52,13 +50,17 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                         "vanilla decode needs context_ids", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
                 start = lambda: self._vanilla_session(request, gen)  # noqa: E731
+                kv_tokens = 0
             else:
                 if not request.chunks:
                     raise PdllmError(
                         "pdllm decode needs at least one chunk", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
                 start = lambda: self._pdllm_session(request, gen, cfg)  # noqa: E731
-            job = DecodeJob(request.request_id, start, termination_event(context), request.stream_partials)
+                kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
+            job = DecodeJob(
+                request.request_id, start, termination_event(context), request.stream_partials, kv_tokens
+            )
             self.scheduler.submit(job)
             for event in job.stream():
                 if isinstance(event, Partial):
@@ -77,35 +79,18 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
 
     def _pdllm_session(
         self, request: wpb.DecodeRequest, gen: GenerationConfig, cfg: EngineConfig
-    ) -> DenoiseSession:
-        model = self.engine.model
+    ) -> StaticDecode:
         chunks = [list(h.token_ids) for h in request.chunks]
         req = Request(
             instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
         )
-        selected = list(range(len(chunks)))
-        layout = decode_layout(req, selected, gen.gen_length)
+        layout = decode_layout(req, list(range(len(chunks))), gen.gen_length)
         local: list[torch.Tensor] = []
+        stats = (0, 0)
         if cfg.kv_mode == "chunk-only":
             local, hits = self.engine.chunk_kv(chunks, cfg)
-            request_stats = (hits, len(chunks) - hits)
-        else:
-            request_stats = (0, 0)
-        static = self.engine.build(req, layout, cfg, local)
-        policy = StaticPolicy(self.engine.decode_attention)
-        cache = self.engine.graph_cache
-        fn: LogitsFn
-        if cache is not None and policy.graph_cacheable:  # `serve --cuda-graph`
-            kv, (tokens, positions) = static.tensor(), local_inputs(model, req.query, static, gen)
-            fn = SessionStep(
-                cache.step(model, policy.mode, kv, tokens, positions, len(req.query)), kv, tokens
-            )
-        else:
-            fn = decode_logits_fn(model, req.query, static, gen, policy)
-        device = next(model.parameters()).device
-        session = DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, device)
-        session.cache_stats = request_stats  # type: ignore[attr-defined]
-        return session
+            stats = (hits, len(chunks) - hits)
+        return StaticDecode(req.query, self.engine.build(req, layout, cfg, local), gen, stats)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:
@@ -122,9 +107,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
     def _final(self, request: wpb.DecodeRequest, event: Final, job: DecodeJob) -> wpb.DecodeResult:
         result = event.result
         eos = self.engine.model.config.eos_token_id
-        hits, misses = getattr(job.session, "cache_stats", (0, 0))
-        device = next(self.engine.model.parameters()).device
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        hits, misses = job.cache_stats
         return wpb.DecodeResult(
             request_id=request.request_id,
             token_ids=result.token_ids,
@@ -135,6 +118,6 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             ),
             cache_hits=hits,
             cache_misses=misses,
-            peak_memory_bytes=int(peak),
+            peak_memory_bytes=event.peak_bytes,
             worker=self.worker_name,
         )

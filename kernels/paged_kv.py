@@ -100,8 +100,9 @@ class PagedKVPool:
             free_set.add(p)
         self._free.extend(reversed(ids))
 
-    def write_chunk(self, chunk_kv: torch.Tensor) -> ChunkPages:
-        """Copy a chunk ``[num_layers, 2, Hkv, T, D]`` into freshly allocated pages."""
+    def write_chunk(self, chunk_kv: torch.Tensor, pages: list[int] | None = None) -> ChunkPages:
+        """Copy a chunk ``[num_layers, 2, Hkv, T, D]`` into ``pages`` (allocated earlier, exactly as many as
+        it needs) or, when None, into freshly allocated pages."""
         c = self.config
         expect = (c.num_layers, 2, c.num_kv_heads)
         if chunk_kv.dim() != 5 or tuple(chunk_kv.shape[:3]) != expect or chunk_kv.shape[4] != c.head_dim:
@@ -113,7 +114,10 @@ class PagedKVPool:
         if t == 0:
             raise ValueError("cannot store an empty chunk")
         n_pages = -(-t // c.page_size)
-        pages = self.allocate(n_pages)
+        if pages is None:
+            pages = self.allocate(n_pages)
+        elif len(pages) != n_pages:
+            raise ValueError(f"a chunk of {t} tokens needs {n_pages} pages, got {len(pages)}")
         padded = chunk_kv.new_zeros(*expect, n_pages * c.page_size, c.head_dim)
         padded[:, :, :, :t] = chunk_kv
         # [L, 2, Hkv, n_pages, page, D] -> [L, 2, n_pages, Hkv, page, D]

@@ -90,14 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long the first request of a batch waits for company",
     )
     d = p.add_argument_group("decode")
-    d.add_argument("--max-active", type=int, default=_env_default("--max-active", 16, int))
+    d.add_argument(
+        "--max-active",
+        type=int,
+        default=_env_default("--max-active", 64, int),
+        help="requests decoded together in each batched round",
+    )
+    d.add_argument(
+        "--kv-pool-bytes",
+        type=int,
+        default=_env_default("--kv-pool-bytes", 0, int),
+        help="decode KV pool size; requests beyond it wait (0: 40%% of free GPU memory after the model "
+        "load on CUDA, 256 MiB on CPU)",
+    )
     d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
     d.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
         default=_env_default("--cuda-graph", False, _env_bool),
-        help="replay decode steps as CUDA graphs shared by same-shape requests, with the split-S kernel "
-        "(CUDA only; default off: measured in the engine, not yet under serving load)",
+        help="replay batched decode rounds as CUDA graphs, one per padded shape bucket (CUDA only; "
+        "default off until measured under serving load)",
     )
     add_server_arguments(p)
     return p
@@ -150,7 +162,7 @@ def _engine(args: argparse.Namespace) -> Any:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     config = EngineConfig.from_settings(loaded.serving.engine, chunk_boundary=args.chunk_boundary)
     store = _kv_store(args, loaded.config, args.dtype)
-    engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store, cuda_graph=args.cuda_graph)
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store)
     engine.sentence_ends()  # fail at startup, not on the first request, if sentence ends can't be found
     return engine, loaded
 
@@ -177,13 +189,42 @@ def _register_kv_metrics(store: Any, registry: CollectorRegistry) -> None:
     register_kv_metrics({getattr(t, "name", f"tier{i}"): t for i, t in enumerate(tiers)}, registry)
 
 
+def _pool_bytes(flag: int, device: Any) -> int:
+    if flag > 0:
+        return flag
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.4 * free)
+    return 256 << 20
+
+
+def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
+    """How the decode worker runs a batched round: the split-S kernel on CUDA (as CUDA graphs with
+    ``--cuda-graph``), its torch reference elsewhere."""
+    from pdllm.decode_service.round_graphs import GraphedRoundForward
+    from pdllm.decode_service.rounds import EagerRoundForward
+    from pdllm.kernels import HAS_TRITON
+
+    cuda = pool.kv.device.type == "cuda"
+    kernel = "triton" if cuda and HAS_TRITON else "torch"
+    if args.cuda_graph:
+        return GraphedRoundForward(model, pool, kernel, capture=True)
+    return EagerRoundForward(model, pool, kernel)
+
+
 def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) -> tuple[RpcServer, Callable]:
-    from pdllm.decode_service.scheduler import DecodeScheduler
+    from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+    from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
     from pdllm.decode_service.server import DecodeServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 
     registry = CollectorRegistry()
-    scheduler = DecodeScheduler(max_active=args.max_active, max_waiting=args.max_waiting, registry=registry)
+    pool = DecodeKVPool.for_model(engine.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, engine.device)))
+    forward = round_forward(args, engine.model, pool)
+    scheduling = SchedulerConfig(args.max_active, args.max_waiting)
+    scheduler = DecodeScheduler(engine.model, pool, forward, scheduling, registry)
     servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
     _register_kv_metrics(engine.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")

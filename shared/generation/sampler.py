@@ -92,7 +92,7 @@ class DenoiseState:
         self.step_in_block = 0
         self.steps_taken = 0
         self._schedule = step_schedule(config.block, config.steps // config.num_blocks)
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
         self._stopped = False
 
     @property
@@ -107,10 +107,15 @@ class DenoiseState:
 
     def update(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply one step's logits (``[len(positions()), V]``); returns the newly unmasked positions."""
+        return self.apply(*predict(logits, self.mask_id, self.config.temperature, self.generator))
+
+    def apply(self, tokens: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        """Apply one step's predictions for :meth:`positions` (from :func:`predict` or
+        :func:`predict_many`); returns the newly unmasked positions."""
         positions = self.positions()
-        if logits.shape[0] != positions.shape[0]:
-            raise ValueError(f"expected logits for {positions.shape[0]} positions, got {logits.shape[0]}")
-        tokens, confidence = self._predict(logits)
+        if tokens.shape[0] != positions.shape[0]:
+            raise ValueError(f"expected logits for {positions.shape[0]} positions, got {tokens.shape[0]}")
+        tokens, confidence = tokens.to(self.tokens.device), confidence.to(self.tokens.device)
         if self.config.threshold is None:
             k = min(self._schedule[self.step_in_block], positions.shape[0])
             if self.step_in_block == len(self._schedule) - 1:
@@ -129,19 +134,6 @@ class DenoiseState:
             self._finish_block()
         return picked
 
-    def _predict(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.to(torch.float32, copy=True)
-        # Predicting [MASK] would leave the position masked and stall the schedule.
-        logits[:, self.mask_id] = float("-inf")
-        if self.config.temperature == 0:
-            probs = torch.softmax(logits, dim=-1)
-            confidence, tokens = probs.max(dim=-1)
-            return tokens, confidence
-        probs = torch.softmax(logits / self.config.temperature, dim=-1)
-        # Sampling on the CPU with our own generator keeps seeds reproducible across devices.
-        tokens = torch.multinomial(probs.cpu(), 1, generator=self._generator).flatten().to(logits.device)
-        return tokens, probs.gather(-1, tokens[:, None]).flatten()
-
     def _finish_block(self) -> None:
         end = (self.block + 1) * self.config.block
         self.block += 1
@@ -157,6 +149,64 @@ class DenoiseState:
                 break
             out.append(t)
         return out
+
+
+def predict(
+    logits: torch.Tensor, mask_id: int, temperature: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predicted token and its probability per row of ``logits``: greedy, or sampled at ``temperature``
+    with ``generator`` (on the CPU, which keeps seeds reproducible across devices)."""
+    logits = logits.to(torch.float32, copy=True)
+    # Predicting [MASK] would leave the position masked and stall the schedule.
+    logits[:, mask_id] = float("-inf")
+    if temperature == 0:
+        probs = torch.softmax(logits, dim=-1)
+        confidence, tokens = probs.max(dim=-1)
+        return tokens, confidence
+    probs = torch.softmax(logits / temperature, dim=-1)
+    tokens = torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(logits.device)
+    return tokens, probs.gather(-1, tokens[:, None]).flatten()
+
+
+def predict_many(
+    logits: torch.Tensor, states: list[DenoiseState], counts: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`predict` for several states at once. ``logits`` stacks ``counts[i]`` rows for ``states[i]``
+    (the rows of its :meth:`~DenoiseState.positions`). Row for row the same math as :func:`predict`, but
+    the greedy rows of all states are reduced in one pass and reach the host in one copy (one more for
+    all sampled rows), so a round over many requests costs no device sync per request.
+    Returns (tokens, confidence) on the CPU per state."""
+    if not states:
+        return []
+    mask_ids = {s.mask_id for s in states}
+    if len(mask_ids) != 1:
+        raise ValueError("predict_many needs states of one model (one mask id)")
+    bounds = [0]
+    for n in counts:
+        bounds.append(bounds[-1] + n)
+    if bounds[-1] != logits.shape[0]:
+        raise ValueError(f"counts add up to {bounds[-1]} rows, logits have {logits.shape[0]}")
+    logits = logits.to(torch.float32, copy=True)
+    logits[:, mask_ids.pop()] = float("-inf")
+    confidence, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    # one copy: vocabulary ids are exact in float32 (< 2**24)
+    host = torch.stack([confidence, tokens.to(torch.float32)]).cpu()
+    out = [(host[1, a:b].long(), host[0, a:b]) for a, b in zip(bounds, bounds[1:])]
+    sampled = [i for i, s in enumerate(states) if s.config.temperature != 0]
+    if sampled:
+        probs = torch.cat(
+            [
+                torch.softmax(logits[bounds[i] : bounds[i + 1]] / states[i].config.temperature, -1)
+                for i in sampled
+            ]
+        ).cpu()
+        row = 0
+        for i in sampled:
+            p = probs[row : row + counts[i]]
+            row += counts[i]
+            drawn = torch.multinomial(p, 1, generator=states[i].generator).flatten()
+            out[i] = (drawn, p.gather(-1, drawn[:, None]).flatten())
+    return out
 
 
 @dataclass

@@ -1,0 +1,107 @@
+"""The decode worker's KV pool: every active session's static KV in fixed-size pages under a byte budget.
+
+One :class:`~pdllm.kernels.paged_kv.PagedKVPool` (``[layers, 2, pages, Hkv, page_size, D]``, the layout the
+split-S kernel reads) is allocated once at start. A session reserves the pages its static KV needs when it
+is admitted (so a build in progress cannot be starved), fills them when its build ends, and gives them
+back the moment it finishes or is cancelled. Requests that do not fit wait; a request larger than the
+whole pool is refused at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdllm.kernels.paged_kv import PagedKVConfig, PagedKVPool
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    """``budget_bytes``: the pool's size (rounded down to whole pages). ``page_size``: tokens per page."""
+
+    budget_bytes: int
+    page_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError(f"KV pool budget must be positive, got {self.budget_bytes} bytes")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+
+
+class PoolTooSmallError(ValueError):
+    """A request needs more KV than the whole pool holds."""
+
+
+class DecodeKVPool:
+    def __init__(
+        self,
+        config: KVPoolConfig,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.page_bytes = num_layers * 2 * num_kv_heads * config.page_size * head_dim * elem
+        num_pages = config.budget_bytes // self.page_bytes
+        if num_pages < 1:
+            raise ValueError(
+                f"KV pool budget {config.budget_bytes} bytes holds no page of {self.page_bytes} bytes"
+            )
+        self.config = config
+        self.pool = PagedKVPool(
+            PagedKVConfig(num_layers, num_kv_heads, head_dim, num_pages, config.page_size, dtype, device)
+        )
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, config: KVPoolConfig) -> DecodeKVPool:
+        p = next(model.parameters())
+        c = model.config  # type: ignore[attr-defined]
+        return cls(config, c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.config.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The whole pool, ``[layers, 2, pages, Hkv, page_size, D]``."""
+        return self.pool.kv
+
+    def pages_for(self, tokens: int) -> int:
+        return max(1, -(-tokens // self.page_size))
+
+    def reserve(self, tokens: int) -> list[int] | None:
+        """Pages for ``tokens`` static tokens, or None while too few are free.
+
+        Raises :class:`PoolTooSmallError` when even an empty pool could not hold them."""
+        need = self.pages_for(tokens)
+        if need > self.num_pages:
+            raise PoolTooSmallError(
+                f"the request needs {need * self.page_bytes} bytes of decode KV ({tokens} tokens); "
+                f"this worker's KV pool holds {self.num_pages * self.page_bytes} bytes"
+            )
+        if need > self.num_free:
+            return None
+        return self.pool.allocate(need)
+
+    def write(self, pages: list[int], static: torch.Tensor) -> None:
+        """Fill reserved ``pages`` with a session's static KV ``[layers, 2, Hkv, S, D]`` (S >= 1)."""
+        if static.shape[3] == 0:  # nothing static (cannot happen for pdllm: >= 1 chunk); keep page valid
+            return
+        self.pool.write_chunk(static, pages[: self.pages_for(static.shape[3])])
+
+    def release(self, pages: list[int]) -> None:
+        if pages:
+            self.pool.free(pages)

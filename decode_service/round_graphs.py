@@ -1,0 +1,162 @@
+"""CUDA-graph replay of batched decode rounds: one captured forward per padded shape bucket.
+
+A round's shape is (sessions, packed tokens, logit rows, longest local sequence, widest page table).
+Each is rounded up to a bucket (:meth:`RoundShape.of`): sessions and the two per-session maxima to powers
+of two, tokens and rows to at most 1/8 above the real count. Padding is inert: padded sessions have no
+query rows and no KV, padded tokens belong to no session (the attention kernel never reads or writes for
+them, and every other op is row-wise), padded logit rows are dropped. So every round whose shape falls in
+a bucket replays that bucket's graph after copying its packed inputs into the graph's buffers: no capture
+per request, no copy of any session's KV (the kernel reads the shared pool through the page table).
+
+All graphs share one memory pool. A capture runs on the scheduler thread in thread-local capture mode,
+so another thread using the device at the time (the prefill worker of an all-in-one process) neither
+breaks the capture nor gets an error. Off CUDA the same padded buffers run eagerly (tests).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.rounds import PackedRound, PagedBatchAttention
+from pdllm.shared.model.transformer import DiffusionLM
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def eighths(n: int, floor: int = 16) -> int:
+    """Smallest ``m * 2**k >= n`` with ``8 <= m < 16`` (at most 1/8 padding), and at least ``floor``."""
+    if n <= floor:
+        return floor
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    batch: int
+    tokens: int
+    rows: int
+    q_len: int
+    pages: int
+
+    @classmethod
+    def of(cls, packed: PackedRound) -> RoundShape:
+        return cls(
+            batch=pow2(len(packed.kv_lens)),
+            tokens=eighths(len(packed.ids)),
+            rows=eighths(len(packed.rows)),
+            q_len=pow2(packed.max_q_len),
+            pages=pow2(max(len(p) for p in packed.page_table)),
+        )
+
+
+class CapturedRound:
+    """One bucket's input buffers and forward, captured as a CUDA graph when ``capture``."""
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        pool: DecodeKVPool,
+        kernel: str,
+        shape: RoundShape,
+        mempool: tuple | None,
+        capture: bool,
+    ) -> None:
+        device = pool.kv.device
+        self.model, self.shape = model, shape
+        self.ids = torch.zeros(shape.tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(shape.tokens, dtype=torch.long, device=device)
+        self.rows = torch.zeros(shape.rows, dtype=torch.long, device=device)
+        self.q_offsets = torch.zeros(shape.batch + 1, dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(shape.batch, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(shape.batch, shape.pages, dtype=torch.int32, device=device)
+        self.attention = PagedBatchAttention(
+            pool.kv,
+            self.page_table,
+            self.kv_lens,
+            self.q_offsets,
+            shape.q_len,
+            shape.pages * pool.page_size,
+            kernel,
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if not capture:
+            return
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._forward()  # warm-up: Triton compiles and autotunes outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        gc.collect()  # no graph may be destroyed by the collector in the middle of this capture
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+                self.logits = self._forward()
+        finally:
+            gc.enable()
+
+    def _forward(self) -> torch.Tensor:
+        hidden = self.model.hidden_states(self.ids[None], self.positions[None], self.attention)
+        return self.model.logits_from_hidden(hidden, self.rows[None])[0]
+
+    def __call__(self, packed: PackedRound) -> torch.Tensor:
+        s = self.shape
+        t, b, r = len(packed.ids), len(packed.kv_lens), len(packed.rows)
+        self.ids[:t].copy_(torch.tensor(packed.ids))
+        self.positions[:t].copy_(torch.tensor(packed.positions))
+        self.rows[:r].copy_(torch.tensor(packed.rows))
+        offsets = packed.q_offsets + [t] * (s.batch - b)  # padded sessions: no query rows
+        self.q_offsets.copy_(torch.tensor(offsets, dtype=torch.int32))
+        self.kv_lens.copy_(torch.tensor(packed.kv_lens + [0] * (s.batch - b), dtype=torch.int32))
+        table = torch.zeros(s.batch, s.pages, dtype=torch.int32)
+        for i, pages in enumerate(packed.page_table):
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.page_table.copy_(table)
+        if self.graph is None:
+            return self._forward()[:r]
+        self.graph.replay()
+        return self.logits[:r]
+
+
+class GraphedRoundForward:
+    """A round's forward through :class:`CapturedRound` buckets (least recently used evicted beyond
+    ``capacity``). ``capture`` False: the same padded buffers, run eagerly."""
+
+    def __init__(
+        self, model: DiffusionLM, pool: DecodeKVPool, kernel: str, capture: bool, capacity: int = 48
+    ) -> None:
+        if capture and pool.kv.device.type != "cuda":
+            raise ValueError("CUDA-graph rounds need the model and KV pool on a CUDA device")
+        self.model, self.pool, self.kernel, self.capture, self.capacity = (
+            model,
+            pool,
+            kernel,
+            capture,
+            capacity,
+        )
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self._graphs: OrderedDict[RoundShape, CapturedRound] = OrderedDict()
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, packed: PackedRound) -> torch.Tensor:
+        shape = RoundShape.of(packed)
+        graph = self._graphs.get(shape)
+        if graph is None:
+            graph = CapturedRound(self.model, self.pool, self.kernel, shape, self.mempool, self.capture)
+            self._graphs[shape] = graph
+            self.captures += 1
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(shape)
+            self.replays += 1
+        return graph(packed)

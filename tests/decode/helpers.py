@@ -1,0 +1,95 @@
+"""Sessions for the batched-round and scheduler tests: tiny random models, each case also run alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.rounds import BatchSession
+from pdllm.decode_service.scheduler import StaticDecode
+from pdllm.prefill_service.config import EngineConfig
+from pdllm.shared.engine import PrefillingEngine, PrefillResult
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.model.transformer import DiffusionLM
+from tests.engine.helpers import tokens
+
+
+@dataclass(frozen=True)
+class Case:
+    config: EngineConfig
+    gen: GenerationConfig
+    context: int
+    question: int
+    instruction: tuple[int, ...] = ()
+
+
+# Mixed context lengths, K, top-B, KV modes, gen lengths, blocks, thresholds, temperatures with seeds.
+CASES = [
+    Case(EngineConfig(chunk_size=12, top_k=2), GenerationConfig(gen_length=6, steps=3), 40, 5),
+    Case(
+        EngineConfig(chunk_size=8, top_k=3, top_b=5),
+        GenerationConfig(gen_length=8, steps=8, block_length=4),
+        70,
+        3,
+        (7, 8),
+    ),
+    Case(
+        EngineConfig(chunk_size=16, top_k=1, kv_mode="chunk-only"),
+        GenerationConfig(gen_length=4, steps=4, temperature=0.8, seed=3),
+        30,
+        7,
+    ),
+    Case(
+        EngineConfig(chunk_size=10, top_k=2, kv_mode="chunk-query"),
+        GenerationConfig(gen_length=10, steps=10, threshold=0.3),
+        50,
+        4,
+    ),
+    Case(
+        EngineConfig(chunk_size=20, top_k=4, top_b=9, kv_mode="chunk-only"),
+        GenerationConfig(gen_length=12, steps=6, block_length=6, temperature=1.3, seed=11),
+        90,
+        2,
+    ),
+]
+
+
+def prefill(m: DiffusionLM, case: Case, seed: int) -> tuple[PrefillingEngine, PrefillResult]:
+    engine = PrefillingEngine(m, None, case.config, reuse_chunks=False)
+    return engine, engine.prefill(
+        tokens(case.context, seed), tokens(case.question, 100 + seed), case.gen, list(case.instruction)
+    )
+
+
+def alone(m: DiffusionLM, case: Case, seed: int) -> list[int]:
+    """The case decoded by the in-process engine on its own (the specification)."""
+    engine, pre = prefill(m, case, seed)
+    return engine.decode(pre, case.gen).raw_tokens
+
+
+def static_decode(m: DiffusionLM, case: Case, seed: int) -> StaticDecode:
+    _, pre = prefill(m, case, seed)
+    return StaticDecode(pre.request.query, pre.static, case.gen)
+
+
+def session(m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int) -> BatchSession:
+    built = static_decode(m, case, seed)
+    pages = pool.reserve(built.static.num_tokens)
+    assert pages is not None
+    pool.write(pages, built.static.tensor())
+    s = built.static
+    return BatchSession.start(m, built.query, s.query_start, s.num_tokens, pages, case.gen)
+
+
+def pool_for(m: DiffusionLM, pages: int = 64, page_size: int = 16) -> DecodeKVPool:
+    c = m.config
+    page_bytes = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim * 4
+    return DecodeKVPool.for_model(m, KVPoolConfig(pages * page_bytes, page_size))
+
+
+def random_static(m: DiffusionLM, n: int, seed: int) -> torch.Tensor:
+    c = m.config
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(c.num_layers, 2, c.num_kv_heads, n, c.head_dim, generator=gen)

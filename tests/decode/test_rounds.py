@@ -1,0 +1,99 @@
+"""Batched decode rounds: one forward for many sessions gives each session's own tokens, exactly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape, eighths, pow2
+from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
+from tests.decode.helpers import CASES, alone, pool_for, session
+from tests.engine.helpers import model
+
+
+def _forward(kind: str, m, pool):  # type: ignore[no-untyped-def]
+    if kind == "eager":
+        return EagerRoundForward(m, pool, "torch")
+    return GraphedRoundForward(m, pool, "torch", capture=False)  # padded buckets, run eagerly on CPU
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("kind", ["eager", "padded"])
+def test_batched_rounds_equal_each_session_alone(family: str, kind: str) -> None:
+    m = model(family)
+    want = [alone(m, case, seed) for seed, case in enumerate(CASES)]
+    pool = pool_for(m)
+    forward = _forward(kind, m, pool)
+    sessions = [session(m, pool, case, seed) for seed, case in enumerate(CASES)]
+    # Sessions join one per round and leave when done: every round mixes sessions at different steps.
+    active, waiting, rounds = [], list(sessions), 0
+    while active or waiting:
+        if waiting:
+            active.append(waiting.pop(0))
+        decode_round(forward, active)
+        rounds += 1
+        active = [s for s in active if not s.done]
+    for s, expected, case in zip(sessions, want, CASES, strict=True):
+        assert s.state.tokens.tolist() == expected, case
+        assert s.state.steps_taken == len(s.steps)
+    assert rounds < sum(len(s.steps) for s in sessions)  # rounds were shared
+
+
+def test_round_with_one_session_equals_alone_and_rows_cover_masked_positions() -> None:
+    m = model("dream")
+    pool = pool_for(m)
+    case = CASES[1]
+    s = session(m, pool, case, 1)
+    packed = PackedRound.pack([s])
+    q = len(s.query)
+    assert packed.rows == [q + p for p in range(case.gen.block)]  # first block, all masked
+    assert packed.positions[0] == s.query_start and len(packed.ids) == q + case.gen.gen_length
+    while not s.done:
+        decode_round(EagerRoundForward(m, pool, "torch"), [s])
+    assert s.state.tokens.tolist() == alone(m, case, 1)
+
+
+def test_shape_buckets_pad_little_and_reuse_graphs() -> None:
+    assert [pow2(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    for n in range(1, 5000):
+        b = eighths(n)
+        assert b >= n and (n <= 16 or b <= n * 1.125 + 1)
+    m = model("dream")
+    pool = pool_for(m)
+    forward = GraphedRoundForward(m, pool, "torch", capture=False)
+    a = [session(m, pool, CASES[0], 0), session(m, pool, CASES[0], 1)]
+    decode_round(forward, a)
+    decode_round(forward, a)  # fewer masked rows, same bucket
+    assert (forward.captures, forward.replays) == (1, 1)
+    assert RoundShape.of(PackedRound.pack(a)).batch == 2
+
+
+def test_triton_rounds_match_torch_rounds_under_interpreter() -> None:
+    pytest.importorskip("triton", reason="triton not installed")
+    case = Path(__file__).with_name("triton_rounds_case.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(case)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_pool_pages_hold_the_static_kv_exactly() -> None:
+    from tests.decode.helpers import random_static
+
+    m = model("llada")
+    pool = pool_for(m, pages=8, page_size=16)
+    kv = random_static(m, 37, 0)
+    pages = pool.reserve(37)
+    assert pages is not None and len(pages) == 3 and pool.num_free == 5
+    pool.write(pages, kv)
+    from pdllm.kernels.paged_kv import ChunkPages
+
+    torch.testing.assert_close(pool.pool.read_chunk(ChunkPages(tuple(pages), 37)), kv, rtol=0, atol=0)
+    assert pool.reserve(6 * 16) is None  # 6 pages asked, 5 free: wait
+    pool.release(pages)
+    assert pool.num_free == 8

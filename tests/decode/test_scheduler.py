@@ -1,0 +1,130 @@
+"""The decode scheduler: batched rounds for every active request, admission, pool budget, cancellation.
+
+Driven with ``run_once`` (no thread): each call is one scheduler iteration, so every assertion is about a
+known round. Each of the scheduler's likely bugs (only some requests advance per round; ``max_waiting`` not
+enforced; cancelled requests kept, their pages not freed) fails one of these tests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from pdllm.decode_service.rounds import EagerRoundForward
+from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial, SchedulerConfig
+from pdllm.shared.rpc.errors import PdllmError
+from tests.decode.helpers import CASES, alone, pool_for, static_decode
+from tests.engine.helpers import model
+
+
+def _scheduler(m, pages: int = 64, **config) -> DecodeScheduler:  # type: ignore[no-untyped-def]
+    pool = pool_for(m, pages=pages)
+    forward = EagerRoundForward(m, pool, "torch")
+    return DecodeScheduler(m, pool, forward, SchedulerConfig(**config), start_thread=False)
+
+
+def _job(m, seed: int, case_index: int | None = None, kv_tokens: int | None = None) -> DecodeJob:  # type: ignore[no-untyped-def]
+    case = CASES[seed if case_index is None else case_index]
+    built = static_decode(m, case, seed)
+    tokens = built.static.num_tokens if kv_tokens is None else kv_tokens
+    return DecodeJob(f"r{seed}", lambda: built, threading.Event(), True, tokens)
+
+
+def _events(job: DecodeJob) -> list:
+    out = []
+    while not job.events.empty():
+        out.append(job.events.get())
+    return out
+
+
+def test_every_active_request_advances_in_each_round_and_answers_exactly() -> None:
+    m = model("dream")
+    sched = _scheduler(m)
+    jobs = [sched.submit(_job(m, seed)) for seed in range(len(CASES))]
+    sched.run_once()
+    assert sched.rounds == 1
+    for job in jobs:  # one batched round moved every request one step
+        assert job.session is not None and job.session.state.steps_taken == 1
+        (event,) = _events(job)
+        assert isinstance(event, Partial) and event.step == 1
+    finals = {}
+    while sched.active:
+        sched.run_once()
+        for job in jobs:
+            for event in _events(job):
+                if isinstance(event, Final):
+                    finals[job.request_id] = event
+    longest = max(job.session.state.steps_taken for job in jobs)  # type: ignore[union-attr]
+    assert sched.rounds == longest  # one forward per round, not one per request
+    for seed, (job, case) in enumerate(zip(jobs, CASES, strict=True)):
+        assert finals[job.request_id].result.raw_tokens == alone(m, case, seed)
+    assert sched.pool.num_free == sched.pool.num_pages  # every page back
+
+
+def test_max_waiting_is_enforced_with_resource_exhausted() -> None:
+    m = model("dream")
+    sched = _scheduler(m, max_waiting=2)
+    sched.submit(_job(m, 0))
+    sched.submit(_job(m, 1))
+    with pytest.raises(PdllmError) as err:
+        sched.submit(_job(m, 2))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in str(err.value)
+    sched.run_once()  # both admitted: room in the queue again
+    sched.submit(_job(m, 2))
+
+
+def test_cancelled_request_leaves_and_frees_its_pages_at_once() -> None:
+    m = model("dream")
+    sched = _scheduler(m)
+    keep, drop = sched.submit(_job(m, 0)), sched.submit(_job(m, 1))
+    sched.run_once()
+    held = sched.pool.num_pages - sched.pool.num_free
+    assert len(drop.pages) > 0 and held == len(keep.pages) + len(drop.pages)
+    drop.cancelled.set()
+    steps = drop.session.state.steps_taken  # type: ignore[union-attr]
+    sched.run_once()
+    assert [j.request_id for j in sched.active] == [keep.request_id]
+    assert sched.pool.num_pages - sched.pool.num_free == len(keep.pages)  # its pages are back
+    assert drop.session.state.steps_taken == steps  # type: ignore[union-attr]  # not stepped again
+    # a request cancelled while waiting is never built
+    waiting = _job(m, 2)
+    waiting.cancelled.set()
+    sched.submit(waiting)
+    sched.run_once()
+    assert waiting.session is None and waiting not in sched.active
+
+
+def test_pool_budget_makes_requests_wait_and_refuses_what_never_fits() -> None:
+    m = model("dream")
+    sched = _scheduler(m, pages=6)  # 16-token pages
+    first = sched.submit(_job(m, 0, case_index=0, kv_tokens=64))  # 4 pages
+    second = sched.submit(_job(m, 1, case_index=0, kv_tokens=48))  # 3 pages: must wait
+    sched.run_once()
+    assert [j.request_id for j in sched.active] == [first.request_id] and second.session is None
+    while first in sched.active:
+        sched.run_once()
+    sched.run_once()  # first's pages are back: second is admitted
+    assert second in sched.active
+    with pytest.raises(PdllmError) as err:
+        sched.submit(_job(m, 2, case_index=0, kv_tokens=7 * 16))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool holds" in str(err.value)
+
+
+def test_max_active_bounds_each_round_and_a_failed_build_returns_its_pages() -> None:
+    m = model("dream")
+    sched = _scheduler(m, max_active=2)
+    jobs = [sched.submit(_job(m, seed)) for seed in range(3)]
+    sched.run_once()
+    assert len(sched.active) == 2 and jobs[2].session is None
+
+    def broken():  # type: ignore[no-untyped-def]
+        raise ValueError("bad chunk")
+
+    bad = DecodeJob("bad", broken, threading.Event(), True, 16)
+    other = _scheduler(m)
+    other.submit(bad)
+    other.run_once()
+    assert isinstance(bad.events.get_nowait(), ValueError)
+    assert other.pool.num_free == other.pool.num_pages and not other.active

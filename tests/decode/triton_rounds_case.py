@@ -1,0 +1,34 @@
+"""Run under TRITON_INTERPRET=1 (by test_rounds.py): rounds through the split-S kernel == torch rounds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
+from pdllm.decode_service.rounds import decode_round  # noqa: E402
+from tests.decode.helpers import CASES, alone, pool_for, session  # noqa: E402
+from tests.engine.helpers import model  # noqa: E402
+
+
+def main() -> None:
+    m = model("dream")
+    cases = [CASES[0], CASES[1], CASES[3]]
+    want = [alone(m, case, seed) for seed, case in enumerate(cases)]
+    pool = pool_for(m)
+    forward = GraphedRoundForward(m, pool, "triton", capture=False)  # padded buckets + the kernel
+    sessions = [session(m, pool, case, seed) for seed, case in enumerate(cases)]
+    active = list(sessions)
+    while active:
+        decode_round(forward, active)
+        active = [s for s in active if not s.done]
+    for s, expected in zip(sessions, want, strict=True):
+        if s.state.tokens.tolist() != expected:
+            raise SystemExit(f"triton rounds {s.state.tokens.tolist()} != alone {expected}")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
