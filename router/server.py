@@ -2,10 +2,24 @@
 
 Per request: validate and fill defaults, tokenize (instruction, context and question separately), send
 the prefill to a worker (document affinity, else least outstanding tokens), then stream the decode from
-the least loaded decode worker, relaying partial outputs and assembling the final trace. Deadlines are
-passed down as the time the client has left; a client that goes away cancels the worker calls; a worker
-answering UNAVAILABLE (or dying mid-stream) is reported to its pool and the step is retried on another
-worker under the same request id (workers treat request ids idempotently).
+the least loaded decode worker, relaying partial outputs (``GenerateStream`` only: unary ``Generate`` asks
+the decode worker for none) and assembling the final trace. Deadlines are passed down as the time the
+client has left; a client that goes away cancels the worker calls.
+
+Retries: each phase gets up to ``RouterConfig.attempts`` tries, each on a worker not tried yet for this
+request, under the same request id (workers treat request ids idempotently).
+
+- UNAVAILABLE (the worker is gone or draining, or a decode worker died mid-stream): the worker is reported
+  to its pool as failed and the phase is retried elsewhere. A decode retry after partial outputs were
+  relayed restarts the answer on the new worker (same request, same deterministic result).
+- RESOURCE_EXHAUSTED (the worker is up but full: its admission limit, decode queue or KV pool refused the
+  request): the phase is retried elsewhere but the worker is *not* reported (busy is not dead). Decode
+  retries only if that worker sent nothing yet (workers refuse at admission, before any output); one
+  arriving mid-stream is passed to the client as is.
+
+When the tries run out (or no untried worker is left) the client gets RESOURCE_EXHAUSTED if any worker
+was busy ("retry later"), else the last error (UNAVAILABLE when none was reachable); any other worker
+status is passed on at once without a retry.
 """
 
 from __future__ import annotations
@@ -39,13 +53,15 @@ from .routing import LoadTracker, document_key
 
 _log = logging.getLogger("pdllm.router")
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# Worker statuses that send a phase to another worker; only UNAVAILABLE marks the worker failed.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     max_queue: int = 256  # requests admitted at once; beyond: RESOURCE_EXHAUSTED
-    attempts: int = 3  # tries per phase (another worker each time) on UNAVAILABLE
+    attempts: int = 3  # tries per phase (another worker each time) on UNAVAILABLE / RESOURCE_EXHAUSTED
     default_timeout_s: float = 600.0  # when the client sets no deadline
     model_name: str = ""
 
@@ -87,7 +103,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     # ------------------------------------------------------------------ public API
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         final = None
-        for event in self._run(request, context):
+        for event in self._run(request, context, stream=False):
             if event.HasField("final"):
                 final = event.final
         assert final is not None  # _run either yields a final message or raises
@@ -96,12 +112,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateStreamResponse]:
-        yield from self._run(request, context)
+        yield from self._run(request, context, stream=True)
 
     # ------------------------------------------------------------------ one request
     def _run(
-        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext, stream: bool
     ) -> Iterator[pb.GenerateStreamResponse]:
+        """One request's events; ``stream`` asks the decode worker for partial outputs (GenerateStream)."""
         started = time.perf_counter()
         resolved = resolve_generate_request(request, self.limits, self.defaults)
         rid = resolved.request_id or new_request_id()
@@ -119,7 +136,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 question_ids=ids.query,
                 generation=gen,
                 method=method,
-                stream_partials=True,
+                stream_partials=stream,
             )
             if prefill is None:
                 decode_req.context_ids.extend(ids.context)
@@ -182,62 +199,58 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return self._with_retries("prefill", self.prefill_load, call, doc)
 
     def _decode(self, req: wpb.DecodeRequest, deadline: float, context) -> Iterator[wpb.DecodeResponse]:
-        tried: set[str] = set()
-        last: grpc.RpcError | None = None
+        tries = _Tries("decode")
         for _ in range(self.config.attempts):
-            address = self._choose("decode", self.decode_load, tried, None)
+            address = self._choose("decode", self.decode_load, tries)
             stub = workers_pb2_grpc.DecodeStub(self.pools.channel(address))
             stream = stub.Decode(req, timeout=self._remaining(deadline))
             context.add_callback(stream.cancel)
+            sent = False
             try:
                 with self.decode_load.outstanding(address, 1):
                     for event in stream:
+                        sent = True
                         yield event
                         if event.HasField("final"):
                             return
                 return
             except grpc.RpcError as err:
-                if err.code() not in RETRYABLE:
+                if err.code() == BUSY and sent:  # not an admission refusal: do not redo relayed work
                     raise _as_error(err, "decode") from err
-                last = err
-                tried.add(address)
-                self.pools.report_failure("decode", address)
-                _log.warning("decode worker unavailable; retrying", extra={"worker": address})
+                self._failed(tries, address, err)
             finally:
                 stream.cancel()
-        raise (
-            _as_error(last, "decode")
-            if last
-            else PdllmError("no decode worker", code=grpc.StatusCode.UNAVAILABLE)
-        )
+        raise tries.give_up()
 
     def _with_retries(self, role: str, tracker: LoadTracker, call, doc: str | None):
-        tried: set[str] = set()
-        last: grpc.RpcError | None = None
+        tries = _Tries(role)
         for _ in range(self.config.attempts):
-            address = self._choose(role, tracker, tried, doc)
+            address = self._choose(role, tracker, tries, doc)
             try:
                 return call(address)
             except grpc.RpcError as err:
-                if err.code() not in RETRYABLE:
-                    raise _as_error(err, role) from err
-                last = err
-                tried.add(address)
-                self.pools.report_failure(role, address)
-                _log.warning(f"{role} worker unavailable; retrying", extra={"worker": address})
-        raise (
-            _as_error(last, role)
-            if last
-            else PdllmError(f"no {role} worker", code=grpc.StatusCode.UNAVAILABLE)
-        )
+                self._failed(tries, address, err)
+        raise tries.give_up()
 
-    def _choose(self, role: str, tracker: LoadTracker, tried: set[str], doc: str | None) -> str:
+    def _failed(self, tries: _Tries, address: str, err: grpc.RpcError) -> None:
+        """Record a failed try; raise at once unless the status is retryable. Busy workers stay healthy."""
+        if err.code() not in RETRYABLE:
+            raise _as_error(err, tries.role) from err
+        tries.record(address, err)
+        if err.code() == BUSY:
+            _log.warning(f"{tries.role} worker busy; retrying elsewhere", extra={"worker": address})
+        else:
+            self.pools.report_failure(tries.role, address)
+            _log.warning(f"{tries.role} worker unavailable; retrying", extra={"worker": address})
+
+    def _choose(self, role: str, tracker: LoadTracker, tries: _Tries, doc: str | None = None) -> str:
         try:
-            return tracker.choose(self.pools.healthy(role), doc, exclude=tried)
+            return tracker.choose(self.pools.healthy(role), doc, exclude=tries.tried)
         except LookupError:
+            if tries.tried:  # every worker was tried: report why they failed
+                raise tries.give_up() from None
             raise PdllmError(
-                f"no healthy {role} worker is available" + (" (all tried)" if tried else ""),
-                code=grpc.StatusCode.UNAVAILABLE,
+                f"no healthy {role} worker is available", code=grpc.StatusCode.UNAVAILABLE
             ) from None
 
     def _budget(self, context: grpc.ServicerContext) -> float:
@@ -273,6 +286,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return out
 
     def _final(self, rid, resolved: ResolvedRequest, ids, prefill, result: wpb.DecodeResult, started, ttft):
+        """The client's response. ``ttft`` is the time to the first relayed partial output; with none (unary
+        Generate asks for none, or the worker sent none) it is the time to this final result, equal to
+        ``total_s``."""
         trace = pb.Trace(
             method=resolved.method,
             kv_mode=resolved.kv_mode if prefill is not None else "",
@@ -299,8 +315,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             for name in ("queue_s", "prefill_s", "score_s", "select_s"):
                 setattr(timings, name, getattr(prefill.timings, name))
             timings.build_s += prefill.timings.build_s
-        timings.ttft_s = ttft if ttft is not None else time.perf_counter() - started
-        timings.total_s = time.perf_counter() - started
+        total = time.perf_counter() - started
+        timings.ttft_s = ttft if ttft is not None else total
+        timings.total_s = total
         return pb.GenerateResponse(
             request_id=rid,
             model=resolved.model,
@@ -309,6 +326,35 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason=result.finish_reason,
             trace=trace,
         )
+
+
+class _Tries:
+    """The workers one phase of one request has tried, and why they failed."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.tried: set[str] = set()
+        self.busy: list[str] = []
+        self.last: grpc.RpcError | None = None
+        self.last_busy: grpc.RpcError | None = None
+
+    def record(self, address: str, err: grpc.RpcError) -> None:
+        self.tried.add(address)
+        self.last = err
+        if err.code() == BUSY:
+            self.busy.append(address)
+            self.last_busy = err
+
+    def give_up(self) -> PdllmError:
+        """The error for the client once no try is left: RESOURCE_EXHAUSTED if any worker was busy."""
+        if self.last_busy is not None:
+            details = self.last_busy.details() or BUSY.name
+            return PdllmError(
+                f"no {self.role} worker could take the request: {len(self.busy)} of {len(self.tried)} "
+                f"tried were busy (last: {details}); retry later",
+                code=BUSY,
+            )
+        return _as_error(self.last, self.role)
 
 
 def _as_error(err: grpc.RpcError | None, role: str) -> PdllmError:

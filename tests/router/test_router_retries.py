@@ -1,0 +1,214 @@
+"""The router's retries and decode request against fake in-process workers (real gRPC on loopback): a busy
+worker (RESOURCE_EXHAUSTED) is tried around without being reported failed, a dead one (UNAVAILABLE) is
+reported, and unary Generate asks the decode worker for no partial outputs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.protos.pdllm.v1 import generation_pb2_grpc, workers_pb2_grpc
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.router.server import Pools, RouterConfig, RouterServicer
+from pdllm.shared.rpc.client import PdllmClient
+from pdllm.shared.rpc.errors import PdllmError
+from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
+
+ANSWER = list(b"4821")
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+CONTEXT = "The access code of Mira Halden is 4821. " * 4
+QUESTION = "What is the access code of Mira Halden?"
+VANILLA = {"method": "vanilla", "gen_length": 4, "steps": 2, "block_length": 4}
+PDLLM = {"method": "pdllm", "gen_length": 4, "steps": 2, "block_length": 4, "chunk_size": 16, "top_k": 1}
+
+
+class ByteTokenizer:
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@dataclass
+class FakeDecode(workers_pb2_grpc.DecodeServicer):
+    """Answers ANSWER over two partials (when asked) and a final; `mode` "busy" refuses like a full
+    scheduler queue, "busy-mid-stream" sends one partial then RESOURCE_EXHAUSTED, "down" is UNAVAILABLE."""
+
+    mode: str = "ok"
+    address: str = ""
+    requests: list[wpb.DecodeRequest] = field(default_factory=list)
+
+    def Decode(
+        self, request: wpb.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[wpb.DecodeResponse]:
+        self.requests.append(request)
+        if self.mode == "busy":
+            raise PdllmError("decode queue is full (0 waiting); retry on another worker", code=BUSY)
+        if self.mode == "down":
+            raise PdllmError("worker is draining", code=grpc.StatusCode.UNAVAILABLE)
+        if request.stream_partials or self.mode == "busy-mid-stream":
+            for step in (1, 2):
+                tokens = ANSWER[: 2 * step] + [-1] * (len(ANSWER) - 2 * step)
+                yield wpb.DecodeResponse(
+                    partial=pb.PartialOutput(step=step, total_steps=2, token_ids=tokens, unmasked=2 * step)
+                )
+                if self.mode == "busy-mid-stream":
+                    raise PdllmError("response too large", code=BUSY)
+        yield wpb.DecodeResponse(
+            final=wpb.DecodeResult(token_ids=ANSWER, finish_reason="length", steps=2, worker=self.address)
+        )
+
+
+@dataclass
+class FakePrefill(workers_pb2_grpc.PrefillServicer):
+    mode: str = "ok"
+    address: str = ""
+    requests: list[wpb.PrefillRequest] = field(default_factory=list)
+
+    def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+        self.requests.append(request)
+        if self.mode == "busy":
+            raise PdllmError("too many calls in flight", code=BUSY)
+        ids = list(request.context_ids)
+        return wpb.PrefillResponse(
+            request_id=request.request_id,
+            kv_spec=wpb.KvSpec(model_id="fake"),
+            selected=[wpb.ChunkHandle(key="k0", chunk_id=0, token_ids=ids)],
+            chunk_scores=[pb.ChunkScore(chunk_id=0, total=1.0, selected=True, kept_tokens=len(ids))],
+            worker=self.address,
+        )
+
+
+@dataclass
+class Cluster:
+    router: RpcServer
+    decodes: list[FakeDecode]
+    prefills: list[FakePrefill]
+    reported: list[tuple[str, str]]
+
+    def client(self) -> PdllmClient:
+        return PdllmClient(self.router.address, timeout_s=10)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    """Two decode and two prefill fakes behind a router; workers are listed in the order the router tries
+    them (ties in load break by address), so ``decodes[0]`` is always tried first."""
+    servers: list[RpcServer] = []
+    channels: dict[str, grpc.Channel] = {}
+    lock = threading.Lock()
+
+    def serve(servicer, add, name: str) -> str:
+        server = build_server(ServerConfig(role="fake"), [service_spec(servicer, add, name)]).start()
+        servers.append(server)
+        servicer.address = server.address
+        return server.address
+
+    decodes = [FakeDecode() for _ in range(2)]
+    prefills = [FakePrefill() for _ in range(2)]
+    for d in decodes:
+        serve(d, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
+    for p in prefills:
+        serve(p, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
+    decodes.sort(key=lambda w: w.address)
+    prefills.sort(key=lambda w: w.address)
+    healthy = {"decode": tuple(d.address for d in decodes), "prefill": tuple(p.address for p in prefills)}
+
+    def channel(address: str) -> grpc.Channel:
+        with lock:
+            if address not in channels:
+                channels[address] = grpc.insecure_channel(address)
+            return channels[address]
+
+    reported: list[tuple[str, str]] = []
+    pools = Pools(healthy=lambda role: healthy[role], channel=channel)
+    pools.on_failure(lambda role, address: reported.append((role, address)))
+    router = RouterServicer(ByteTokenizer(), pools, RouterConfig(attempts=3))
+    spec = service_spec(router, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
+    servers.append(build_server(ServerConfig(role="router"), [spec]).start())
+    try:
+        yield Cluster(servers[-1], decodes, prefills, reported)
+    finally:
+        for ch in channels.values():
+            ch.close()
+        for server in servers:
+            server.stop()
+
+
+def test_busy_decode_worker_is_retried_elsewhere_and_stays_healthy(cluster: Cluster) -> None:
+    first, second = cluster.decodes
+    first.mode = "busy"
+    with cluster.client() as client:
+        reply = client.generate(CONTEXT, QUESTION, **VANILLA)
+    assert list(reply.token_ids) == ANSWER
+    assert reply.trace.decode_worker == second.address
+    assert len(first.requests) == 1 and len(second.requests) == 1
+    assert first.requests[0].request_id == second.requests[0].request_id  # same request id on the retry
+    assert cluster.reported == []  # busy, not dead: never reported to the pool
+
+
+def test_every_decode_worker_busy_gives_resource_exhausted(cluster: Cluster) -> None:
+    for d in cluster.decodes:
+        d.mode = "busy"
+    with cluster.client() as client, pytest.raises(PdllmError) as err:
+        client.generate(CONTEXT, QUESTION, **VANILLA)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "busy" in err.value.message and "retry later" in err.value.message
+    assert [len(d.requests) for d in cluster.decodes] == [1, 1]  # each worker once, none twice
+    assert cluster.reported == []
+    with cluster.client() as client, pytest.raises(PdllmError) as err:
+        list(client.generate_stream(CONTEXT, QUESTION, **VANILLA))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_busy_after_partials_is_not_retried(cluster: Cluster) -> None:
+    first, second = cluster.decodes
+    first.mode = "busy-mid-stream"
+    with cluster.client() as client, pytest.raises(PdllmError) as err:
+        list(client.generate_stream(CONTEXT, QUESTION, **VANILLA))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert second.requests == [] and cluster.reported == []
+
+
+def test_unavailable_decode_worker_is_reported_and_retried(cluster: Cluster) -> None:
+    first, second = cluster.decodes
+    first.mode = "down"
+    with cluster.client() as client:
+        assert list(client.generate(CONTEXT, QUESTION, **VANILLA).token_ids) == ANSWER
+    assert cluster.reported == [("decode", first.address)]
+    assert len(second.requests) == 1
+
+
+def test_busy_prefill_worker_is_retried_elsewhere_and_stays_healthy(cluster: Cluster) -> None:
+    first, second = cluster.prefills
+    first.mode = "busy"
+    with cluster.client() as client:
+        reply = client.generate(CONTEXT, QUESTION, **PDLLM)
+    assert list(reply.token_ids) == ANSWER and reply.trace.prefill_worker == second.address
+    assert cluster.reported == []
+    second.mode = "busy"
+    with cluster.client() as client, pytest.raises(PdllmError) as err:
+        client.generate(CONTEXT, QUESTION, **PDLLM)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill" in err.value.message
+
+
+def test_unary_generate_asks_for_no_partials(cluster: Cluster) -> None:
+    with cluster.client() as client:
+        reply = client.generate(CONTEXT, QUESTION, **VANILLA)
+        events = list(client.generate_stream(CONTEXT, QUESTION, **VANILLA))
+    sent = [r.stream_partials for d in cluster.decodes for r in d.requests]
+    assert sorted(sent) == [False, True]
+    timings = reply.trace.timings
+    assert 0 < timings.ttft_s == timings.total_s  # no partial: ttft is the time to the final result
+    assert [e.HasField("partial") for e in events] == [True, True, False]
+    assert events[0].partial.text == "48"
+    streamed = events[-1].final.trace.timings
+    assert 0 < streamed.ttft_s <= streamed.total_s
