@@ -1,21 +1,26 @@
 """CUDA-graph replay of batched decode rounds: one captured forward per padded shape bucket.
 
-A round's shape is (sessions, packed tokens, logit rows, longest local sequence, widest page table).
-Each is rounded up to a bucket (:meth:`RoundShape.of`): sessions and the two per-session maxima to powers
-of two, tokens and rows to at most 1/8 above the real count. Padding is inert: padded sessions have no
-query rows and no KV, padded tokens belong to no session (the attention kernel never reads or writes for
-them, and every other op is row-wise), padded logit rows are dropped. So every round whose shape falls in
-a bucket replays that bucket's graph after copying its packed inputs into the graph's buffers: no capture
-per request, no copy of any session's KV (the kernel reads the shared pool through the page table).
+The graph covers the transformer body (embedding to final norm); the LM head over the round's masked rows
+runs after the replay (two launches), so the number of masked rows, which shrinks every step, is not part
+of the shape. A round's shape is (sessions, packed tokens, longest local sequence, widest page table),
+each rounded up to a bucket (:meth:`RoundShape.of`): sessions and the two per-session maxima to powers of
+two, tokens to at most 1/8 above the real count. Padding is inert: padded sessions have no query rows and
+no KV, padded tokens belong to no session (the attention kernel never reads or writes for them, and every
+other op is row-wise). So every round whose shape falls in a bucket replays that bucket's graph after
+copying its packed inputs into the graph's buffers: no capture per request or per step, no copy of any
+session's KV (the kernel reads the shared pool through the page table).
 
-All graphs share one memory pool. A capture runs on the scheduler thread in thread-local capture mode,
-so another thread using the device at the time (the prefill worker of an all-in-one process) neither
-breaks the capture nor gets an error. Off CUDA the same padded buffers run eagerly (tests).
+All graphs share one memory pool. A capture runs on the scheduler thread while no other thread of the
+process uses the device: in an all-in-one process it takes the lock the prefill worker holds around its
+batches (captures concurrent with prefill work failed requests of both workers under load on an H100,
+even in thread-local capture mode). Off CUDA the same padded buffers run eagerly (tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,7 +47,6 @@ def eighths(n: int, floor: int = 16) -> int:
 class RoundShape:
     batch: int
     tokens: int
-    rows: int
     q_len: int
     pages: int
 
@@ -51,7 +55,6 @@ class RoundShape:
         return cls(
             batch=pow2(len(packed.kv_lens)),
             tokens=eighths(len(packed.ids)),
-            rows=eighths(len(packed.rows)),
             q_len=pow2(packed.max_q_len),
             pages=pow2(max(len(p) for p in packed.page_table)),
         )
@@ -73,7 +76,6 @@ class CapturedRound:
         self.model, self.shape = model, shape
         self.ids = torch.zeros(shape.tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(shape.tokens, dtype=torch.long, device=device)
-        self.rows = torch.zeros(shape.rows, dtype=torch.long, device=device)
         self.q_offsets = torch.zeros(shape.batch + 1, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(shape.batch, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(shape.batch, shape.pages, dtype=torch.int32, device=device)
@@ -99,20 +101,18 @@ class CapturedRound:
         gc.disable()
         try:
             with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
-                self.logits = self._forward()
+                self.hidden = self._forward()
         finally:
             gc.enable()
 
     def _forward(self) -> torch.Tensor:
-        hidden = self.model.hidden_states(self.ids[None], self.positions[None], self.attention)
-        return self.model.logits_from_hidden(hidden, self.rows[None])[0]
+        return self.model.hidden_states(self.ids[None], self.positions[None], self.attention)
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
         s = self.shape
-        t, b, r = len(packed.ids), len(packed.kv_lens), len(packed.rows)
+        t, b = len(packed.ids), len(packed.kv_lens)
         self.ids[:t].copy_(torch.tensor(packed.ids))
         self.positions[:t].copy_(torch.tensor(packed.positions))
-        self.rows[:r].copy_(torch.tensor(packed.rows))
         offsets = packed.q_offsets + [t] * (s.batch - b)  # padded sessions: no query rows
         self.q_offsets.copy_(torch.tensor(offsets, dtype=torch.int32))
         self.kv_lens.copy_(torch.tensor(packed.kv_lens + [0] * (s.batch - b), dtype=torch.int32))
@@ -121,9 +121,12 @@ class CapturedRound:
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self.page_table.copy_(table)
         if self.graph is None:
-            return self._forward()[:r]
-        self.graph.replay()
-        return self.logits[:r]
+            hidden = self._forward()
+        else:
+            self.graph.replay()
+            hidden = self.hidden
+        rows = torch.tensor(packed.rows).to(self.ids.device)
+        return self.model.logits_from_hidden(hidden, rows[None])[0]
 
 
 class GraphedRoundForward:
@@ -131,8 +134,17 @@ class GraphedRoundForward:
     ``capacity``). ``capture`` False: the same padded buffers, run eagerly."""
 
     def __init__(
-        self, model: DiffusionLM, pool: DecodeKVPool, kernel: str, capture: bool, capacity: int = 48
+        self,
+        model: DiffusionLM,
+        pool: DecodeKVPool,
+        kernel: str,
+        capture: bool,
+        capacity: int = 128,
+        capture_lock: threading.Lock | None = None,
     ) -> None:
+        """``capture_lock``: taken around each capture, when another thread of this process uses the
+        device (``serve --role all``: the prefill worker holds it around its batches)."""
+        self._capture_lock = capture_lock if capture_lock is not None else contextlib.nullcontext()
         if capture and pool.kv.device.type != "cuda":
             raise ValueError("CUDA-graph rounds need the model and KV pool on a CUDA device")
         self.model, self.pool, self.kernel, self.capture, self.capacity = (
@@ -151,7 +163,8 @@ class GraphedRoundForward:
         shape = RoundShape.of(packed)
         graph = self._graphs.get(shape)
         if graph is None:
-            graph = CapturedRound(self.model, self.pool, self.kernel, shape, self.mempool, self.capture)
+            with self._capture_lock:
+                graph = CapturedRound(self.model, self.pool, self.kernel, shape, self.mempool, self.capture)
             self._graphs[shape] = graph
             self.captures += 1
             while len(self._graphs) > self.capacity:

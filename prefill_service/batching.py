@@ -9,6 +9,7 @@ reaches the device; one request's bad input fails only that request.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -41,14 +42,20 @@ class _Pending:
 
 
 class PrefillBatcher:
-    """Owns the device thread; ``submit`` blocks the caller's thread until its request is done."""
+    """Owns the device thread; ``submit`` blocks the caller's thread until its request is done.
+
+    ``device_lock``: held around every batch's device work, when the process shares its device with a
+    decode worker that must capture CUDA graphs while nothing else uses the device (``serve --role all``).
+    """
 
     def __init__(
         self,
         select_many: SelectMany,
         config: BatchingConfig | None = None,
         on_batch: Callable[[int], None] | None = None,
+        device_lock: threading.Lock | None = None,
     ) -> None:
+        self._device_lock = device_lock if device_lock is not None else contextlib.nullcontext()
         self.config = config or BatchingConfig()
         self._select_many = select_many
         self._on_batch = on_batch  # requests in every batch run, for metrics
@@ -103,7 +110,8 @@ class PrefillBatcher:
                 continue
             started = time.perf_counter()
             try:
-                results = self._select_many([p.job for p in live])
+                with self._device_lock:
+                    results = self._select_many([p.job for p in live])
             except Exception as exc:  # a device failure fails the whole batch, never hangs callers
                 for p in live:
                     p.future.set_exception(exc)

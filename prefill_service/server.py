@@ -11,6 +11,7 @@ prefill forwards (``--prefill-batch-requests``), in arrival order.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import CancelledError
 
 import grpc
@@ -34,7 +35,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         worker_name: str = "",
         registry: CollectorRegistry | None = None,
         batching: BatchingConfig | None = None,
+        device_lock: threading.Lock | None = None,
     ) -> None:
+        """``device_lock``: see :class:`PrefillBatcher` (shared with the decode worker of the process)."""
         self.engine = engine
         self.worker_name = worker_name
         self.batch_requests = Histogram(
@@ -43,7 +46,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
             registry=registry,
         )
-        self.batcher = PrefillBatcher(engine.select_many, batching, on_batch=self.batch_requests.observe)
+        self.batcher = PrefillBatcher(
+            engine.select_many, batching, on_batch=self.batch_requests.observe, device_lock=device_lock
+        )
         # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
         self.chunks = Counter(
             "pdllm_prefill_chunks",

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -167,7 +168,9 @@ def _engine(args: argparse.Namespace) -> Any:
     return engine, loaded
 
 
-def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -> tuple[RpcServer, Callable]:
+def start_prefill(
+    args: argparse.Namespace, config: ServerConfig, engine: Any, device_lock: Any = None
+) -> tuple[RpcServer, Callable]:
     from pdllm.prefill_service.batching import BatchingConfig
     from pdllm.prefill_service.server import PrefillServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
@@ -176,7 +179,7 @@ def start_prefill(args: argparse.Namespace, config: ServerConfig, engine: Any) -
     batching = BatchingConfig(
         max_requests=args.prefill_batch_requests, wait_s=args.prefill_batch_wait_ms / 1e3
     )
-    servicer = PrefillServicer(engine, f"prefill@{_hostname()}", registry, batching)
+    servicer = PrefillServicer(engine, f"prefill@{_hostname()}", registry, batching, device_lock)
     _register_kv_metrics(engine.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
     return build_server(config, [spec], registry).start(), servicer.batcher.close
@@ -200,9 +203,10 @@ def _pool_bytes(flag: int, device: Any) -> int:
     return 256 << 20
 
 
-def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
+def round_forward(args: argparse.Namespace, model: Any, pool: Any, device_lock: Any = None) -> Any:
     """How the decode worker runs a batched round: the split-S kernel on CUDA (as CUDA graphs with
-    ``--cuda-graph``), its torch reference elsewhere."""
+    ``--cuda-graph``, captured under ``device_lock`` when a prefill worker shares the process), its torch
+    reference elsewhere."""
     from pdllm.decode_service.round_graphs import GraphedRoundForward
     from pdllm.decode_service.rounds import EagerRoundForward
     from pdllm.kernels import HAS_TRITON
@@ -210,11 +214,13 @@ def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
     cuda = pool.kv.device.type == "cuda"
     kernel = "triton" if cuda and HAS_TRITON else "torch"
     if args.cuda_graph:
-        return GraphedRoundForward(model, pool, kernel, capture=True)
+        return GraphedRoundForward(model, pool, kernel, capture=True, capture_lock=device_lock)
     return EagerRoundForward(model, pool, kernel)
 
 
-def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) -> tuple[RpcServer, Callable]:
+def start_decode(
+    args: argparse.Namespace, config: ServerConfig, engine: Any, device_lock: Any = None
+) -> tuple[RpcServer, Callable]:
     from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
     from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
     from pdllm.decode_service.server import DecodeServicer
@@ -222,7 +228,7 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, engine: Any) ->
 
     registry = CollectorRegistry()
     pool = DecodeKVPool.for_model(engine.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, engine.device)))
-    forward = round_forward(args, engine.model, pool)
+    forward = round_forward(args, engine.model, pool, device_lock)
     scheduling = SchedulerConfig(args.max_active, args.max_waiting)
     scheduler = DecodeScheduler(engine.model, pool, forward, scheduling, registry)
     servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
@@ -350,8 +356,9 @@ def start(args: argparse.Namespace) -> Deployment:
         return Deployment([server], [close])
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
-    prefill, close_prefill = start_prefill(args, replace(internal, role="prefill"), engine)
-    decode, close_decode = start_decode(args, replace(internal, role="decode"), engine)
+    device_lock = threading.Lock()  # graph captures exclude the prefill worker's device work
+    prefill, close_prefill = start_prefill(args, replace(internal, role="prefill"), engine, device_lock)
+    decode, close_decode = start_decode(args, replace(internal, role="decode"), engine, device_lock)
     args = argparse.Namespace(
         **{
             **vars(args),

@@ -47,7 +47,7 @@ def test_concurrent_requests_share_round_graphs_and_answer_exactly(tmp_path, mon
     tiny_dir = make_tiny_checkpoint(tmp_path / "tiny")
     forwards: list[GraphedRoundForward] = []
 
-    def padded(args, model, pool):  # what `--cuda-graph` builds on CUDA, run eagerly on CPU
+    def padded(args, model, pool, device_lock=None):  # what `--cuda-graph` builds on CUDA, run eagerly on CPU
         forwards.append(GraphedRoundForward(model, pool, "torch", capture=False))
         return forwards[-1]
 
@@ -68,5 +68,5 @@ def test_concurrent_requests_share_round_graphs_and_answer_exactly(tmp_path, mon
         ids = encode_prompt(loaded.tokenizer, CONTEXT, question)
         assert list(got) == plain.generate(ids.context, ids.query, gen)[0].token_ids, question
     (forward,) = forwards
-    # 3 requests x 8 steps: buckets are reused, never one graph per round
-    assert forward.captures >= 1 and forward.replays >= 8 and forward.captures < forward.replays
+    # 3 requests x 8 steps: at most one bucket per number of active sessions, reused by every later step
+    assert 1 <= forward.captures <= 3 and forward.replays > forward.captures

@@ -1,0 +1,337 @@
+"""Serving concurrency sweep: requests/s, TTFT and step gaps of real `pdllm serve` layouts under load.
+
+    # GPU (Dream-7B shapes, random bf16 weights; checkpoint shared with serve_load.py):
+    python benchmarks/serving.py --out benchmarks/results --serve-flags=--cuda-graph
+    python benchmarks/serving.py --layouts all-in-one,replicas,1p1d-build-on-decode \\
+        --decode-round-json benchmarks/results/decode_rounds.json --out benchmarks/results
+    # CPU smoke (tiny random model, 1 thread per process; says nothing about GPUs):
+    python benchmarks/serving.py --smoke --out /tmp/serving
+
+Layouts (processes started once per layout, reused for all its cells, killed at the end or on error):
+  all-in-one            one ``serve --role all`` on GPU 0 (gpus=1).
+  replicas              ``--role all`` keeps its prefill/decode workers on private loopback ports that it
+                        never prints, so a router cannot reach them: replicas are two ``--role prefill`` +
+                        two ``--role decode`` processes (prefill_i and decode_i share GPU i) behind one
+                        ``--role router`` (gpus=2).
+  1p1d-build-on-decode  router + one ``--role prefill`` on GPU 0 + one ``--role decode`` on GPU 1; the
+                        prefill worker sends chunk handles, the decode worker builds their KV (gpus=2).
+2-GPU layouts are skipped (meta.skipped) when fewer than 2 GPUs are visible (always on CPU).
+
+Cells: for each layout, each ``--context-tokens`` and each ``--concurrency`` c. Every request has its own
+seeded needle document (``serve_load.documents``; no chunk KV is shared within a server) and streams
+(GenerateStream, gen_length = steps). Per (layout, context): one warm-up request, then one request alone
+(``unloaded_step_ms``). Per cell: a warm-up burst of ``--warm-burst`` (default c) simultaneous streams on
+their own documents (CUDA-graph bucket captures and Triton compiles stay out of the numbers), then
+``requests`` = max(c, 4) streams with at most c in flight (a thread pool of c workers).
+  requests_per_s    finished requests / cell wall (first send -> last final event).
+  gen_tokens_per_s  gen_length * finished / cell wall.
+  ttft_p50/p99_s    send -> first streamed event, over the cell's finished requests.
+  step_p50/p99_ms   gaps between consecutive partial events of a stream (one decode round each), pooled
+                    over all streams of the cell. p99 is nearest-rank (the max for < 100 gaps).
+  unloaded_step_ms  step-gap p50 of one request alone on that layout and context.
+  peak_gib          max over the cell's final responses of ``trace.peak_memory_bytes`` / 2**30 (CUDA max
+                    allocated of the worker; on CPU an RSS delta, may be 0).
+  failed            requests that errored or were still running at the budget (errors in meta.errors).
+A cell whose estimate ((warm + requests) x the unloaded request's wall time) would overrun ``--budget-s``
+is skipped (meta.skipped). ``decode_round`` copies the list of ``--decode-round-json`` (decode_rounds.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make benchmarks and tests importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_load import Clock, documents, smoke_config, start_all, wait_routable, write_checkpoint  # noqa: E402
+from benchmarks.shapes import dream7b  # noqa: E402
+from pdllm.shared.model.loader import load_tokenizer  # noqa: E402
+from pdllm.shared.rpc.client import PdllmClient  # noqa: E402
+from tests.services.cluster import ServeProcess  # noqa: E402
+
+LAYOUT_GPUS = {"all-in-one": 1, "replicas": 2, "1p1d-build-on-decode": 2}
+ROW_KEYS = ("layout", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
+            "gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms", "step_p99_ms", "unloaded_step_ms",
+            "peak_gib")  # fmt: skip
+MIN_REQUESTS = 4
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q=0.5 gives the median); nan when empty."""
+    if not values:
+        return float("nan")
+    if q == 0.5:
+        return statistics.median(values)
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def stream_one(address: str, doc: tuple[str, str], gen: int, timeout_s: float) -> dict:
+    """One streamed request: send/first/last stamps, partial-to-partial gaps, peak memory; never raises."""
+    start = time.perf_counter()
+    try:
+        with PdllmClient(address, timeout_s=timeout_s) as client:
+            stamps, final = [], None
+            for event in client.generate_stream(*doc, gen_length=gen, steps=gen):
+                stamps.append(time.perf_counter())
+                if event.HasField("final"):
+                    final = event.final
+        if final is None:
+            raise RuntimeError("stream ended without a final message")
+        partials = stamps[:-1]
+        return {"ok": True, "start": start, "end": stamps[-1], "ttft_s": stamps[0] - start,
+                "gaps_s": [b - a for a, b in zip(partials, partials[1:], strict=False)],
+                "peak_bytes": final.trace.peak_memory_bytes, "cache_hits": final.trace.cache_hits}  # fmt: skip
+    except Exception as exc:  # every failure is a finding: counted, reported in meta.errors
+        return {"ok": False, "start": start, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def burst(address: str, docs: list[tuple[str, str]], gen: int, in_flight: int, clock: Clock) -> dict:
+    """``docs`` as streams, at most ``in_flight`` at once; wall = first send -> last final event."""
+    timeout = max(clock.left(), 5.0)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, in_flight)) as pool:
+        futures = [pool.submit(stream_one, address, d, gen, timeout) for d in docs]
+        results = [f.result() for f in futures]
+    ok = [r for r in results if r["ok"]]
+    wall = (max(r["end"] for r in ok) if ok else time.perf_counter()) - t0
+    return {
+        "results": results,
+        "ok": ok,
+        "wall_s": wall,
+        "errors": [r["error"] for r in results if not r["ok"]],
+    }
+
+
+def cell_row(layout: str, gpus: int, conc: int, ctx: int, gen: int, b: dict, unloaded_ms: float) -> dict:
+    ok, n = b["ok"], len(b["results"])
+    gaps = [g for r in ok for g in r["gaps_s"]]
+    ttft = [r["ttft_s"] for r in ok]
+    return {"layout": layout, "gpus": gpus, "concurrency": conc, "context_tokens": ctx, "requests": n,
+            "failed": n - len(ok), "requests_per_s": len(ok) / b["wall_s"],
+            "gen_tokens_per_s": gen * len(ok) / b["wall_s"], "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p99_s": pct(ttft, 0.99), "step_p50_ms": pct(gaps, 0.5) * 1e3,
+            "step_p99_ms": pct(gaps, 0.99) * 1e3, "unloaded_step_ms": unloaded_ms,
+            "peak_gib": max((r["peak_bytes"] for r in ok), default=float("nan")) / 2**30}  # fmt: skip
+
+
+def start_layout(
+    layout: str, model_args: list[str], router_args: list[str], env, procs: list, clock: Clock
+) -> str:  # type: ignore[no-untyped-def]
+    """Start ``layout``'s processes (appended to ``procs`` first, so the caller kills them); its address."""
+    limit = min(max(clock.left(), 10.0), 600.0)
+    if layout == "all-in-one":
+        procs.append(ServeProcess("all", model_args, env=env("0")))
+        start_all(procs[-1:], limit)
+        return procs[-1].address
+    gpus = ("0", "1") if layout == "replicas" else ("0",)
+    pre = [ServeProcess("prefill", model_args, env=env(g)) for g in gpus]
+    dec = [ServeProcess("decode", model_args, env=env(g)) for g in (gpus if layout == "replicas" else ("1",))]
+    procs += pre + dec
+    start_all(pre + dec, limit)
+    addrs = lambda ps: ",".join(p.address for p in ps)  # noqa: E731
+    router = ServeProcess("router", [*router_args, "--prefill-workers", addrs(pre), "--decode-workers",
+                                     addrs(dec)], env=env(""))  # fmt: skip
+    procs.append(router)
+    start_all([router], min(limit, 120.0))
+    return router.address
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", default="all-in-one", help="comma list of " + ", ".join(LAYOUT_GPUS))
+    ap.add_argument("--concurrency", default=None, help="comma list; default 1,4,16,64 (smoke 1,4)")
+    ap.add_argument("--context-tokens", default=None, help="comma list; default 16384,32768 (smoke 2048)")
+    ap.add_argument("--gen-length", type=int, default=None, help="= steps; default 32 (smoke 8)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, 1 thread per process")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--budget-s", type=float, default=None, help="default 3000 (smoke 120); skips cells")
+    ap.add_argument(
+        "--serve-flags", default="", help="extra flags for every `pdllm serve`, e.g. --cuda-graph"
+    )
+    ap.add_argument("--ckpt-dir", type=Path, default=None, help="default: serve_load.py's checkpoint dir")
+    ap.add_argument("--decode-round-json", type=Path, default=None, help="decode_rounds.py's JSON")
+    ap.add_argument("--warm-burst", type=int, default=None, help="warm-up streams per cell (default: its c)")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if unknown := [x for x in layouts if x not in LAYOUT_GPUS]:
+        ap.error(f"unknown layouts {unknown}; choose from {list(LAYOUT_GPUS)}")
+    concs = [int(x) for x in (args.concurrency or ("1,4" if smoke else "1,4,16,64")).split(",")]
+    ctxs = [int(x) for x in (args.context_tokens or ("2048" if smoke else "16384,32768")).split(",")]
+    gen = args.gen_length or (8 if smoke else 32)
+    clock = Clock(args.budget_s or (120.0 if smoke else 3000.0))
+    serve_flags = shlex.split(args.serve_flags)
+    if not smoke and not torch.cuda.is_available():
+        ap.error("no GPU visible: use --smoke for the CPU run")
+    device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
+    gpus = 0 if smoke else torch.cuda.device_count()
+    if smoke:  # one thread per process: OpenMP threads of several processes on few cores spin each other
+        torch.set_num_threads(1)
+        env = lambda g: {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # noqa: E731
+    else:
+        env = lambda g: {"CUDA_VISIBLE_DEVICES": g}  # noqa: E731
+    mcfg = smoke_config() if smoke else dream7b()
+    engine = {"chunk_size": 256, "top_k": 3} if smoke else {"chunk_size": 1024, "top_k": 4}
+    ckpt = args.ckpt_dir or Path(tempfile.gettempdir()) / "pdllm_serve_load" / f"{mcfg.model_id}-{dtype}"
+    decode_round = (
+        json.loads(args.decode_round_json.read_text())["decode_round"] if args.decode_round_json else []
+    )
+    meta = {"smoke": smoke, "gpus_visible": gpus, "torch": torch.__version__, "dtype": dtype, "layouts": layouts,
+            "concurrency": concs, "context_tokens": ctxs, "gen_length": gen, "steps": gen, "engine": engine,
+            "model": mcfg.to_hf_dict(), "serve_flags": serve_flags, "budget_s": clock.budget_s,
+            "warm_burst": args.warm_burst if args.warm_burst is not None else "concurrency of each cell",
+            "requests_per_cell": f"max(concurrency, {MIN_REQUESTS}), at most concurrency in flight",
+            "replicas_note": "2x(--role prefill + --role decode), pair i on GPU i, one router: --role all "
+                             "does not expose its internal workers' addresses",
+            "skipped": [], "errors": [], "cells": [], "documents_tokens": {}}  # fmt: skip
+    report = {"device": torch.cuda.get_device_name(0) if gpus else "cpu",
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "command": "python benchmarks/serving.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "rows": [], "decode_round": decode_round, "meta": meta}  # fmt: skip
+
+    def save() -> None:
+        meta["runtime_s"] = clock.elapsed()
+        write(args.out, report)
+
+    meta["checkpoint"] = {
+        "dir": str(ckpt),
+        **write_checkpoint(mcfg, ckpt, torch.device(device), dtype, engine),
+    }
+    print(f"checkpoint ready after {clock.elapsed():.0f}s: {meta['checkpoint']}", flush=True)
+    tokenizer = load_tokenizer(ckpt)
+    warm_n = lambda c: c if args.warm_burst is None else args.warm_burst  # noqa: E731
+    per_ctx = 2 + sum(warm_n(c) + max(c, MIN_REQUESTS) for c in concs)
+    pools = {ctx: documents(tokenizer, ctx, per_ctx, seed=1000 * i) for i, ctx in enumerate(ctxs)}
+    for ctx, pool in pools.items():
+        meta["documents_tokens"][str(ctx)] = len(tokenizer.encode(pool[0][0], add_special_tokens=False))
+    print(f"{per_ctx * len(ctxs)} documents ready after {clock.elapsed():.0f}s", flush=True)
+    model_args = ["--model", str(ckpt), "--device", device, "--dtype", dtype, "--port", "0", "--metrics-port",
+                  "0", *serve_flags]  # fmt: skip
+    router_args = ["--model", str(ckpt), "--port", "0", "--metrics-port", "0", *serve_flags]
+    for layout in layouts:
+        need = LAYOUT_GPUS[layout]
+        if need > 1 and gpus < need:
+            meta["skipped"].append({"layout": layout, "reason": f"needs {need} GPUs, {gpus} visible"})
+            continue
+        procs: list[ServeProcess] = []
+        try:
+            t = time.perf_counter()
+            address = start_layout(layout, model_args, router_args, env, procs, clock)
+            meta.setdefault("start_s", {})[layout] = time.perf_counter() - t
+            for ctx in ctxs:
+                docs = iter(pools[ctx])
+                single_s = wait_routable(address, next(docs), gen, clock, min(clock.left(), 300))
+                alone = stream_one(address, next(docs), gen, max(clock.left(), 5.0))
+                if not alone["ok"]:
+                    raise RuntimeError(f"single request failed: {alone['error']}")
+                single_s = min(single_s, alone["end"] - alone["start"])
+                unloaded_ms = pct(alone["gaps_s"], 0.5) * 1e3
+                print(f"{layout} ctx {ctx}: alone {single_s:.2f}s, step {unloaded_ms:.1f} ms", flush=True)
+                for c in concs:
+                    warm = [next(docs) for _ in range(warm_n(c))]
+                    measured = [next(docs) for _ in range(max(c, MIN_REQUESTS))]
+                    est = (len(warm) + len(measured)) * single_s + 2.0
+                    if not clock.fits(est):
+                        meta["skipped"].append({"layout": layout, "context_tokens": ctx, "concurrency": c,
+                                                "reason": f"budget: estimated {est:.0f}s, {clock.left():.0f}s left"})  # fmt: skip
+                        continue
+                    w = burst(address, warm, gen, max(len(warm), 1), clock) if warm else None
+                    b = burst(address, measured, gen, c, clock)
+                    row = cell_row(layout, need if gpus else 0, c, ctx, gen, b, unloaded_ms)
+                    report["rows"].append(row)
+                    meta["cells"].append({"layout": layout, "context_tokens": ctx, "concurrency": c,
+                                          "wall_s": b["wall_s"], "estimate_s": est,
+                                          "warm_s": w["wall_s"] if w else 0.0, "warm_failed": len(w["errors"]) if w else 0,
+                                          "cache_hits": sum(r["cache_hits"] for r in b["ok"])})  # fmt: skip
+                    meta["errors"] += [
+                        f"{layout}/{ctx}/c{c}: {e}" for e in b["errors"] + (w["errors"] if w else [])
+                    ]
+                    print(json.dumps(row), flush=True)
+                    save()
+        except Exception as exc:  # a layout that fails to start or answer is reported, the others still run
+            meta["errors"].append(f"{layout}: {type(exc).__name__}: {exc}"[:2000])
+            print(f"{layout} failed: {exc}", flush=True)
+        finally:
+            for p in procs:
+                p.kill()
+        save()
+    save()
+    print((args.out / "serving.md").read_text(), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- report
+def _f(value: object) -> str:
+    return format(value, ".4g") if isinstance(value, float) else str(value)
+
+
+def write(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(report, indent=1) + "\n")
+    meta = report["meta"]
+    label = "CPU SMOKE (tiny random model; not a GPU result)" if meta["smoke"] else report["device"]
+    lines = [f"# Serving concurrency sweep — {label}, {report['date']}", "", f"`{report['command']}`", "",
+             f"Model {meta['model'].get('hidden_size')}-hidden x {meta['model'].get('num_hidden_layers')} layers, "
+             f"random {meta['dtype']} weights; C={meta['engine']['chunk_size']}, K={meta['engine']['top_k']}; "
+             f"gen {meta['gen_length']} ({meta['steps']} steps); serve flags: {' '.join(meta['serve_flags']) or 'none'}; "
+             f"warm-up burst: {meta['warm_burst']}; requests per cell: {meta['requests_per_cell']}. GPUs visible: "
+             f"{meta['gpus_visible']}. Runtime {meta.get('runtime_s', 0):.0f} s of a {meta['budget_s']:.0f} s budget.",
+             "", "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]  # fmt: skip
+    lines += ["| " + " | ".join(_f(r[k]) for k in ROW_KEYS) + " |" for r in report["rows"]]
+    if report["decode_round"]:
+        keys = list(dict.fromkeys(k for r in report["decode_round"] for k in r))
+        lines += ["", "Batched decode rounds (decode_rounds.py):", "", "| " + " | ".join(keys) + " |",
+                  "|" + "---|" * len(keys)]  # fmt: skip
+        lines += ["| " + " | ".join(_f(r.get(k, "")) for k in keys) + " |" for r in report["decode_round"]]
+    for name in ("skipped", "errors"):
+        if meta[name]:
+            lines += ["", f"{name.capitalize()}:", ""] + [f"- {json.dumps(x) if isinstance(x, dict) else x}"
+                                                           for x in meta[name][:20]]  # fmt: skip
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+    plot(out / "serving.png", report)
+
+
+def plot(path: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[tuple[str, int], list[dict]] = {}
+    for r in report["rows"]:
+        series.setdefault((r["layout"], r["context_tokens"]), []).append(r)
+    for (layout, ctx), rows in series.items():
+        rows = sorted(rows, key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        for ax, key in zip(axes, ("requests_per_s", "step_p99_ms"), strict=True):
+            ax.plot(xs, [r[key] for r in rows], marker="o", label=f"{layout}, {ctx} tok")
+    for ax, title in zip(axes, ("requests / s", "step gap p99 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    if series:
+        axes[0].legend(fontsize=8)
+    fig.suptitle(f"pdllm serving sweep — {report['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
