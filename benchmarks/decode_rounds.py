@@ -30,11 +30,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
-from pdllm.decode_service.decode import StaticKV, StaticPolicy, decode  # noqa: E402
+from pdllm.decode_service.decode import StaticPolicy, decode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
+from pdllm.shared.static_kv import StaticKV  # noqa: E402
 
 TARGET_RATIO_AT_16 = 2.5
 

@@ -12,7 +12,7 @@ mkdir -p "$out/eval"
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
 run() {  # NAME ARGS...
   local name=$1; shift
-  timeout "$per" python -m pdllm.shared.eval.run --samples "$samples" --out "$out/eval" --name "$name" "$@" \
+  timeout "$per" python -m pdllm.shared.app.eval --samples "$samples" --out "$out/eval" --name "$name" "$@" \
     2>"/tmp/$name.err" | tail -n 16
   tr '\r' '\n' < "/tmp/$name.err" | grep -v '^\s*$' | tail -n 2
 }

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.config import ModelConfig
@@ -90,8 +90,8 @@ def pdllm_roofline(counts: Counts, ecfg: EngineConfig, n_ctx: int, static_tokens
 
 def gpu_check(device: torch.device) -> dict:
     """Fast path == reference path on this device (fp32 tiny models): every decode attention, graphs on."""
-    from pdllm.prefill_service.layout import make_request
-    from pdllm.prefill_service.reference import reference_generate
+    from pdllm.shared.layout import make_request
+    from pdllm.shared.reference import reference_generate
 
     gen, rng = GenerationConfig(gen_length=8, steps=4), torch.Generator().manual_seed(7)
     report: dict = {"cases": 0, "mismatches": []}

@@ -4,11 +4,12 @@
     python benchmarks/kv_move_vs_recompute.py --smoke --out /tmp/kv  # a few seconds
 
 Today the decode worker rebuilds the full-mask KV of the K selected chunks from their token ids (one
-bidirectional forward over ``[chunks, query, MASK * gen_length]``, ``PrefillingEngine.build``). The
+bidirectional forward over ``[chunks, query, MASK * gen_length]``, ``DecodeWorker.build``). The
 alternative is that prefill builds it and the decode worker pulls it from the KV tier. For the same request
 this script measures both sides of that trade:
 
-- **recompute**: ``engine.build`` for the selected chunks (best and median of ``--reps`` after a warm-up);
+- **recompute**: ``DecodeWorker.build`` for the selected chunks (best and median of ``--reps`` after a
+  warm-up);
 - **move**: the per-segment K/V tensors that build returned (``StaticKV.segments``, ``[layers, 2, Hkv, T,
   D]`` each) written with the project's KV tier: ``RedisStore.put_many`` (``kv_tier.format.encode`` +
   pipelined SET into a real redis-server this script starts on a free loopback port) then
@@ -50,9 +51,8 @@ if str(ROOT) not in sys.path:  # run as a script: make tests.fixtures and benchm
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import dream7b  # noqa: E402
-from pdllm.prefill_service.config import EngineConfig  # noqa: E402
-from pdllm.prefill_service.layout import decode_layout, select_top_k  # noqa: E402
-from pdllm.shared.engine import PrefillingEngine  # noqa: E402
+from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
+from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from pdllm.shared.kv_tier import (  # noqa: E402
     CPUStore,
@@ -64,6 +64,7 @@ from pdllm.shared.kv_tier import (  # noqa: E402
     chunk_key,
 )
 from pdllm.shared.kv_tier.format import decode, encode  # noqa: E402
+from pdllm.shared.layout import decode_layout, select_top_k  # noqa: E402
 from pdllm.shared.model.config import ModelConfig  # noqa: E402
 from pdllm.shared.model.loader import load_model  # noqa: E402
 from tests.fixtures.redis_server import RedisServer  # noqa: E402
@@ -155,14 +156,14 @@ def shipped_rows(args: argparse.Namespace, redis_url: str) -> tuple[list[dict], 
     cfg = EngineConfig(chunk_size=args.chunk_size, top_k=max(ks), kv_mode="full-mask")
     gen = GenerationConfig(gen_length=args.gen_length, steps=args.gen_length)
     engine = PrefillingEngine(model, tok, cfg)
+    worker = engine.decode_worker
     question = json.loads((DATA / "demo_question.json").read_text())["question"]
     context_ids = tok.encode(
         (DATA / "demo_document.txt").read_text(encoding="utf-8"), add_special_tokens=False
     )
     context_ids = context_ids[: args.context_tokens]
-    sel = engine.select(
-        context_ids, question, gen
-    )  # steps 3-5 once; each K keeps its own top-K of the scores
+    # Steps 3-5 once; each K keeps its own top-K of the scores.
+    sel = engine.prefill(context_ids, question, gen)
     request, totals = sel.request, [s.total for s in sel.scores]
     dtype = next(model.parameters()).dtype
     meta = KVMeta.from_model_config(mcfg, dtype)
@@ -175,7 +176,7 @@ def shipped_rows(args: argparse.Namespace, redis_url: str) -> tuple[list[dict], 
             selected = select_top_k(totals, k)
             layout = decode_layout(request, selected, gen.gen_length)
             warm = 1 if k == ks[0] else 0  # one warm-up; larger K reuse the warmed-up kernels
-            build = lambda layout=layout, kcfg=kcfg: engine.build(request, layout, kcfg)  # noqa: E731
+            build = lambda layout=layout, kcfg=kcfg: worker.build(request, layout, kcfg)  # noqa: E731
             build_s, build_median_s, static = best_time(build, args.reps, warm)
             tensors = [s.contiguous() for s in static.segments]  # type: ignore[union-attr]
             ids = [i for c in layout.chunk_ids for i in request.chunks[c]] + request.query

@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script: make benchmarks and tests impo
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
-from pdllm.shared import serve  # noqa: E402
+from pdllm.shared.app import serve  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from pdllm.shared.model.config import ModelConfig  # noqa: E402
 from pdllm.shared.model.loader import DTYPES, load_tokenizer, save_checkpoint  # noqa: E402

@@ -1,4 +1,6 @@
-"""Step 7: iterative denoising over static prefix KV, recomputing only the query suffix and response.
+"""Step 7 for one request: iterative denoising over static prefix KV, recomputing only the query suffix and
+response. The in-process engine runs it (``worker.py``); the decode server runs step 7 for all active
+requests at once in batched rounds instead (``rounds.py``, ``scheduler.py``).
 
 The loop is :func:`pdllm.shared.generation.sampler.denoise` (the shared unmasking logic) driven by a
 logits function that forwards ``[query suffix, response]`` at positions after the static prefix. What the
@@ -9,7 +11,7 @@ dual cache) are other policies over the same :class:`StaticKV`, not copies of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -19,30 +21,7 @@ from pdllm.decode_service.graphs import GraphCache, GraphedStep
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
-
-
-@dataclass
-class StaticKV:
-    """What prefill hands to decode.
-
-    ``segments``: chunk-KV-layout tensors ``[layers, 2, Hkv, L, D]`` (instruction first if any, then the
-    selected chunks in document order, top-B already applied); ``query_start``: position of the first
-    query-suffix token; ``contiguous``: the same KV as one tensor when a single build forward produced it
-    (lets :class:`BufferedAttention` skip the merge), else None.
-    """
-
-    segments: list[torch.Tensor]
-    query_start: int
-    contiguous: torch.Tensor | None = None
-    kept_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(int(s.shape[3]) for s in self.segments)
-
-    def tensor(self) -> torch.Tensor:
-        """All static KV as one ``[layers, 2, Hkv, S, D]`` tensor (the build's own when it made one)."""
-        return self.contiguous if self.contiguous is not None else torch.cat(self.segments, dim=3)
+from pdllm.shared.static_kv import StaticKV
 
 
 class DecodePolicy(Protocol):

@@ -30,12 +30,12 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from pdllm.decode_service.decode import StaticKV
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
+from pdllm.shared.static_kv import StaticKV
 
 _log = logging.getLogger("pdllm.decode.scheduler")
 

@@ -1,10 +1,12 @@
-"""The decode worker: ``pdllm.v1.Decode``, the engine's steps 6-7 in batched rounds (``scheduler.py``).
+"""The decode worker: ``pdllm.v1.Decode``, :class:`DecodeWorker`'s steps 6-7 with step 7 in batched rounds
+(``scheduler.py``).
 
 For a pdllm request the worker rebuilds the decode KV of the selected chunks from their token ids
-(full-mask / chunk-query: one forward over K chunks + query) or loads their step-3 KV from the KV tier
-by handle key (chunk-only; recomputed when the tier misses); the session then joins the batched denoising
-rounds of all active requests. A vanilla request carries the whole context and is stepped alone without
-any cache (the baseline). Partial outputs stream after every step when asked for.
+(full-mask / chunk-query: one forward over K chunks + query) or reads their step-3 KV from the KV tier
+(chunk-only: looked up by content key, the chunk's token ids under the request's prefill attention, so
+the prefill worker's entries for causal prefill; recomputed when the tier misses); the session then joins
+the batched denoising rounds of all active requests. A vanilla request carries the whole context and is
+stepped alone without any cache (the baseline). Partial outputs stream after every step when asked for.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import grpc
 import torch
 
 from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial, StaticDecode
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import Request, decode_layout
+from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
+from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
@@ -30,8 +32,8 @@ from pdllm.shared.rpc.server import termination_event
 
 
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: PrefillingEngine, scheduler: DecodeScheduler, worker_name: str = "") -> None:
-        self.engine = engine
+    def __init__(self, worker: DecodeWorker, scheduler: DecodeScheduler, worker_name: str = "") -> None:
+        self.worker = worker
         self.scheduler = scheduler
         self.worker_name = worker_name
 
@@ -41,7 +43,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         with bind_request_id(request.request_id):
             try:
                 gen = generation_config(request.generation)
-                cfg = engine_config(request.method, self.engine.config)
+                cfg = engine_config(request.method, self.worker.config)
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
             if request.method.method == "vanilla":
@@ -70,7 +72,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
 
     # ------------------------------------------------------------------ sessions (scheduler thread)
     def _vanilla_session(self, request: wpb.DecodeRequest, gen: GenerationConfig) -> DenoiseSession:
-        model = self.engine.model
+        model = self.worker.model
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
@@ -88,9 +90,9 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         local: list[torch.Tensor] = []
         stats = (0, 0)
         if cfg.kv_mode == "chunk-only":
-            local, hits = self.engine.chunk_kv(chunks, cfg)
+            local, hits = self.worker.chunk_kv(chunks, cfg)
             stats = (hits, len(chunks) - hits)
-        return StaticDecode(req.query, self.engine.build(req, layout, cfg, local), gen, stats)
+        return StaticDecode(req.query, self.worker.build(req, layout, cfg, local), gen, stats)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:
@@ -106,7 +108,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
 
     def _final(self, request: wpb.DecodeRequest, event: Final, job: DecodeJob) -> wpb.DecodeResult:
         result = event.result
-        eos = self.engine.model.config.eos_token_id
+        eos = self.worker.model.config.eos_token_id
         hits, misses = job.cache_stats
         return wpb.DecodeResult(
             request_id=request.request_id,

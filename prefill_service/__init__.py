@@ -1,8 +1,8 @@
-"""Prefill workers: chunk prefill, chunk scoring, top-K/top-B selection, KV publication.
+"""Prefill workers: steps 3-5 (chunk prefill, chunk scoring, top-K selection) and the Prefill server.
 
-Modules: ``config`` (EngineConfig), ``layout`` (chunking, positions, selection helpers), ``reference``
-(the explicit-mask specification of every phase), ``prefill`` (batched chunk prefill + chunk store reuse),
-``scoring`` (self-information / pseudo-label scores over banked KV), ``build`` (static decode KV in the
-full-mask / chunk-query / chunk-only modes, top-B retention), ``store`` (ChunkKVStore protocol, LRU),
-``trace`` (per-request trace). The in-process wiring is ``pdllm.shared.engine.PrefillingEngine``.
+Modules: ``worker`` (:class:`PrefillWorker`: jobs, batched steps 3-5, the :class:`Selection` it returns),
+``scoring`` (self-information / pseudo-label scores over banked KV), ``attention`` (the scoring forward's
+attention over banked chunk KV), ``trace`` (per-request trace and memory meter), ``batching`` (the
+cross-request queue of the server), ``server`` (``pdllm.v1.Prefill``). Chunk prefill itself, the chunk
+store, the engine config and the request layout are in ``pdllm.shared`` (the decode worker uses them too).
 """

@@ -2,7 +2,7 @@
 
 Concurrent Prefill calls meet in one queue; a single device thread takes what is waiting (up to
 ``max_requests`` requests / ``max_tokens`` context tokens, waiting at most ``wait_s`` for company once
-the first one arrived) and runs the engine's ``select_many`` on them: their chunks are prefilled in the
+the first one arrived) and runs the worker's ``prefill_many`` on them: their chunks are prefilled in the
 same batched forwards, then each request is scored and selected. A request cancelled while queued never
 reaches the device; one request's bad input fails only that request.
 """
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pdllm.shared.engine import Selection, SelectJob
+from pdllm.prefill_service.worker import PrefillJob, Selection
 
-SelectMany = Callable[[list[SelectJob]], list[Selection | ValueError]]
+PrefillMany = Callable[[list[PrefillJob]], list[Selection | ValueError]]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class BatchingConfig:
 
 @dataclass
 class _Pending:
-    job: SelectJob
+    job: PrefillJob
     cancelled: threading.Event
     arrived: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
@@ -50,21 +50,21 @@ class PrefillBatcher:
 
     def __init__(
         self,
-        select_many: SelectMany,
+        prefill_many: PrefillMany,
         config: BatchingConfig | None = None,
         on_batch: Callable[[int], None] | None = None,
         device_lock: threading.Lock | None = None,
     ) -> None:
         self._device_lock = device_lock if device_lock is not None else contextlib.nullcontext()
         self.config = config or BatchingConfig()
-        self._select_many = select_many
+        self._prefill_many = prefill_many
         self._on_batch = on_batch  # requests in every batch run, for metrics
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._carry: _Pending | None = None
         self._thread = threading.Thread(target=self._loop, name="prefill-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, job: SelectJob, cancelled: threading.Event) -> tuple[Selection, float]:
+    def submit(self, job: PrefillJob, cancelled: threading.Event) -> tuple[Selection, float]:
         """Run ``job`` in the next batch; returns its selection and the seconds it waited in the queue.
 
         Raises ValueError for the job's bad input, ``CancelledError`` when cancelled while queued."""
@@ -111,7 +111,7 @@ class PrefillBatcher:
             started = time.perf_counter()
             try:
                 with self._device_lock:
-                    results = self._select_many([p.job for p in live])
+                    results = self._prefill_many([p.job for p in live])
             except Exception as exc:  # a device failure fails the whole batch, never hangs callers
                 for p in live:
                     p.future.set_exception(exc)

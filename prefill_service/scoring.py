@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from pdllm.prefill_service.attention import BankPrefixAttention, ChunkBank
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import Request
-from pdllm.prefill_service.reference import ChunkScore, draft_config
+from pdllm.prefill_service.attention import BankPrefixAttention
+from pdllm.shared.chunk_prefill import ChunkBank
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import DenoiseState
+from pdllm.shared.layout import Request
 from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.reference import ChunkScore, draft_config
 
 
 @torch.inference_mode()

@@ -1,10 +1,10 @@
-"""The prefill worker: ``pdllm.v1.Prefill`` over the engine's steps 3-5.
+"""The prefill worker: ``pdllm.v1.Prefill`` over :class:`PrefillWorker`'s steps 3-5 (``worker.py``).
 
 Chunk prefill writes every chunk's step-3 KV into the KV tier (which is also where a second question on
 the same document finds it), then the chunks are scored and the top-K selected. The worker answers
 with handles (tier keys + token ids) rather than KV: the decode worker rebuilds the decode KV from
 token ids for the full-mask and chunk-query modes (one forward over K chunks, cheaper than moving the
-KV; see ``benchmarks/``) and pulls step-3 KV by key only for chunk-only. One device thread runs
+KV; see ``benchmarks/``) and reads step-3 KV from the KV tier only for chunk-only. One device thread runs
 the requests: concurrent ones meet in the :class:`PrefillBatcher` queue and share batched chunk
 prefill forwards (``--prefill-batch-requests``), in arrival order.
 """
@@ -18,10 +18,11 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdllm.prefill_service.batching import BatchingConfig, PrefillBatcher
+from pdllm.prefill_service.worker import PrefillWorker, Selection
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
@@ -31,14 +32,14 @@ from pdllm.shared.rpc.server import termination_event
 class PrefillServicer(workers_pb2_grpc.PrefillServicer):
     def __init__(
         self,
-        engine: PrefillingEngine,
+        worker: PrefillWorker,
         worker_name: str = "",
         registry: CollectorRegistry | None = None,
         batching: BatchingConfig | None = None,
         device_lock: threading.Lock | None = None,
     ) -> None:
         """``device_lock``: see :class:`PrefillBatcher` (shared with the decode worker of the process)."""
-        self.engine = engine
+        self.worker = worker
         self.worker_name = worker_name
         self.batch_requests = Histogram(
             "pdllm_prefill_batch_requests",
@@ -47,7 +48,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             registry=registry,
         )
         self.batcher = PrefillBatcher(
-            engine.select_many, batching, on_batch=self.batch_requests.observe, device_lock=device_lock
+            worker.prefill_many, batching, on_batch=self.batch_requests.observe, device_lock=device_lock
         )
         # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
         self.chunks = Counter(
@@ -62,9 +63,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         cancelled = termination_event(context)
         with bind_request_id(request.request_id):
             try:
-                cfg = engine_config(request.method, self.engine.config)
+                cfg = engine_config(request.method, self.worker.config)
                 gen = generation_config(request.generation)
-                job = self.engine.job(
+                job = self.worker.job(
                     list(request.context_ids),
                     list(request.question_ids),
                     gen,
@@ -84,11 +85,13 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         self.tokens.inc(len(request.context_ids))
         return self._response(request, sel, cfg, queue_s)
 
-    def _response(self, request: wpb.PrefillRequest, sel, cfg, queue_s: float) -> wpb.PrefillResponse:
-        model_cfg = self.engine.model.config
+    def _response(
+        self, request: wpb.PrefillRequest, sel: Selection, cfg: EngineConfig, queue_s: float
+    ) -> wpb.PrefillResponse:
+        model_cfg = self.worker.model.config
         spec = wpb.KvSpec(
             model_id=model_cfg.model_id,
-            dtype=str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
+            dtype=str(next(self.worker.model.parameters()).dtype).removeprefix("torch."),
             num_layers=model_cfg.num_layers,
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,

@@ -17,9 +17,10 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.config import KV_MODES, PREFILL_ATTENTIONS, RETENTION_SCORES, SCORE_MODES
 from pdllm.shared.rpc.client import ClientTls, PdllmClient, build_generate_request
 from pdllm.shared.rpc.errors import InvalidRequestError, PdllmError
-from pdllm.shared.rpc.validation import KV_MODES, METHODS, PREFILL_ATTENTIONS, RETENTION_SCORES, SCORE_MODES
+from pdllm.shared.rpc.validation import METHODS
 
 EXIT_SERVER_ERROR = 1
 EXIT_USAGE = 2

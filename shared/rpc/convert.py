@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdllm.prefill_service.config import EngineConfig
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.validation import METHOD_FIELDS, ResolvedRequest
 

@@ -16,14 +16,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from pdllm.prefill_service.config import (
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.config import (
     KV_MODES,
     PREFILL_ATTENTIONS,
     RETENTION_SCORES,
     SCORE_MODES,
     EngineConfig,
 )
-from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.errors import InvalidRequestError
 

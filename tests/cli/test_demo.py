@@ -7,12 +7,12 @@ import re
 import subprocess
 import sys
 
-from pdllm.shared.demo import DATA
+from pdllm.shared.app.demo import DATA
 
 
 def test_demo_answers_bundled_question_with_trace() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "pdllm.shared.cli", "demo", "--gen-length", "8"],
+        [sys.executable, "-m", "pdllm.shared.app.cli", "demo", "--gen-length", "8"],
         capture_output=True,
         text=True,
         timeout=600,

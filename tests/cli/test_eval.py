@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from pdllm.shared.app.eval import main
 from pdllm.shared.eval.report import main as report_main
-from pdllm.shared.eval.run import main
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from pdllm.shared.cli import main
+from pdllm.shared.app.cli import main
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import load_model
@@ -23,7 +23,7 @@ QUESTION = "What is the access code of Mira Halden?"
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdllm.shared.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "pdllm.shared.app.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 

@@ -9,8 +9,9 @@ import torch
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
 from pdllm.decode_service.rounds import BatchSession
 from pdllm.decode_service.scheduler import StaticDecode
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared.engine import PrefillingEngine, PrefillResult
+from pdllm.prefill_service.worker import Selection
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
@@ -56,7 +57,7 @@ CASES = [
 ]
 
 
-def prefill(m: DiffusionLM, case: Case, seed: int) -> tuple[PrefillingEngine, PrefillResult]:
+def prefill(m: DiffusionLM, case: Case, seed: int) -> tuple[PrefillingEngine, Selection]:
     engine = PrefillingEngine(m, None, case.config, reuse_chunks=False)
     return engine, engine.prefill(
         tokens(case.context, seed), tokens(case.question, 100 + seed), case.gen, list(case.instruction)
@@ -65,13 +66,13 @@ def prefill(m: DiffusionLM, case: Case, seed: int) -> tuple[PrefillingEngine, Pr
 
 def alone(m: DiffusionLM, case: Case, seed: int) -> list[int]:
     """The case decoded by the in-process engine on its own (the specification)."""
-    engine, pre = prefill(m, case, seed)
-    return engine.decode(pre, case.gen).raw_tokens
+    engine, sel = prefill(m, case, seed)
+    return engine.decode(sel, case.gen).raw_tokens
 
 
 def static_decode(m: DiffusionLM, case: Case, seed: int) -> StaticDecode:
-    _, pre = prefill(m, case, seed)
-    return StaticDecode(pre.request.query, pre.static, case.gen)
+    engine, sel = prefill(m, case, seed)
+    return StaticDecode(sel.request.query, engine.build(sel, case.gen), case.gen)
 
 
 def session(m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int) -> BatchSession:

@@ -7,8 +7,8 @@ import os
 import pytest
 from k8s_render import VARIANTS, Rendered, containers, pod_spec
 
+from pdllm.shared.app.serve import build_parser
 from pdllm.shared.rpc.options import server_config_from_args
-from pdllm.shared.serve import build_parser
 
 
 def _environment(rendered: Rendered, container: dict) -> dict[str, str]:

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import make_request, sentence_end_ids, split_context
-from pdllm.prefill_service.reference import reference_generate
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.layout import make_request, sentence_end_ids, split_context
+from pdllm.shared.reference import reference_generate
 from tests.engine.helpers import model, tokens
 
 C = 12
@@ -105,13 +105,13 @@ def test_sentence_chunks_fast_path_matches_reference(case: tuple) -> None:
     assert max(lens) <= C and any(n < C for n in lens[:-1])  # the layout differs from fixed chunks
     ref = reference_generate(m, request, cfg, GEN)
     engine = PrefillingEngine(m, None, cfg, decode_attention=attn, sentence_ends=ENDS)
-    prefilled = engine.prefill(context, question, GEN, [5, 7, 9])
-    result = engine.decode(prefilled, GEN)
-    assert prefilled.request.chunks == request.chunks
-    for fast, slow in zip(prefilled.scores, ref.scores, strict=True):
+    sel = engine.prefill(context, question, GEN, [5, 7, 9])
+    result = engine.decode(sel, GEN)
+    assert sel.request.chunks == request.chunks
+    for fast, slow in zip(sel.scores, ref.scores, strict=True):
         assert fast.labels == slow.labels
         assert fast.total == pytest.approx(slow.total, abs=1e-5)
-    assert prefilled.selected == ref.selected
-    assert prefilled.static.kept_tokens == [int(k.numel()) for k in ref.kept]
+    assert sel.selected == ref.selected
+    assert sel.trace.kept_tokens == [int(k.numel()) for k in ref.kept]  # what the build kept
     assert result.raw_tokens == ref.result.raw_tokens
     assert result.steps == ref.result.steps

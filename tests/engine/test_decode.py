@@ -7,14 +7,15 @@ import json
 import torch
 
 from pdllm.decode_service.attention import BufferedAttention, SegmentedAttention
-from pdllm.decode_service.decode import StaticKV, StaticPolicy, decode
-from pdllm.prefill_service.build import rotate_keys
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.prefill import chunk_prefill
+from pdllm.decode_service.build import rotate_keys
+from pdllm.decode_service.decode import StaticPolicy, decode
 from pdllm.prefill_service.trace import PHASES
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.chunk_prefill import chunk_prefill
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import PrefixAttention
+from pdllm.shared.static_kv import StaticKV
 from tests.engine.helpers import model, tokens
 
 GEN = GenerationConfig(gen_length=6, steps=3)
@@ -46,8 +47,7 @@ def test_rotating_chunk_kv_equals_encoding_at_the_offset() -> None:
     m = model("dream")
     chunk = [1, *tokens(10, 4)]
     bank, _ = chunk_prefill(m, [chunk], "causal", 12, 1)
-    from pdllm.prefill_service.attention import ChunkBank, WriteKV
-    from pdllm.prefill_service.prefill import empty_bank
+    from pdllm.shared.chunk_prefill import ChunkBank, WriteKV, empty_bank
     from pdllm.shared.model.attention import DenseAttention
 
     shifted: ChunkBank = empty_bank(m, [len(chunk)])
@@ -77,15 +77,16 @@ class _CountingPolicy(StaticPolicy):
 def test_policy_is_called_once_per_step_and_can_change_what_decode_sees() -> None:
     m = model("llada")
     engine = PrefillingEngine(m, None, EngineConfig(chunk_size=12, top_k=2))
-    prefilled = engine.prefill(tokens(40, 1), tokens(5, 2), GEN)
+    sel = engine.prefill(tokens(40, 1), tokens(5, 2), GEN)
+    static = engine.build(sel, GEN)
     policy = _CountingPolicy()
-    result = engine.decode(prefilled, GEN, policy=policy)
+    result = engine.decode(sel, GEN, policy=policy)
     assert policy.steps == list(range(result.steps)) and result.steps == 3
     assert policy.masked == [6, 4, 2]  # the loop hands the policy the live tokens
     # A policy that drops the static KV is an honest variant: no context gives other logits.
-    blind = StaticKV([], prefilled.static.query_start)
-    alone = decode(m, prefilled.request.query, blind, GEN, StaticPolicy("segments"))
-    with_ctx = decode(m, prefilled.request.query, prefilled.static, GEN, StaticPolicy("segments"))
+    blind = StaticKV([], static.query_start)
+    alone = decode(m, sel.request.query, blind, GEN, StaticPolicy("segments"))
+    with_ctx = decode(m, sel.request.query, static, GEN, StaticPolicy("segments"))
     assert with_ctx.raw_tokens == result.raw_tokens
     assert alone.raw_tokens != result.raw_tokens
 
@@ -115,8 +116,8 @@ def test_graph_cache_reloads_static_kv_for_a_new_request() -> None:
         got, _ = cached.generate(context, question, GEN)
         want, _ = plain.generate(context, question, GEN)
         assert got.raw_tokens == want.raw_tokens
-    assert cached.graph_cache is not None
-    assert (cached.graph_cache.captures, cached.graph_cache.hits) == (1, 2)
+    graphs = cached.decode_worker.graph_cache
+    assert graphs is not None and (graphs.captures, graphs.hits) == (1, 2)
     first = plain.generate(tokens(48, 1), tokens(5, 11), GEN)[0].raw_tokens
     assert first != plain.generate(tokens(48, 2), tokens(5, 12), GEN)[0].raw_tokens
 
@@ -124,7 +125,7 @@ def test_graph_cache_reloads_static_kv_for_a_new_request() -> None:
 def test_default_decode_attention_follows_device_and_graphs() -> None:
     import importlib.util
 
-    from pdllm.shared.engine import default_decode_attention
+    from pdllm.decode_service.worker import default_decode_attention
 
     cuda = torch.device("cuda")  # a device object needs no GPU
     assert default_decode_attention(torch.device("cpu"), cuda_graph=True) == "segments"
@@ -134,8 +135,8 @@ def test_default_decode_attention_follows_device_and_graphs() -> None:
 
 
 def test_interleaved_sessions_share_one_cached_step_and_decode_exactly() -> None:
-    """The decode worker's continuous batching: same-shape sessions advance in turn over one cached step,
-    each reloading its own KV and query when the other used the buffers last; tokens equal decoding alone."""
+    """Same-shape sessions stepped in turn over one cached step (:class:`SessionStep`), each reloading its
+    own KV and query when another used the buffers last; tokens equal decoding alone."""
     from pdllm.decode_service.decode import local_inputs
     from pdllm.decode_service.graphs import SessionStep
     from pdllm.shared.generation.sampler import DenoiseSession
@@ -145,17 +146,19 @@ def test_interleaved_sessions_share_one_cached_step_and_decode_exactly() -> None
     engine = PrefillingEngine(m, None, cfg, decode_attention="buffer", reuse_chunks=False, cuda_graph=True)
     plain = PrefillingEngine(m, None, cfg, decode_attention="segments", reuse_chunks=False)
     gen = GenerationConfig(gen_length=6, steps=6)
+    graphs = engine.decode_worker.graph_cache
+    assert graphs is not None
     sessions, wants = [], []
     for doc in (1, 2, 3):
         context, question = tokens(48, doc), tokens(5, 10 + doc)
-        pre = engine.prefill(context, question, gen)
-        local, positions = local_inputs(m, pre.request.query, pre.static, gen)
-        assert engine.graph_cache is not None
-        kv = pre.static.tensor()
-        step = SessionStep(engine.graph_cache.step(m, "buffer", kv, local, positions, 5), kv, local)
+        sel = engine.prefill(context, question, gen)
+        static = engine.build(sel, gen)
+        local, positions = local_inputs(m, sel.request.query, static, gen)
+        kv = static.tensor()
+        step = SessionStep(graphs.step(m, "buffer", kv, local, positions, 5), kv, local)
         sessions.append(DenoiseSession(gen, m.config.mask_token_id, m.config.eos_token_id, step))
         wants.append(plain.generate(context, question, gen)[0].raw_tokens)
-    assert engine.graph_cache.captures == 1 and engine.graph_cache.hits == 2  # one shape, one step
+    assert graphs.captures == 1 and graphs.hits == 2  # one shape, one step
     while not all(s.done for s in sessions):
         for s in sessions:
             if not s.done:

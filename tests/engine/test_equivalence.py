@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import make_request
-from pdllm.prefill_service.prefill import chunk_prefill
-from pdllm.prefill_service.reference import reference_generate, reference_scores
 from pdllm.prefill_service.scoring import score_chunks
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.chunk_prefill import chunk_prefill
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.layout import decode_layout, make_request
+from pdllm.shared.reference import reference_generate, reference_scores
 from tests.engine.helpers import model, tokens
 
 C = 12
@@ -45,17 +45,17 @@ def _run(case: tuple, gen: GenerationConfig = GEN) -> None:
     cfg = EngineConfig(chunk_size=C, top_k=top_k, top_b=top_b, kv_mode=kv_mode, **extra)
     ref = reference_generate(m, make_request(context, question, 1, cfg, 97, instruction), cfg, gen)
     engine = PrefillingEngine(m, None, cfg, decode_attention=attn)
-    prefilled = engine.prefill(context, question, gen, instruction)
-    result = engine.decode(prefilled, gen)
-    for fast, slow in zip(prefilled.scores, ref.scores, strict=True):
+    sel = engine.prefill(context, question, gen, instruction)
+    result = engine.decode(sel, gen)
+    for fast, slow in zip(sel.scores, ref.scores, strict=True):
         assert fast.labels == slow.labels
         assert fast.s_i == pytest.approx(slow.s_i, abs=1e-5)
         assert (fast.s_p is None) == (slow.s_p is None)
         if fast.s_p is not None:
             assert fast.s_p == pytest.approx(slow.s_p, abs=1e-5)
-    assert prefilled.selected == ref.selected
+    assert sel.selected == ref.selected
     assert len(ref.selected) == min(top_k, -(-n_ctx // C))
-    assert prefilled.static.kept_tokens == [int(k.numel()) for k in ref.kept]
+    assert sel.trace.kept_tokens == [int(k.numel()) for k in ref.kept]  # what the build kept
     assert result.raw_tokens == ref.result.raw_tokens
     assert result.steps == ref.result.steps
 
@@ -78,17 +78,18 @@ def test_kept_token_sets_match_reference() -> None:
         cfg = EngineConfig(chunk_size=C, top_k=3, top_b=5, kv_mode=kv_mode)
         ref = reference_generate(m, make_request(context, question, 1, cfg, 97), cfg, GEN)
         engine = PrefillingEngine(m, None, cfg)
-        prefilled = engine.prefill(context, question, GEN)
-        assert prefilled.static.contiguous is None  # tokens were dropped: no full contiguous copy
-        assert any(k.numel() < n for k, n in zip(ref.kept, prefilled.layout.chunk_lens, strict=True))
-        for seg, keep in zip(prefilled.static.segments, ref.kept, strict=True):
+        sel = engine.prefill(context, question, GEN)
+        static = engine.build(sel, GEN)
+        assert static.contiguous is None  # tokens were dropped: no full contiguous copy
+        chunk_lens = decode_layout(sel.request, sel.selected, GEN.gen_length).chunk_lens
+        assert any(k.numel() < n for k, n in zip(ref.kept, chunk_lens, strict=True))
+        for seg, keep in zip(static.segments, ref.kept, strict=True):
             assert int(keep[0]) == 0 and seg.shape[3] == keep.numel()
         # The kept K/V are the build's K/V at the reference's kept indices.
         full_cfg = EngineConfig(chunk_size=C, top_k=3, kv_mode=kv_mode)
-        full = PrefillingEngine(m, None, full_cfg).prefill(context, question, GEN)
-        for seg, full_seg, keep in zip(
-            prefilled.static.segments, full.static.segments, ref.kept, strict=True
-        ):
+        full_engine = PrefillingEngine(m, None, full_cfg)
+        full = full_engine.build(full_engine.prefill(context, question, GEN), GEN)
+        for seg, full_seg, keep in zip(static.segments, full.segments, ref.kept, strict=True):
             torch.testing.assert_close(seg, full_seg[:, :, :, keep], rtol=0, atol=1e-6)
 
 

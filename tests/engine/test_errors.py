@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.engine.helpers import model, tokens
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.prefill import chunk_prefill
-from pdllm.prefill_service.store import chunk_keys, default_chunk_store
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.chunk_prefill import chunk_prefill
+from pdllm.shared.chunk_store import chunk_keys, default_chunk_store
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.engine.helpers import model, tokens
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import decode_layout, keep_top_b, make_request, select_top_k
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.layout import decode_layout, keep_top_b, make_request, select_top_k
 from tests.engine.helpers import greedy_continuation, model, tokens
 
 C = 12
@@ -23,17 +23,17 @@ def test_selection_follows_the_planted_chunk(family: str) -> None:
     engine = PrefillingEngine(m, None, EngineConfig(chunk_size=C, top_k=1, score_mode="self-info"))
     for planted in range(5):
         question = greedy_continuation(m, [1, *context[planted * C : (planted + 1) * C]], 6)
-        prefilled = engine.prefill(context, question, GEN)
-        assert prefilled.selected == [planted]
-        totals = [s.total for s in prefilled.scores]
+        sel = engine.prefill(context, question, GEN)
+        assert sel.selected == [planted]
+        totals = [s.total for s in sel.scores]
         assert totals[planted] == min(totals)
 
 
 def test_top_k_larger_than_chunk_count_keeps_every_chunk() -> None:
     engine = PrefillingEngine(model("dream"), None, EngineConfig(chunk_size=C, top_k=50))
-    prefilled = engine.prefill(tokens(30, 1), tokens(4, 2), GEN)
-    assert prefilled.selected == [0, 1, 2]
-    assert prefilled.layout.chunk_lens == [C + 1, C + 1, 7]
+    sel = engine.prefill(tokens(30, 1), tokens(4, 2), GEN)
+    assert sel.selected == [0, 1, 2]
+    assert decode_layout(sel.request, sel.selected, GEN.gen_length).chunk_lens == [C + 1, C + 1, 7]
 
 
 def test_select_top_k_lowest_scores_in_document_order() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdllm.prefill_service.config import EngineConfig  # noqa: E402
-from pdllm.shared.engine import PrefillingEngine  # noqa: E402
+from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
+from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from tests.engine.helpers import model, tokens  # noqa: E402
 
@@ -35,7 +35,8 @@ def main() -> None:
         want, _ = plain.generate(tokens(48, doc), tokens(5, 10 + doc), gen)
         if got.raw_tokens != want.raw_tokens:
             raise SystemExit(f"graph cache (triton) doc {doc}: {got.raw_tokens} != {want.raw_tokens}")
-    if cached.graph_cache is None or cached.graph_cache.hits != 1:
+    graphs = cached.decode_worker.graph_cache
+    if graphs is None or graphs.hits != 1:
         raise SystemExit("the second request did not reuse the cached step")
     print("ok")
 

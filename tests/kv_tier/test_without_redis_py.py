@@ -16,7 +16,7 @@ class NoRedis:
         return None
 
 sys.meta_path.insert(0, NoRedis())
-from pdllm.shared.engine import PrefillingEngine  # noqa: F401
+from pdllm.shared.app.engine import PrefillingEngine  # noqa: F401
 from pdllm.shared.kv_tier import CPUStoreConfig, KVMeta, KVTierConfig, RedisStoreConfig, build_kv_store
 
 build_kv_store(KVTierConfig(cpu=CPUStoreConfig(capacity_bytes=1 << 20)), None)

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared.cli import main
+from pdllm.shared.app.cli import main
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.model.loader import (
     DEFAULT_MODEL_DIR,
     CheckpointError,

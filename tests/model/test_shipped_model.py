@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.eval.run import EvalSettings, exact_match, make_answerer
+from pdllm.shared.app.eval import EvalSettings, exact_match, make_answerer
 from pdllm.shared.eval.tasks import ci_samples
 from pdllm.shared.model.loader import DEFAULT_MODEL_DIR, load_model
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdllm.shared.cli import main as pdllm_main
+from pdllm.shared.app.cli import main as pdllm_main
 from pdllm.shared.rpc.ask import main
 from tests.rpc.conftest import StartServer
 from tests.rpc.fake_generation import MODEL

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.convert import engine_config, generation_config, generation_params, method_params
 from pdllm.shared.rpc.validation import resolve_generate_request

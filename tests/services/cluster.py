@@ -35,7 +35,7 @@ class ServeProcess:
             [
                 sys.executable,
                 "-m",
-                "pdllm.shared.serve",
+                "pdllm.shared.app.serve",
                 "--role",
                 self.role,
                 "--host",

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.app.serve import build_parser, start
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.client import PdllmClient
-from pdllm.shared.serve import build_parser, start
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 from .test_all_in_one import CONTEXT, QUESTION
@@ -41,11 +41,11 @@ def test_sentence_chunks_served_equal_engine(tmp_path, monkeypatch) -> None:
     ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
     cfg = EngineConfig(chunk_size=32, top_k=2, chunk_boundary="sentence")
     engine = PrefillingEngine(loaded.model, loaded.tokenizer, cfg)
-    prefilled = engine.prefill(ids.context, ids.query, GenerationConfig(gen_length=8, steps=8))
-    expected = engine.decode(prefilled, GenerationConfig(gen_length=8, steps=8)).token_ids
+    sel = engine.prefill(ids.context, ids.query, GenerationConfig(gen_length=8, steps=8))
+    expected = engine.decode(sel, GenerationConfig(gen_length=8, steps=8)).token_ids
     assert list(response.token_ids) == expected
     sizes = [s.num_tokens for s in response.trace.chunk_scores]
-    assert sizes == [len(c) for c in prefilled.request.chunks]
+    assert sizes == [len(c) for c in sel.request.chunks]
     assert max(sizes) <= 33 and any(n < 33 for n in sizes[:-1])  # sentence cuts, not every 32 tokens
 
 

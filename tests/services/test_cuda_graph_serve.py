@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdllm.decode_service.round_graphs import GraphedRoundForward
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared import serve
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app import serve
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt

@@ -11,8 +11,8 @@ import grpc
 import pytest
 import redis
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from benchmarks.kv_move_vs_recompute import DATA, main, move_once, segment_keys
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import decode_layout, make_request
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.decode_service.worker import DecodeWorker
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.kv_tier import CPUStore, CPUStoreConfig, KVMeta, RedisStore, RedisStoreConfig
+from pdllm.shared.layout import decode_layout, make_request
 from pdllm.shared.model.loader import load_model
 
 
@@ -47,7 +47,7 @@ def test_moved_kv_equals_built_kv(redis_server: str, dtype: str) -> None:
     """The real claim behind 'move': what decode reads back is bit for bit the KV the build produced."""
     loaded = load_model(None, dtype=dtype)
     cfg = EngineConfig(chunk_size=128, top_k=2, kv_mode="full-mask")
-    engine = PrefillingEngine(loaded.model, loaded.tokenizer, cfg, reuse_chunks=False)
+    worker = DecodeWorker(loaded.model, cfg)
     tok = loaded.tokenizer
     context = tok.encode((DATA / "demo_document.txt").read_text(encoding="utf-8"), add_special_tokens=False)[
         :500
@@ -61,7 +61,7 @@ def test_moved_kv_equals_built_kv(redis_server: str, dtype: str) -> None:
         loaded.config.vocab_size,
     )
     layout = decode_layout(request, [0, 2], gen_length=8)
-    static = engine.build(request, layout, cfg)
+    static = worker.build(request, layout)
     built = [s.contiguous() for s in static.segments]
     assert len(built) == 2 and built[0].dtype == getattr(torch, dtype)
     meta = KVMeta.from_model_config(loaded.config, built[0].dtype)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt

@@ -33,7 +33,7 @@ if python -c "import sys; sys.exit(0 if float('$acc') >= float('$gate') else 1)"
   IFS=, read -ra names <<< "$tasks"
   per=$(( eval_s / ${#names[@]} ))
   for t in "${names[@]}"; do
-    timeout "$per" python -m pdllm.shared.cli eval --model "$run/checkpoint" --train-length 1024 \
+    timeout "$per" python -m pdllm.shared.app.cli eval --model "$run/checkpoint" --train-length 1024 \
       --tasks "$t" --out "$out/eval" --name "longctx_$t" 2>"/tmp/eval_$t.err" | tail -n 12
     tail -c 400 "/tmp/eval_$t.err" | tr '\r' '\n' | tail -n 2
   done

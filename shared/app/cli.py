@@ -14,18 +14,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .generation.sampler import GenerationConfig
+from pdllm.shared.generation.sampler import GenerationConfig
 
 EXIT_USAGE = 2
 
 # Subcommands whose implementation lives in another module: name -> (module, help).
 DELEGATED: dict[str, tuple[str, str]] = {
     "train": ("pdllm.shared.training.train", "train the small dLLM the project ships"),
-    "eval": ("pdllm.shared.eval.run", "long-context accuracy: vanilla vs pdllm"),
-    "serve": ("pdllm.shared.serve", "run a router / prefill / decode worker, or all in one"),
+    "eval": ("pdllm.shared.app.eval", "long-context accuracy: vanilla vs pdllm"),
+    "serve": ("pdllm.shared.app.serve", "run a router / prefill / decode worker, or all in one"),
     "ask": ("pdllm.shared.rpc.ask", "ask a running server a long-context question"),
     "demo": (
-        "pdllm.shared.demo",
+        "pdllm.shared.app.demo",
         "all-in-one deployment answering a question about a bundled 12K-token document",
     ),
 }
@@ -95,8 +95,8 @@ def _read_context(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .model.loader import load_model
-    from .prompt import encode_prompt
+    from pdllm.shared.model.loader import load_model
+    from pdllm.shared.prompt import encode_prompt
 
     gen = _generation_config(args)
     context = _read_context(args)
@@ -109,12 +109,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     timings: dict[str, float] = {"load": load_s}
     trace: dict | None = None
     if args.method == "vanilla":
-        from .generation.vanilla import generate_vanilla
+        from pdllm.shared.generation.vanilla import generate_vanilla
 
         result = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, progress=True)
         timings["decode"] = result.decode_seconds
     else:
-        from .engine import EngineConfig, PrefillingEngine
+        from pdllm.shared.app.engine import PrefillingEngine
+        from pdllm.shared.config import EngineConfig
 
         engine_cfg = EngineConfig.from_settings(
             loaded.serving.engine,
@@ -192,8 +193,8 @@ def _quiet_transformers() -> None:
 
 
 def _guarded(fn: Callable[[], int]) -> int:
-    from .model.config import ModelConfigError
-    from .model.loader import CheckpointError
+    from pdllm.shared.model.config import ModelConfigError
+    from pdllm.shared.model.loader import CheckpointError
 
     try:
         return fn()

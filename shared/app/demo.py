@@ -16,8 +16,9 @@ from pathlib import Path
 
 from pdllm.shared.model.loader import DEFAULT_MODEL_DIR
 
-DATA = Path(__file__).resolve().parent / "data"
-TOKENIZER_DIR = Path(__file__).resolve().parent / "training" / "tokenizer"
+SHARED = Path(__file__).resolve().parents[1]  # pdllm/shared: the bundled data and tokenizer live there
+DATA = SHARED / "data"
+TOKENIZER_DIR = SHARED / "training" / "tokenizer"
 
 
 def placeholder_model(out: Path) -> Path:
@@ -53,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdllm.shared.app.serve import build_parser as serve_parser
+    from pdllm.shared.app.serve import start
     from pdllm.shared.rpc.client import PdllmClient
-    from pdllm.shared.serve import build_parser as serve_parser
-    from pdllm.shared.serve import start
 
     args = build_parser().parse_args(argv)
     bundled = json.loads((DATA / "demo_question.json").read_text())

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdllm.prefill_service.config import EngineConfig
+from pdllm.shared.config import EngineConfig
 
 
 @dataclass(frozen=True)

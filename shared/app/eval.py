@@ -22,14 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdllm.prefill_service.config import EngineConfig
-
-from ..generation.sampler import GenerationConfig
-from ..generation.vanilla import generate_vanilla
-from ..model.loader import LoadedModel, load_model
-from ..prompt import encode_prompt
-from .report import METHODS, write_heatmaps, write_tables
-from .tasks import TASKS, Sample, make_sample
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
+from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.generation.vanilla import generate_vanilla
+from pdllm.shared.model.loader import LoadedModel, load_model
+from pdllm.shared.prompt import encode_prompt
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, trai
         return vanilla
     if method != "pdllm":
         raise ValueError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
-    from ..engine import PrefillingEngine
+    from pdllm.shared.app.engine import PrefillingEngine
 
     engines: dict[EngineConfig, PrefillingEngine] = {}
 

@@ -1,10 +1,14 @@
 """Steps 5b-6, fast path: build the static decode KV of the selected chunks (+ top-B retention).
 
+The decode worker runs it for every pdllm request before the request joins the batched rounds; the
+in-process engine runs it in its decode phase too.
+
 ``full-mask``: one bidirectional forward over ``[instruction, chunks, query, MASK * gen_length]`` at the
 continuous positions; the instruction + chunk part of its K/V is kept. ``chunk-query``: the same without
 the masked response. ``chunk-only``: no forward over the chunks at all; the step-3 KV is reused with K
 re-rotated from chunk-local to continuous positions (RoPE composes, so rotating by the start offset is
-exact up to rounding), the instruction is encoded alone. Retention scores follow ``reference.py``.
+exact up to rounding), the instruction is encoded alone. Retention scores follow ``shared/reference.py``:
+:class:`RetentionProbe` sums them during the build forward, ``chunk-only`` probes the first decode forward.
 """
 
 from __future__ import annotations
@@ -15,12 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.attention import SegmentedAttention
-from pdllm.decode_service.decode import StaticKV
-from pdllm.prefill_service.attention import RetentionProbe
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import DecodeLayout, Request, keep_top_b
-from pdllm.shared.model.attention import AttentionBackend, DenseAttention
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.layout import DecodeLayout, Request, keep_top_b
+from pdllm.shared.model.attention import AttentionBackend, DenseAttention, sdpa
 from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.static_kv import StaticKV
 
 
 @dataclass
@@ -35,6 +38,37 @@ class _Capture:
         self.out[layer, 0] = k[0, :, : self.n]
         self.out[layer, 1] = v[0, :, : self.n]
         return self.inner(layer, q, k, v)
+
+
+@dataclass
+class RetentionProbe:
+    """Bidirectional dense attention that also sums, per key position, the query<->key softmax mass.
+
+    ``mass[j] += sum_h sum_{k in query} A[k, j] (+ A[j, k] when both directions)``, over layers and query
+    heads; full-row softmax normalisation, computed ``block`` rows at a time so the full T x T matrix of a
+    long build never exists at once.
+    """
+
+    query: slice
+    both: bool
+    block: int
+    mass: torch.Tensor
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        g = q.shape[1] // k.shape[1]
+        kr = k[0].repeat_interleave(g, dim=0).float()
+        scale = q.shape[-1] ** -0.5
+        qf = q[0].float()
+        rows = torch.softmax((qf[:, self.query] @ kr.transpose(1, 2)) * scale, dim=-1)
+        self.mass += rows.sum(dim=(0, 1)).to(self.mass.dtype)
+        if self.both:
+            kq = kr[:, self.query]
+            for a in range(0, q.shape[2], self.block):
+                logits = (qf[:, a : a + self.block] @ kr.transpose(1, 2)) * scale
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                to_query = torch.exp((qf[:, a : a + self.block] @ kq.transpose(1, 2)) * scale - lse)
+                self.mass[a : a + self.block] += to_query.sum(dim=(0, 2)).to(self.mass.dtype)
+        return sdpa(q, k, v)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

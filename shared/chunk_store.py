@@ -1,10 +1,10 @@
 """Where step-3 chunk KV lives between requests: a content-keyed store.
 
-:class:`ChunkKVStore` is the subset of ``pdllm.shared.kv_tier``'s ``KVStore`` the engine needs
-(``get_many`` / ``put_many``), so the services can hand the engine a CPU, Redis or tiered KV-tier store.
-The engine's in-process default is the KV tier's CPU LRU (:func:`default_chunk_store`). Values use the
-chunk KV layout
-``[num_layers, 2, num_kv_heads, T, head_dim]`` (K with RoPE at the chunk's own positions 0..T-1).
+:class:`ChunkKVStore` is the subset of ``pdllm.shared.kv_tier``'s ``KVStore`` that chunk prefill needs
+(``get_many`` / ``put_many``), so ``pdllm serve`` can hand both workers a CPU, Redis or tiered KV-tier
+store. The in-process engine's default is the KV tier's CPU LRU (:func:`default_chunk_store`). Values use
+the chunk KV layout ``[num_layers, 2, num_kv_heads, T, head_dim]`` (K with RoPE at the chunk's own
+positions 0..T-1).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every phase builds its explicit token sequence, position ids and boolean attenti
 model's full forward through :class:`DenseAttention`; nothing is cached. Decoding re-runs the KV build
 inside every step's forward (the build tokens and the decode tokens share one sequence; a block mask keeps
 the decode tokens from being seen by the build tokens), so "static KV" is never stored, only recomputed.
-The fast path (``prefill.py``, ``scoring.py``, ``build.py``, ``decode_service``) must agree with this
+The fast path (``shared/chunk_prefill.py``, ``prefill_service``, ``decode_service``) must agree with this
 token-for-token; ``tests/engine`` checks it.
 
 Scoring conventions (shared with the fast path):
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.layout import DecodeLayout, Request, decode_layout, keep_top_b, select_top_k
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
+from pdllm.shared.layout import DecodeLayout, Request, decode_layout, keep_top_b, select_top_k
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 

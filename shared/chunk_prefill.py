@@ -1,8 +1,11 @@
 """Step 3, fast path: batched chunk prefill into a :class:`ChunkBank`, with content-keyed reuse.
 
-Chunks are forwarded ``prefill_batch`` at a time, right-padded to the longest one; each chunk sits at its
-own positions 0..T-1 with intra-chunk attention only. Under causal attention the padding is invisible to
-real tokens; under bidirectional attention a key mask hides it. Chunks found in the store are copied in
+Both workers run it: the prefill worker on every chunk (the KV that scoring reads and that it publishes to
+the chunk store), the decode worker in chunk-only mode on the selected chunks (their stored KV, or a
+recompute when the store misses). :class:`WriteKV` copies each layer's chunk K/V into the bank during the
+forward. Chunks are forwarded ``prefill_batch`` at a time, right-padded to the longest one; each chunk sits
+at its own positions 0..T-1 with intra-chunk attention only. Under causal attention the padding is
+invisible to real tokens; under bidirectional attention a key mask hides it. Chunks found in the store are copied in
 and never forwarded, so a second question on the same document skips step 3 entirely.
 """
 
@@ -13,10 +16,41 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdllm.prefill_service.attention import ChunkBank, WriteKV
-from pdllm.prefill_service.store import ChunkKVStore, chunk_keys
-from pdllm.shared.model.attention import DenseAttention
+from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys
+from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
+
+
+@dataclass
+class ChunkBank:
+    """Step-3 KV of N chunks, padded: ``kv[layer, 0|1, chunk, head, token, dim]``; ``lens[chunk]`` tokens."""
+
+    kv: torch.Tensor
+    lens: list[int]
+
+    def segment(self, i: int) -> torch.Tensor:
+        """Chunk ``i`` in the chunk-KV layout ``[layers, 2, Hkv, T, D]`` (a view)."""
+        return self.kv[:, :, i, :, : self.lens[i]]
+
+    def take(self, rows: list[int]) -> ChunkBank:
+        """A bank of ``rows`` in that order: a view when they are a run, else a copy."""
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            return ChunkBank(self.kv[:, :, rows[0] : rows[0] + len(rows)], [self.lens[i] for i in rows])
+        index = torch.tensor(rows, dtype=torch.long, device=self.kv.device)
+        return ChunkBank(self.kv.index_select(2, index), [self.lens[i] for i in rows])
+
+
+@dataclass
+class WriteKV:
+    inner: AttentionBackend
+    bank: ChunkBank
+    rows: slice
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = k.shape[2]
+        self.bank.kv[layer, 0, self.rows, :, :t] = k
+        self.bank.kv[layer, 1, self.rows, :, :t] = v
+        return self.inner(layer, q, k, v)
 
 
 @dataclass

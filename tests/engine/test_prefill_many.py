@@ -1,12 +1,12 @@
-"""Cross-request batching: ``select_many`` equals ``select`` on each request alone."""
+"""Cross-request batching: ``PrefillWorker.prefill_many`` equals ``prefill`` on each request alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdllm.prefill_service.config import EngineConfig
-from pdllm.prefill_service.store import chunk_keys
-from pdllm.shared.engine import PrefillingEngine
+from pdllm.prefill_service.worker import PrefillWorker
+from pdllm.shared.chunk_store import chunk_keys, default_chunk_store
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.engine.helpers import model, tokens
 
@@ -24,11 +24,11 @@ def test_batched_selection_equals_one_at_a_time(family: str) -> None:
         (tokens(33, 4), tokens(6, 5), EngineConfig(chunk_size=8, top_k=2)),  # another chunk size
         (repeated, tokens(5, 6), EngineConfig(chunk_size=10, top_k=2, score_mode="self-info")),
     ]
-    batched_engine = PrefillingEngine(m, None, EngineConfig(), reuse_chunks=False)
-    jobs = [batched_engine.job(c, q, GEN, config=cfg) for c, q, cfg in cases]
-    batched = batched_engine.select_many(jobs)
+    batched_worker = PrefillWorker(m, None, EngineConfig())
+    jobs = [batched_worker.job(c, q, GEN, config=cfg) for c, q, cfg in cases]
+    batched = batched_worker.prefill_many(jobs)
     for (c, q, cfg), got in zip(cases, batched):
-        alone = PrefillingEngine(m, None, cfg, reuse_chunks=False).select(c, q, GEN)
+        alone = PrefillWorker(m, None, cfg).prefill(c, q, GEN)
         assert not isinstance(got, ValueError)
         assert got.selected == alone.selected
         assert got.keys == alone.keys
@@ -42,18 +42,18 @@ def test_batched_selection_equals_one_at_a_time(family: str) -> None:
 
 def test_batch_shares_the_store_and_counts_hits_per_request() -> None:
     m = model("dream")
-    engine = PrefillingEngine(m, None, EngineConfig(chunk_size=12, top_k=2))
+    worker = PrefillWorker(m, None, EngineConfig(chunk_size=12, top_k=2), store=default_chunk_store())
     doc = tokens(48, 1)
-    first = engine.select_many([engine.job(doc, tokens(5, 2), GEN)])[0]
+    first = worker.prefill_many([worker.job(doc, tokens(5, 2), GEN)])[0]
     assert (first.trace.cache_hits, first.trace.cache_misses) == (0, 4)
-    warm, cold = engine.select_many(
-        [engine.job(doc, tokens(5, 3), GEN), engine.job(tokens(24, 7), tokens(5, 3), GEN)]
+    warm, cold = worker.prefill_many(
+        [worker.job(doc, tokens(5, 3), GEN), worker.job(tokens(24, 7), tokens(5, 3), GEN)]
     )
     assert (warm.trace.cache_hits, warm.trace.cache_misses, warm.trace.prefill_skipped) == (4, 0, True)
     assert (cold.trace.cache_hits, cold.trace.cache_misses) == (0, 2)
 
 
 def test_bad_request_is_rejected_before_batching() -> None:
-    engine = PrefillingEngine(model("dream"), None, EngineConfig(chunk_size=12))
+    worker = PrefillWorker(model("dream"), None, EngineConfig(chunk_size=12))
     with pytest.raises(ValueError, match="question is empty"):
-        engine.job(tokens(20, 1), [], GEN)
+        worker.job(tokens(20, 1), [], GEN)

@@ -153,7 +153,8 @@ def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from pdllm.shared.engine import EngineConfig, PrefillingEngine
+    from pdllm.shared.app.engine import PrefillingEngine
+    from pdllm.shared.config import EngineConfig
     from pdllm.shared.model.loader import load_model
 
     if args.cuda_graph and not str(args.device).startswith("cuda"):  # before a long model load
@@ -164,13 +165,14 @@ def _engine(args: argparse.Namespace) -> Any:
     config = EngineConfig.from_settings(loaded.serving.engine, chunk_boundary=args.chunk_boundary)
     store = _kv_store(args, loaded.config, args.dtype)
     engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store)
-    engine.sentence_ends()  # fail at startup, not on the first request, if sentence ends can't be found
+    engine.prefill_worker.sentence_ends()  # fail at startup, not on the first request, without sentence ends
     return engine, loaded
 
 
 def start_prefill(
-    args: argparse.Namespace, config: ServerConfig, engine: Any, device_lock: Any = None
+    args: argparse.Namespace, config: ServerConfig, worker: Any, device_lock: Any = None
 ) -> tuple[RpcServer, Callable]:
+    """``worker``: the engine's :class:`~pdllm.prefill_service.worker.PrefillWorker`."""
     from pdllm.prefill_service.batching import BatchingConfig
     from pdllm.prefill_service.server import PrefillServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
@@ -179,8 +181,8 @@ def start_prefill(
     batching = BatchingConfig(
         max_requests=args.prefill_batch_requests, wait_s=args.prefill_batch_wait_ms / 1e3
     )
-    servicer = PrefillServicer(engine, f"prefill@{_hostname()}", registry, batching, device_lock)
-    _register_kv_metrics(engine.store, registry)
+    servicer = PrefillServicer(worker, f"prefill@{_hostname()}", registry, batching, device_lock)
+    _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
     return build_server(config, [spec], registry).start(), servicer.batcher.close
 
@@ -219,20 +221,21 @@ def round_forward(args: argparse.Namespace, model: Any, pool: Any, device_lock: 
 
 
 def start_decode(
-    args: argparse.Namespace, config: ServerConfig, engine: Any, device_lock: Any = None
+    args: argparse.Namespace, config: ServerConfig, worker: Any, device_lock: Any = None
 ) -> tuple[RpcServer, Callable]:
+    """``worker``: the engine's :class:`~pdllm.decode_service.worker.DecodeWorker`."""
     from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
     from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
     from pdllm.decode_service.server import DecodeServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 
     registry = CollectorRegistry()
-    pool = DecodeKVPool.for_model(engine.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, engine.device)))
-    forward = round_forward(args, engine.model, pool, device_lock)
+    pool = DecodeKVPool.for_model(worker.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, worker.device)))
+    forward = round_forward(args, worker.model, pool, device_lock)
     scheduling = SchedulerConfig(args.max_active, args.max_waiting)
-    scheduler = DecodeScheduler(engine.model, pool, forward, scheduling, registry)
-    servicer = DecodeServicer(engine, scheduler, worker_name=f"decode@{_hostname()}")
-    _register_kv_metrics(engine.store, registry)
+    scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
+    servicer = DecodeServicer(worker, scheduler, worker_name=f"decode@{_hostname()}")
+    _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
     return build_server(config, [spec], registry).start(), scheduler.close
 
@@ -349,16 +352,17 @@ def start(args: argparse.Namespace) -> Deployment:
         return Deployment([server], [close])
     engine, loaded = _engine(args)
     if args.role == "prefill":
-        server, close = start_prefill(args, config, engine)
+        server, close = start_prefill(args, config, engine.prefill_worker)
         return Deployment([server], [close])
     if args.role == "decode":
-        server, close = start_decode(args, config, engine)
+        server, close = start_decode(args, config, engine.decode_worker)
         return Deployment([server], [close])
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
     device_lock = threading.Lock()  # graph captures exclude the prefill worker's device work
-    prefill, close_prefill = start_prefill(args, replace(internal, role="prefill"), engine, device_lock)
-    decode, close_decode = start_decode(args, replace(internal, role="decode"), engine, device_lock)
+    prefill_config, decode_config = replace(internal, role="prefill"), replace(internal, role="decode")
+    prefill, close_prefill = start_prefill(args, prefill_config, engine.prefill_worker, device_lock)
+    decode, close_decode = start_decode(args, decode_config, engine.decode_worker, device_lock)
     args = argparse.Namespace(
         **{
             **vars(args),

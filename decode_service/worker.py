@@ -1,0 +1,110 @@
+"""Steps 6-7 of one model, what ``pdllm.v1.Decode`` serves: the static KV build, then denoising.
+
+:class:`DecodeWorker` builds the static decode KV of the selected chunks (``build.py``); in chunk-only mode
+it starts from their step-3 KV, loaded from the chunk store or recomputed on a miss
+(:meth:`DecodeWorker.chunk_kv`). The decode server then runs step 7 for all active requests in batched
+rounds (``scheduler.py``); the in-process engine runs it for one request at a time
+(:meth:`DecodeWorker.decode`, ``decode.py``), optionally as a replayed CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdllm.decode_service.build import build_static
+from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticPolicy, decode
+from pdllm.decode_service.graphs import GraphCache
+from pdllm.kernels import HAS_TRITON
+from pdllm.shared.chunk_prefill import chunk_prefill
+from pdllm.shared.chunk_store import ChunkKVStore
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.layout import DecodeLayout, Request
+from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.static_kv import StaticKV
+
+
+def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
+    """Decode attention when none is named. "triton" for CUDA-graph decode: faster than "buffer" at every
+    length measured (9.9 vs 11.0 ms per Dream-7B step on an H100, benchmarks/results/e2e_notes.md).
+    "buffer" for eager CUDA decode, where the split-S launcher's Python dispatch (120-300 µs per call,
+    attention_notes.md) would outweigh the kernel. "segments" off CUDA."""
+    if device.type != "cuda":
+        return "segments"
+    return "triton" if cuda_graph and HAS_TRITON else "buffer"
+
+
+class DecodeWorker:
+    """``config``: the default settings of a request (a request may carry its own). ``store``: where the
+    chunk-only build finds step-3 chunk KV (None: always recomputed). ``decode_attention`` (default:
+    :func:`default_decode_attention`) and ``cuda_graph`` (replay the decode step, CUDA) apply to
+    :meth:`decode`: "segments" (split over static segments, LSE merge), "buffer" (one preallocated
+    contiguous buffer, SDPA) or "triton" (split-S kernel over paged static KV)."""
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        config: EngineConfig | None = None,
+        store: ChunkKVStore | None = None,
+        decode_attention: str | None = None,
+        cuda_graph: bool = False,
+    ) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.store = store
+        if decode_attention is None:
+            decode_attention = default_decode_attention(self.device, cuda_graph)
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
+        self.decode_attention = decode_attention
+        self.cuda_graph = cuda_graph
+        self.graph_cache = GraphCache() if cuda_graph else None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def chunk_kv(
+        self, chunks: Sequence[Sequence[int]], config: EngineConfig | None = None
+    ) -> tuple[list[torch.Tensor], int]:
+        """Step-3 KV of ``chunks`` in the config's prefill attention, from the store or computed (chunk-only).
+
+        Returns the segments and how many came from the store."""
+        cfg = config or self.config
+        kv, stats = chunk_prefill(
+            self.model, chunks, cfg.prefill_attention, cfg.chunk_size, cfg.prefill_batch, self.store
+        )
+        return [kv.segment(j) for j in range(len(chunks))], stats.hits
+
+    def build(
+        self,
+        request: Request,
+        layout: DecodeLayout,
+        config: EngineConfig | None = None,
+        local: Sequence[torch.Tensor] = (),
+    ) -> StaticKV:
+        """Step 6: the static decode KV of the selected chunks (``local``: their step-3 KV, chunk-only)."""
+        return build_static(self.model, request, layout, config or self.config, local)
+
+    def decode(
+        self,
+        query_ids: list[int],
+        static: StaticKV,
+        gen: GenerationConfig,
+        policy: DecodePolicy | None = None,
+        progress: bool = False,
+    ) -> GenerationResult:
+        """Step 7 for one request over ``static`` (default policy: attend to every static segment)."""
+        return decode(
+            self.model,
+            query_ids,
+            static,
+            gen,
+            policy or StaticPolicy(self.decode_attention),
+            progress,
+            self.cuda_graph,
+            self.graph_cache,
+        )

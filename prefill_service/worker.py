@@ -1,0 +1,187 @@
+"""Steps 3-5 of one model, what ``pdllm.v1.Prefill`` serves: chunk prefill, scoring, top-K selection.
+
+:class:`PrefillWorker` turns a request into a validated :class:`PrefillJob` (chunk layout from
+``shared/layout.py``) and runs jobs in batches (:meth:`PrefillWorker.prefill_many`): the chunks of every
+job are prefilled together (``shared/chunk_prefill.py``, step-3 KV published to the chunk store), then each
+job is scored (``scoring.py``) and its top-K chunks selected on its own. The result, a :class:`Selection`,
+is what the prefill server answers with (as handles: chunk store keys and token ids) and what the
+in-process engine (``pdllm.shared.app.engine``) hands to its decode phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdllm.prefill_service.scoring import score_chunks
+from pdllm.prefill_service.trace import MemoryMeter, Trace
+from pdllm.shared.chunk_prefill import ChunkBank, chunk_prefill
+from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys, position_scheme
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.layout import Request, make_request, select_top_k, sentence_end_ids
+from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.reference import ChunkScore
+
+Ids = Sequence[int] | torch.Tensor | str
+
+
+@dataclass
+class Selection:
+    """Steps 3-5 of one request (``keys``: the chunk store keys of every chunk's step-3 KV; ``bank``: that
+    KV in memory until the in-process engine's decode phase releases it; ``config``: the job's settings)."""
+
+    request: Request
+    scores: list[ChunkScore]
+    selected: list[int]
+    trace: Trace
+    meter: MemoryMeter
+    bank: ChunkBank | None
+    keys: list[str]
+    position_scheme: str
+    config: EngineConfig
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """A validated request waiting for steps 3-5 (see :meth:`PrefillWorker.prefill_many`)."""
+
+    request: Request
+    gen: GenerationConfig
+    config: EngineConfig
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(len(c) - 1 for c in self.request.chunks)
+
+
+class PrefillWorker:
+    """``config``: the default settings of a job (a job may carry its own). ``store``: where step-3 chunk KV
+    is published and reused across requests (None: no reuse). ``sentence_ends``: token ids that end a
+    sentence, for ``chunk_boundary="sentence"`` (None: computed once from the tokenizer when first needed).
+    """
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        tokenizer: Any | None = None,
+        config: EngineConfig | None = None,
+        store: ChunkKVStore | None = None,
+        sentence_ends: Collection[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.store = store
+        self._sentence_ends = frozenset(sentence_ends) if sentence_ends is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sentence_ends(self, config: EngineConfig | None = None) -> frozenset[int] | None:
+        """The sentence-end token ids ``config`` needs for its chunk layout (None for fixed chunks)."""
+        if (config or self.config).chunk_boundary != "sentence":
+            return None
+        if self._sentence_ends is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "chunk_boundary='sentence' needs a tokenizer (or explicit sentence_ends) to find sentence ends"
+                )
+            self._sentence_ends = sentence_end_ids(self.tokenizer)
+        return self._sentence_ends
+
+    def _ids(self, name: str, value: Ids | None) -> list[int] | torch.Tensor | None:
+        if not isinstance(value, str):
+            return value
+        if self.tokenizer is None:
+            raise ValueError(f"{name} was given as text but the engine has no tokenizer; pass token ids")
+        return list(self.tokenizer.encode(value, add_special_tokens=False))
+
+    def prefill(
+        self,
+        context: Ids,
+        question: Ids,
+        gen: GenerationConfig,
+        instruction: Ids | None = None,
+        config: EngineConfig | None = None,
+    ) -> Selection:
+        """Steps 3-5 of one request: chunk prefill, scoring, top-K selection."""
+        out = self.prefill_many([self.job(context, question, gen, instruction, config)])[0]
+        if isinstance(out, ValueError):
+            raise out
+        return out
+
+    def job(
+        self,
+        context: Ids,
+        question: Ids,
+        gen: GenerationConfig,
+        instruction: Ids | None = None,
+        config: EngineConfig | None = None,
+    ) -> PrefillJob:
+        """One validated request for :meth:`prefill_many` (ValueError on bad input)."""
+        gen.validate()
+        cfg = config or self.config
+        request = make_request(
+            self._ids("context", context),  # type: ignore[arg-type]
+            self._ids("question", question),  # type: ignore[arg-type]
+            self.model.config.bos_token_id,
+            cfg,
+            self.model.config.vocab_size,
+            self._ids("instruction", instruction),  # type: ignore[arg-type]
+            self.sentence_ends(cfg),
+        )
+        return PrefillJob(request, gen, cfg)
+
+    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Selection | ValueError]:
+        """Steps 3-5 for several requests at once: the chunks of all requests that share a chunk size are
+        prefilled in the same batched forwards (a chunk two requests share is forwarded once), then every
+        request is scored and selected on its own. Results equal :meth:`prefill` on each request alone."""
+        out: list[Selection | ValueError] = [ValueError("not run")] * len(jobs)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, job in enumerate(jobs):
+            groups.setdefault((job.config.chunk_size, job.config.prefill_batch), []).append(j)
+        for (chunk_size, batch), members in groups.items():
+            unique: dict[tuple[int, ...], int] = {}
+            rows: list[list[int]] = []
+            for j in members:
+                rows.append([unique.setdefault(tuple(c), len(unique)) for c in jobs[j].request.chunks])
+            meter = MemoryMeter(self.device)  # shared: the batch's peak is every member's peak
+            timer = Trace()
+            chunks = [list(c) for c in unique]
+            dtype = next(self.model.parameters()).dtype
+            keys = chunk_keys(self.model.config.model_id, dtype, chunk_size, "causal", chunks)  # hashed once
+            with timer.phase("prefill", self.device):
+                bank, stats = chunk_prefill(self.model, chunks, "causal", chunk_size, batch, self.store, keys)
+            hit = set(stats.hit_rows)
+            for j, idx in zip(members, rows):
+                request = jobs[j].request
+                trace = Trace(num_chunks=request.num_chunks, context_tokens=jobs[j].num_context_tokens)
+                trace.timings["prefill"] = timer.timings["prefill"]
+                trace.cache_hits = sum(i in hit for i in idx)
+                trace.cache_misses = len(idx) - trace.cache_hits
+                trace.prefill_skipped = trace.cache_misses == 0  # all its chunks came from the store
+                try:
+                    out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx])
+                except ValueError as exc:  # one request's problem is not its batch-mates'
+                    out[j] = exc
+        return out
+
+    def _score_select(
+        self, job: PrefillJob, trace: Trace, meter: MemoryMeter, bank: ChunkBank, keys: list[str]
+    ) -> Selection:
+        model, device, cfg, request = self.model, self.device, job.config, job.request
+        with trace.phase("score", device):
+            scores = score_chunks(model, request, cfg, bank)
+        with trace.phase("select", device):
+            selected = select_top_k([s.total for s in scores], cfg.top_k)
+        trace.chunk_scores = [
+            {"chunk": s.chunk, "s_i": s.s_i, "s_p": s.s_p, "total": s.total} for s in scores
+        ]
+        trace.selected = selected
+        return Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"), cfg)

@@ -1,0 +1,124 @@
+"""The in-process Prefilling-dLLM engine: the prefill worker's and the decode worker's phases in one process.
+
+:meth:`PrefillingEngine.prefill` is what ``pdllm.v1.Prefill`` serves (steps 3-5: chunk prefill, scoring,
+top-K selection; :class:`~pdllm.prefill_service.worker.PrefillWorker`), :meth:`PrefillingEngine.decode`
+what ``pdllm.v1.Decode`` serves (steps 6-7: static KV build, denoising;
+:class:`~pdllm.decode_service.worker.DecodeWorker`), one request at a time; :meth:`generate` runs both.
+In process the :class:`Selection` goes from one phase to the other as it is, step-3 KV included, so
+chunk-only reuses the prefill's causal chunk KV without a chunk-store round trip. The specification both
+phases must match is ``pdllm.shared.reference``.
+
+Step-3 KV is always computed with causal intra-chunk attention, because scoring needs it; with
+``prefill_attention="bidirectional"`` the bidirectional chunk KV is computed only for the selected chunks
+and only when ``kv_mode="chunk-only"`` reuses it (the other modes rebuild the chunk KV anyway). Both kinds
+are cached in the chunk store under different position schemes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from pdllm.decode_service.decode import DecodePolicy
+from pdllm.decode_service.worker import DecodeWorker
+from pdllm.prefill_service.trace import Trace
+from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
+from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.layout import decode_layout
+from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.static_kv import StaticKV
+
+
+class PrefillingEngine:
+    """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU unless
+    ``reuse_chunks`` is False). ``decode_attention``, ``cuda_graph``: see
+    :class:`~pdllm.decode_service.worker.DecodeWorker`; ``sentence_ends``: see
+    :class:`~pdllm.prefill_service.worker.PrefillWorker`."""
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        tokenizer: Any | None = None,
+        config: EngineConfig | None = None,
+        store: ChunkKVStore | None = None,
+        decode_attention: str | None = None,
+        reuse_chunks: bool = True,
+        cuda_graph: bool = False,
+        sentence_ends: Collection[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.store: ChunkKVStore | None = (
+            store if store is not None else (default_chunk_store() if reuse_chunks else None)
+        )
+        self.prefill_worker = PrefillWorker(model, tokenizer, self.config, self.store, sentence_ends)
+        self.decode_worker = DecodeWorker(model, self.config, self.store, decode_attention, cuda_graph)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def prefill(
+        self,
+        context: Ids,
+        question: Ids,
+        gen: GenerationConfig,
+        instruction: Ids | None = None,
+        config: EngineConfig | None = None,
+    ) -> Selection:
+        """Steps 3-5 (the prefill worker's phase): chunk prefill, scoring, top-K selection."""
+        return self.prefill_worker.prefill(context, question, gen, instruction, config)
+
+    def build(self, sel: Selection, gen: GenerationConfig) -> StaticKV:
+        """Step 6 (the first half of the decode worker's phase): the static decode KV of the selected chunks,
+        top-B applied; records the build time and kept tokens in ``sel.trace``."""
+        cfg, request, selected, trace = sel.config, sel.request, sel.selected, sel.trace
+        layout = decode_layout(request, selected, gen.gen_length)
+        with trace.phase("build", self.device):
+            local: list[torch.Tensor] = []
+            if cfg.kv_mode == "chunk-only" and cfg.prefill_attention == "causal":
+                local = [sel.bank.segment(i) for i in selected]  # type: ignore[union-attr]
+            elif cfg.kv_mode == "chunk-only":
+                local, hits = self.decode_worker.chunk_kv([request.chunks[i] for i in selected], cfg)
+                trace.cache_hits += hits
+                trace.cache_misses += len(selected) - hits
+            static = self.decode_worker.build(request, layout, cfg, local)
+        trace.kept_tokens = static.kept_tokens
+        return static
+
+    def decode(
+        self,
+        sel: Selection,
+        gen: GenerationConfig,
+        policy: DecodePolicy | None = None,
+        progress: bool = False,
+    ) -> GenerationResult:
+        """Steps 6-7 (the decode worker's phase) for ``sel``; fills the build and decode fields of its
+        trace."""
+        static = self.build(sel, gen)
+        sel.bank = None  # the step-3 KV is not needed past the build
+        trace, device = sel.trace, self.device
+        with trace.phase("decode", device):
+            result = self.decode_worker.decode(sel.request.query, static, gen, policy, progress)
+        trace.decode_steps = result.steps
+        trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
+        result.timings = dict(trace.timings)
+        return result
+
+    def generate(
+        self,
+        context_ids: Ids,
+        question_ids: Ids,
+        gen: GenerationConfig,
+        instruction_ids: Ids | None = None,
+        progress: bool = False,
+    ) -> tuple[GenerationResult, Trace]:
+        sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
+        result = self.decode(sel, gen, progress=progress)
+        return result, sel.trace

@@ -1,0 +1,35 @@
+"""The static decode KV: what the KV build (step 6) hands to the denoising loop (step 7).
+
+Both decode paths read it: the in-process engine's single-request loop (``decode_service.decode``) and
+the decode worker's batched rounds (``decode_service.scheduler``), which copy it into their KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StaticKV:
+    """The static KV of one request's selected chunks.
+
+    ``segments``: chunk-KV-layout tensors ``[layers, 2, Hkv, L, D]`` (instruction first if any, then the
+    selected chunks in document order, top-B already applied); ``query_start``: position of the first
+    query-suffix token; ``contiguous``: the same KV as one tensor when a single build forward produced it
+    (lets ``BufferedAttention`` skip the merge), else None; ``kept_tokens``: tokens kept per selected chunk.
+    """
+
+    segments: list[torch.Tensor]
+    query_start: int
+    contiguous: torch.Tensor | None = None
+    kept_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(s.shape[3]) for s in self.segments)
+
+    def tensor(self) -> torch.Tensor:
+        """All static KV as one ``[layers, 2, Hkv, S, D]`` tensor (the build's own when it made one)."""
+        return self.contiguous if self.contiguous is not None else torch.cat(self.segments, dim=3)
