@@ -1,4 +1,5 @@
-"""CUDA-graph replay of the decode step, and a cache of captured steps across requests (GPU).
+"""CUDA-graph replay of the single-request decode step (``decode.py``), and a cache of captured steps
+across requests (GPU). The decode server's batched rounds have their own graphs (``round_graphs.py``).
 
 A decode step forwards the same number of tokens at the same positions over the same static KV every
 step; only the response token ids change. With a step-invariant attention backend the whole forward
@@ -8,8 +9,8 @@ response rows inside the graph and the masked rows picked afterwards (row-wise i
 
 :class:`GraphCache` keeps captured steps by shape (static KV tokens, query start, local tokens): a later
 request with the same shape copies its static KV and query into the captured buffers and replays, so it
-pays neither the capture nor its warm-up forwards; :class:`SessionStep` lets the decode worker's
-interleaved sessions share one. On CPU the same objects run eagerly (no capture), which keeps the reload
+pays neither the capture nor its warm-up forwards; :class:`SessionStep` lets sessions of one shape that
+are stepped in turn share one. On CPU the same objects run eagerly (no capture), which keeps the reload
 logic testable.
 """
 
@@ -129,10 +130,11 @@ class GraphCache:
 class SessionStep:
     """One decode session's step over a cached captured step that sessions of the same shape share.
 
-    The decode worker interleaves sessions step by step (continuous batching), so before a replay the
-    captured buffers are reloaded with this session's static KV and query whenever another session used
-    them last (one copy of the static KV per switch). The owner is an opaque token, not the session
-    itself: no reference cycle leaves a captured graph to the cyclic GC.
+    When sessions are stepped in turn, before a replay the captured buffers are reloaded with this
+    session's static KV and query whenever another session used them last (one copy of the static KV per
+    switch). The decode server does not use it: its rounds batch every session into one forward. The
+    owner is an opaque token, not the session itself: no reference cycle leaves a captured graph to the
+    cyclic GC.
     """
 
     def __init__(self, graphed: GraphedStep, static: torch.Tensor, local: torch.Tensor) -> None:

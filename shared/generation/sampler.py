@@ -225,8 +225,9 @@ LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class DenoiseSession:
     """A :class:`DenoiseState` bound to its logits function, advanced one step at a time.
 
-    :func:`denoise` runs one to completion; the decode service interleaves the steps of many
-    (continuous batching: requests join and leave at step boundaries).
+    :func:`denoise` runs one to completion. The decode worker steps the session of each vanilla request
+    alone, once per scheduler iteration, next to the batched round of its pdllm requests (those are
+    advanced together by ``decode_service.rounds``, not through this class).
     """
 
     def __init__(
