@@ -29,7 +29,7 @@ METHOD = {"chunk_size": 32, "top_k": 2, "gen_length": 8, "steps": 8}
 
 
 def test_flag_env_and_device_check(tmp_path, monkeypatch) -> None:
-    assert serve.build_parser().parse_args([]).cuda_graph is False
+    assert serve.build_parser().parse_args([]).cuda_graph is None  # on for CUDA devices, off elsewhere
     monkeypatch.setenv("PDLLM_CUDA_GRAPH", "1")
     assert serve.build_parser().parse_args([]).cuda_graph is True
     assert serve.build_parser().parse_args(["--no-cuda-graph"]).cuda_graph is False
