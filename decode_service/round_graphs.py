@@ -10,17 +10,16 @@ other op is row-wise). So every round whose shape falls in a bucket replays that
 copying its packed inputs into the graph's buffers: no capture per request or per step, no copy of any
 session's KV (the kernel reads the shared pool through the page table).
 
-All graphs share one memory pool. A capture runs on the scheduler thread while no other thread of the
-process uses the device: in an all-in-one process it takes the lock the prefill worker holds around its
-batches (captures concurrent with prefill work failed requests of both workers under load on an H100,
-even in thread-local capture mode). Off CUDA the same padded buffers run eagerly (tests).
+All graphs share one memory pool. A capture runs on the scheduler thread, which must be the only thread of
+the process using the device (captures concurrent with another thread's prefill work failed requests of
+both workers under load on an H100, even in thread-local capture mode): ``serve --role all`` therefore runs
+the prefill worker's device work on the scheduler thread too, between rounds. Off CUDA the same padded
+buffers run eagerly (tests).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -140,11 +139,7 @@ class GraphedRoundForward:
         kernel: str,
         capture: bool,
         capacity: int = 128,
-        capture_lock: threading.Lock | None = None,
     ) -> None:
-        """``capture_lock``: taken around each capture, when another thread of this process uses the
-        device (``serve --role all``: the prefill worker holds it around its batches)."""
-        self._capture_lock = capture_lock if capture_lock is not None else contextlib.nullcontext()
         if capture and pool.kv.device.type != "cuda":
             raise ValueError("CUDA-graph rounds need the model and KV pool on a CUDA device")
         self.model, self.pool, self.kernel, self.capture, self.capacity = (
@@ -163,8 +158,7 @@ class GraphedRoundForward:
         shape = RoundShape.of(packed)
         graph = self._graphs.get(shape)
         if graph is None:
-            with self._capture_lock:
-                graph = CapturedRound(self.model, self.pool, self.kernel, shape, self.mempool, self.capture)
+            graph = CapturedRound(self.model, self.pool, self.kernel, shape, self.mempool, self.capture)
             self._graphs[shape] = graph
             self.captures += 1
             while len(self._graphs) > self.capacity:

@@ -7,9 +7,14 @@ device work has finished join, then runs **one** batched forward that advances e
 denoising step (:func:`~.rounds.decode_round`) and publishes partial outputs; finished requests leave
 before the next round. On CUDA builds run on their own stream and rounds on a high-priority one, so a
 build (a forward over K chunks + query, ~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling
-them; on CPU a build finishes before the round. Sessions that cannot share a
-round (vanilla: full attention over the whole prompt) are stepped alone in the same iteration. The gRPC
-handler threads only wait on their job's event queue.
+them; on CPU a build finishes before the round. Sessions that cannot share a round (vanilla: full attention
+over the whole prompt) are stepped alone in the same iteration. The gRPC handler threads only wait on their
+job's event queue.
+
+In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
+batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
+after each round, so a long prompt being prefilled delays each decode step by one piece, not by the whole
+prefill (the method's chunks are independent, which makes the pieces natural).
 
 Admission: at most ``max_waiting`` requests wait; beyond that, and for a request larger than the whole KV
 pool, ``submit`` answers RESOURCE_EXHAUSTED (the router retries another worker).
@@ -24,7 +29,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import torch
@@ -36,6 +43,9 @@ from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, Ge
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.static_kv import StaticKV
+from pdllm.shared.stepwise import Steps
+
+T = TypeVar("T")
 
 _log = logging.getLogger("pdllm.decode.scheduler")
 
@@ -152,6 +162,7 @@ class DecodeScheduler:
         ).set_function(lambda: self.pool.num_free * self.pool.page_bytes)
         self._waiting: deque[DecodeJob] = deque()
         self._building: list[DecodeJob] = []
+        self._foreign: deque[tuple[Steps, Future]] = deque()  # see run_between_rounds
         self._active: list[DecodeJob] = []
         # Rounds on a high-priority stream, builds on a normal one: the GPU schedules a round's blocks
         # ahead of a build's (or the prefill worker's) pending blocks, so no round waits for a whole build.
@@ -207,7 +218,7 @@ class DecodeScheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._building and not self._active:
+                while not (self._stop or self._waiting or self._building or self._active or self._foreign):
                     self._cv.wait()
                 if self._stop:
                     return
@@ -226,6 +237,38 @@ class DecodeScheduler:
             self._join_built()
             with self._on(self.round_stream):
                 self._round()
+            self._advance_foreign()
+
+    def run_between_rounds(self, steps: Steps[T]) -> T:
+        """Run another role's device work on this thread (``serve --role all``: the prefill worker's
+        batches, in chunk-sized pieces), one piece after each round while requests are decoding and all of
+        it while none are; blocks the calling thread until it is done and returns its result."""
+        future: Future = Future()
+        with self._cv:
+            self._foreign.append((steps, future))
+            self._cv.notify()
+        return future.result()
+
+    def _advance_foreign(self) -> None:
+        while True:
+            with self._cv:
+                if not self._foreign:
+                    return
+                steps, future = self._foreign[0]
+            try:
+                next(steps)
+                finished = False
+            except StopIteration as stop:
+                future.set_result(stop.value)
+                finished = True
+            except Exception as exc:  # the caller gets it; the decode rounds go on
+                future.set_exception(exc)
+                finished = True
+            with self._cv:
+                if finished:
+                    self._foreign.popleft()
+                if self._waiting or self._building or self._active:
+                    return  # decoding requests get the next round before the next piece
 
     def _on(self, stream: torch.cuda.Stream | None):  # type: ignore[no-untyped-def]
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -274,7 +317,7 @@ class DecodeScheduler:
     def _join_built(self) -> None:
         """Builds whose device work has finished join the rounds (with nothing to decode, wait for one)."""
         with self._cv:
-            building, idle = list(self._building), not self._active
+            building, idle = list(self._building), not self._active and not self._foreign
         if not building:
             return
         ready = [j for j in building if j.built_event is None or j.built_event.query()]

@@ -9,7 +9,6 @@ reaches the device; one request's bad input fails only that request.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -42,10 +41,10 @@ class _Pending:
 
 
 class PrefillBatcher:
-    """Owns the device thread; ``submit`` blocks the caller's thread until its request is done.
+    """Owns the batching thread; ``submit`` blocks the caller's thread until its request is done.
 
-    ``device_lock``: held around every batch's device work, when the process shares its device with a
-    decode worker that must capture CUDA graphs while nothing else uses the device (``serve --role all``).
+    ``prefill_many`` runs one batch: the worker's own (this thread then drives the device), or in an
+    all-in-one process a call that hands the batch's device work to the decode scheduler in pieces.
     """
 
     def __init__(
@@ -53,9 +52,7 @@ class PrefillBatcher:
         prefill_many: PrefillMany,
         config: BatchingConfig | None = None,
         on_batch: Callable[[int], None] | None = None,
-        device_lock: threading.Lock | None = None,
     ) -> None:
-        self._device_lock = device_lock if device_lock is not None else contextlib.nullcontext()
         self.config = config or BatchingConfig()
         self._prefill_many = prefill_many
         self._on_batch = on_batch  # requests in every batch run, for metrics
@@ -110,8 +107,7 @@ class PrefillBatcher:
                 continue
             started = time.perf_counter()
             try:
-                with self._device_lock:
-                    results = self._prefill_many([p.job for p in live])
+                results = self._prefill_many([p.job for p in live])
             except Exception as exc:  # a device failure fails the whole batch, never hangs callers
                 for p in live:
                     p.future.set_exception(exc)

@@ -11,13 +11,12 @@ prefill forwards (``--prefill-batch-requests``), in arrival order.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import CancelledError
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pdllm.prefill_service.batching import BatchingConfig, PrefillBatcher
+from pdllm.prefill_service.batching import BatchingConfig, PrefillBatcher, PrefillMany
 from pdllm.prefill_service.worker import PrefillWorker, Selection
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
@@ -36,9 +35,10 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         worker_name: str = "",
         registry: CollectorRegistry | None = None,
         batching: BatchingConfig | None = None,
-        device_lock: threading.Lock | None = None,
+        run_batch: PrefillMany | None = None,
     ) -> None:
-        """``device_lock``: see :class:`PrefillBatcher` (shared with the decode worker of the process)."""
+        """``run_batch``: how a batch of jobs runs (default: ``worker.prefill_many`` on the batching thread;
+        ``serve --role all`` interleaves it with the decode rounds)."""
         self.worker = worker
         self.worker_name = worker_name
         self.batch_requests = Histogram(
@@ -48,7 +48,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             registry=registry,
         )
         self.batcher = PrefillBatcher(
-            worker.prefill_many, batching, on_batch=self.batch_requests.observe, device_lock=device_lock
+            run_batch or worker.prefill_many, batching, on_batch=self.batch_requests.observe
         )
         # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
         self.chunks = Counter(

@@ -18,13 +18,14 @@ import torch
 
 from pdllm.prefill_service.scoring import score_chunks
 from pdllm.prefill_service.trace import MemoryMeter, Trace
-from pdllm.shared.chunk_prefill import ChunkBank, chunk_prefill
+from pdllm.shared.chunk_prefill import ChunkBank, chunk_prefill_steps
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys, position_scheme
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import Request, make_request, select_top_k, sentence_end_ids
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.reference import ChunkScore
+from pdllm.shared.stepwise import Steps, drain
 
 Ids = Sequence[int] | torch.Tensor | str
 
@@ -142,6 +143,13 @@ class PrefillWorker:
         """Steps 3-5 for several requests at once: the chunks of all requests that share a chunk size are
         prefilled in the same batched forwards (a chunk two requests share is forwarded once), then every
         request is scored and selected on its own. Results equal :meth:`prefill` on each request alone."""
+        return drain(self.prefill_many_steps(jobs))
+
+    def prefill_many_steps(
+        self, jobs: Sequence[PrefillJob], max_tokens: int | None = None
+    ) -> Steps[list[Selection | ValueError]]:
+        """:meth:`prefill_many` in pieces: yields after every chunk-prefill forward (at most ``max_tokens``
+        padded tokens each, when given) and after every request's scoring; same results."""
         out: list[Selection | ValueError] = [ValueError("not run")] * len(jobs)
         groups: dict[tuple[int, int], list[int]] = {}
         for j, job in enumerate(jobs):
@@ -156,8 +164,10 @@ class PrefillWorker:
             chunks = [list(c) for c in unique]
             dtype = next(self.model.parameters()).dtype
             keys = chunk_keys(self.model.config.model_id, dtype, chunk_size, "causal", chunks)  # hashed once
-            with timer.phase("prefill", self.device):
-                bank, stats = chunk_prefill(self.model, chunks, "causal", chunk_size, batch, self.store, keys)
+            with timer.phase("prefill", self.device):  # (includes the time others ran between pieces)
+                bank, stats = yield from chunk_prefill_steps(
+                    self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens
+                )
             hit = set(stats.hit_rows)
             for j, idx in zip(members, rows):
                 request = jobs[j].request
@@ -170,6 +180,7 @@ class PrefillWorker:
                     out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx])
                 except ValueError as exc:  # one request's problem is not its batch-mates'
                     out[j] = exc
+                yield
         return out
 
     def _score_select(

@@ -19,6 +19,7 @@ import torch
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.stepwise import Steps, drain
 
 
 @dataclass
@@ -71,7 +72,6 @@ def empty_bank(model: DiffusionLM, lens: Sequence[int]) -> ChunkBank:
     return ChunkBank(kv=torch.zeros(shape, dtype=p.dtype, device=p.device), lens=list(lens))
 
 
-@torch.inference_mode()
 def chunk_prefill(
     model: DiffusionLM,
     chunks: Sequence[Sequence[int]],
@@ -84,6 +84,22 @@ def chunk_prefill(
     """KV of every chunk (BOS included) at chunk-local positions; ``attention`` is "causal"/"bidirectional".
 
     ``keys``: the chunks' store keys when the caller has them already (else computed here, with a store)."""
+    return drain(chunk_prefill_steps(model, chunks, attention, chunk_size, batch, store, keys))
+
+
+@torch.inference_mode()
+def chunk_prefill_steps(
+    model: DiffusionLM,
+    chunks: Sequence[Sequence[int]],
+    attention: str,
+    chunk_size: int,
+    batch: int,
+    store: ChunkKVStore | None = None,
+    keys: Sequence[str] | None = None,
+    max_tokens: int | None = None,
+) -> Steps[tuple[ChunkBank, PrefillStats]]:
+    """:func:`chunk_prefill` in pieces: yields after each batched forward, which holds at most ``batch``
+    chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk)."""
     device = next(model.parameters()).device
     bank = empty_bank(model, [len(c) for c in chunks])
     stats = PrefillStats(chunks=len(chunks))
@@ -102,10 +118,15 @@ def chunk_prefill(
             stats.hit_rows.append(i)
     # Longest first, so equal-length chunks batch together (fixed boundaries: only the last is shorter).
     todo.sort(key=lambda i: -bank.lens[i])
-    for a in range(0, len(todo), batch):
-        group = todo[a : a + batch]
+    a = 0
+    while a < len(todo):
+        size = batch if max_tokens is None else max(1, min(batch, max_tokens // bank.lens[todo[a]]))
+        group = todo[a : a + size]
         _forward_group(model, chunks, group, bank, attention, device)
         stats.forwarded += len(group)
+        a += size
+        if a < len(todo):
+            yield
     if store is not None and keys is not None and todo:
         store.put_many([(keys[i], bank.segment(i).contiguous()) for i in sorted(todo)])
     return bank, stats

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from pdllm.shared.rpc.channels import worker_channel_factory
 from pdllm.shared.rpc.options import add_server_arguments, env_value, server_config_from_args
 from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
 
@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=_env_default("--prefill-batch-wait-ms", 2.0, float),
         help="how long the first request of a batch waits for company",
+    )
+    pb.add_argument(
+        "--prefill-piece-tokens",
+        type=int,
+        default=_env_default("--prefill-piece-tokens", 2048, int),
+        help="--role all: prefill runs between decode rounds in pieces of at most this many chunk tokens "
+        "(0: whole batches)",
     )
     d = p.add_argument_group("decode")
     d.add_argument(
@@ -170,9 +177,10 @@ def _engine(args: argparse.Namespace) -> Any:
 
 
 def start_prefill(
-    args: argparse.Namespace, config: ServerConfig, worker: Any, device_lock: Any = None
+    args: argparse.Namespace, config: ServerConfig, worker: Any, run_batch: Callable | None = None
 ) -> tuple[RpcServer, Callable]:
-    """``worker``: the engine's :class:`~pdllm.prefill_service.worker.PrefillWorker`."""
+    """``worker``: the engine's :class:`~pdllm.prefill_service.worker.PrefillWorker`; ``run_batch``: how a
+    batch runs (default: on the prefill worker's own thread)."""
     from pdllm.prefill_service.batching import BatchingConfig
     from pdllm.prefill_service.server import PrefillServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
@@ -181,7 +189,7 @@ def start_prefill(
     batching = BatchingConfig(
         max_requests=args.prefill_batch_requests, wait_s=args.prefill_batch_wait_ms / 1e3
     )
-    servicer = PrefillServicer(worker, f"prefill@{_hostname()}", registry, batching, device_lock)
+    servicer = PrefillServicer(worker, f"prefill@{_hostname()}", registry, batching, run_batch)
     _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
     return build_server(config, [spec], registry).start(), servicer.batcher.close
@@ -205,10 +213,9 @@ def _pool_bytes(flag: int, device: Any) -> int:
     return 256 << 20
 
 
-def round_forward(args: argparse.Namespace, model: Any, pool: Any, device_lock: Any = None) -> Any:
+def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
     """How the decode worker runs a batched round: the split-S kernel on CUDA (as CUDA graphs with
-    ``--cuda-graph``, the default there; captured under ``device_lock`` when a prefill worker shares the
-    process), its torch reference elsewhere."""
+    ``--cuda-graph``, the default there), its torch reference elsewhere."""
     from pdllm.decode_service.round_graphs import GraphedRoundForward
     from pdllm.decode_service.rounds import EagerRoundForward
     from pdllm.kernels import HAS_TRITON
@@ -216,14 +223,13 @@ def round_forward(args: argparse.Namespace, model: Any, pool: Any, device_lock: 
     cuda = pool.kv.device.type == "cuda"
     kernel = "triton" if cuda and HAS_TRITON else "torch"
     if args.cuda_graph or (args.cuda_graph is None and cuda and kernel == "triton"):
-        return GraphedRoundForward(model, pool, kernel, capture=True, capture_lock=device_lock)
+        return GraphedRoundForward(model, pool, kernel, capture=True)
     return EagerRoundForward(model, pool, kernel)
 
 
-def start_decode(
-    args: argparse.Namespace, config: ServerConfig, worker: Any, device_lock: Any = None
-) -> tuple[RpcServer, Callable]:
-    """``worker``: the engine's :class:`~pdllm.decode_service.worker.DecodeWorker`."""
+def start_decode(args: argparse.Namespace, config: ServerConfig, worker: Any) -> tuple[RpcServer, Any]:
+    """``worker``: the engine's :class:`~pdllm.decode_service.worker.DecodeWorker`. Returns the server and
+    its :class:`~pdllm.decode_service.scheduler.DecodeScheduler` (``close`` stops it)."""
     from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
     from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
     from pdllm.decode_service.server import DecodeServicer
@@ -231,13 +237,13 @@ def start_decode(
 
     registry = CollectorRegistry()
     pool = DecodeKVPool.for_model(worker.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, worker.device)))
-    forward = round_forward(args, worker.model, pool, device_lock)
+    forward = round_forward(args, worker.model, pool)
     scheduling = SchedulerConfig(args.max_active, args.max_waiting)
     scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
     servicer = DecodeServicer(worker, scheduler, worker_name=f"decode@{_hostname()}")
     _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
-    return build_server(config, [spec], registry).start(), scheduler.close
+    return build_server(config, [spec], registry).start(), scheduler
 
 
 def start_router(
@@ -248,7 +254,7 @@ def start_router(
     from pdllm.router.discovery import HealthCheckConfig, WorkerPool, discovery_from_flags
     from pdllm.router.server import Pools, RouterConfig, RouterServicer
 
-    channel_factory = _channel_factory(workers or config)
+    channel_factory = worker_channel_factory(workers or config)
     pools = {
         role: WorkerPool(role, HealthCheckConfig(interval_s=2.0), channel_factory)
         for role in ("prefill", "decode")
@@ -289,60 +295,6 @@ def _any_channel(pools: dict, address: str) -> grpc.Channel:
     raise KeyError(address)
 
 
-def _channel_factory(config: ServerConfig) -> Callable[[str], grpc.Channel]:
-    """Router -> worker channels: same token and TLS as the public side (workers check them too)."""
-    options = [
-        ("grpc.max_receive_message_length", config.max_receive_message_bytes),
-        ("grpc.max_send_message_length", config.max_send_message_bytes),
-    ]
-
-    def factory(address: str) -> grpc.Channel:
-        if config.tls is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=config.tls.cert_path.read_bytes())
-            if config.auth_token:
-                creds = grpc.composite_channel_credentials(
-                    creds, grpc.access_token_call_credentials(config.auth_token)
-                )
-            return grpc.secure_channel(
-                address, creds, options + [("grpc.ssl_target_name_override", "pdllm.internal")]
-            )
-        channel = grpc.insecure_channel(address, options)
-        if config.auth_token:
-            channel = grpc.intercept_channel(channel, _BearerToken(config.auth_token))
-        return channel
-
-    return factory
-
-
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._metadata = ("authorization", f"Bearer {token}")
-
-    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = list(details.metadata or []) + [self._metadata]
-        return (
-            details._replace(metadata=metadata)
-            if hasattr(details, "_replace")
-            else _Details(details, metadata)
-        )
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, base: grpc.ClientCallDetails, metadata: list) -> None:
-        self.method = base.method
-        self.timeout = base.timeout
-        self.metadata = metadata
-        self.credentials = base.credentials
-        self.wait_for_ready = getattr(base, "wait_for_ready", None)
-        self.compression = getattr(base, "compression", None)
-
-
 def start(args: argparse.Namespace) -> Deployment:
     """Start what ``args.role`` asks for; returns once every server is serving."""
     config = server_config_from_args(args, args.role if args.role != "all" else "router")
@@ -356,14 +308,18 @@ def start(args: argparse.Namespace) -> Deployment:
         server, close = start_prefill(args, config, engine.prefill_worker)
         return Deployment([server], [close])
     if args.role == "decode":
-        server, close = start_decode(args, config, engine.decode_worker)
-        return Deployment([server], [close])
+        server, scheduler = start_decode(args, config, engine.decode_worker)
+        return Deployment([server], [scheduler.close])
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
-    device_lock = threading.Lock()  # graph captures exclude the prefill worker's device work
     prefill_config, decode_config = replace(internal, role="prefill"), replace(internal, role="decode")
-    prefill, close_prefill = start_prefill(args, prefill_config, engine.prefill_worker, device_lock)
-    decode, close_decode = start_decode(args, decode_config, engine.decode_worker, device_lock)
+    decode, scheduler = start_decode(args, decode_config, engine.decode_worker)
+    # One device thread: the prefill worker's batches run on the decode scheduler's thread, in pieces of
+    # at most --prefill-piece-tokens between decode rounds (captures then never overlap other device work).
+    steps = engine.prefill_worker.prefill_many_steps
+    piece = args.prefill_piece_tokens or None
+    run_batch = lambda jobs: scheduler.run_between_rounds(steps(jobs, piece))  # noqa: E731
+    prefill, close_prefill = start_prefill(args, prefill_config, engine.prefill_worker, run_batch)
     args = argparse.Namespace(
         **{
             **vars(args),
@@ -373,7 +329,7 @@ def start(args: argparse.Namespace) -> Deployment:
         }
     )
     router, close_router = start_router(args, config, loaded.tokenizer, workers=internal)
-    return Deployment([router, prefill, decode], [close_router, close_decode, close_prefill])
+    return Deployment([router, prefill, decode], [close_router, close_prefill, scheduler.close])
 
 
 def main(argv: list[str] | None = None) -> int:

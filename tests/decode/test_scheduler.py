@@ -128,3 +128,39 @@ def test_max_active_bounds_each_round_and_a_failed_build_returns_its_pages() -> 
     other.run_once()
     assert isinstance(bad.events.get_nowait(), ValueError)
     assert other.pool.num_free == other.pool.num_pages and not other.active
+
+
+def test_other_device_work_runs_one_piece_per_round_while_requests_decode() -> None:
+    """The all-in-one's prefill pieces: one after each round while decoding, all at once when idle."""
+    m = model("dream")
+    sched = _scheduler(m)
+    log: list[str] = []
+    forward = sched.forward
+    sched.forward = lambda packed: (log.append("round"), forward(packed))[1]  # type: ignore[method-assign]
+
+    def pieces(n: int, tag: str):  # type: ignore[no-untyped-def]
+        for i in range(n):
+            log.append(f"{tag}{i}")
+            if i < n - 1:
+                yield
+        return tag
+
+    sched.submit(_job(m, 0))  # CASES[0]: 3 rounds
+    results: list[str] = []
+    caller = threading.Thread(target=lambda: results.append(sched.run_between_rounds(pieces(4, "p"))))
+    caller.start()
+    while not sched._foreign:  # the caller has handed its work over
+        pass
+    while sched.active or sched._waiting or sched._foreign:
+        sched.run_once()
+    caller.join(timeout=5)
+    assert results == ["p"]
+    # decoding: a piece after each round; once the request is done, the rest without waiting for rounds
+    assert log[:6] == ["round", "p0", "round", "p1", "round", "p2"] and log[6:] == ["p3"]
+    idle = threading.Thread(target=lambda: results.append(sched.run_between_rounds(pieces(3, "q"))))
+    idle.start()
+    while not sched._foreign:
+        pass
+    sched.run_once()
+    idle.join(timeout=5)
+    assert results == ["p", "q"] and log[-3:] == ["q0", "q1", "q2"]  # nothing decoding: all in one go
