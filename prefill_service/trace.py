@@ -60,17 +60,21 @@ class Trace:
 
 
 class MemoryMeter:
-    """Peak memory of a request: CUDA allocator peak, or growth of the process's peak RSS on CPU."""
+    """Peak memory of a request (of its prefill batch): on CUDA how far the allocator's peak rose above
+    what was allocated when the batch started (so weights, the decode KV pool and other requests' standing
+    memory are not counted), on CPU the growth of the process's peak RSS."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._base = 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            self._base = torch.cuda.memory_allocated(device)
         self._rss0 = _peak_rss()
 
     def peak(self) -> tuple[int, str]:
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device)), "cuda-max-allocated"
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self._base), "cuda-peak-above-start"
         return max(0, _peak_rss() - self._rss0), "cpu-rss-delta"
 
 
