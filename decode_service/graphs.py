@@ -9,9 +9,8 @@ response rows inside the graph and the masked rows picked afterwards (row-wise i
 
 :class:`GraphCache` keeps captured steps by shape (static KV tokens, query start, local tokens): a later
 request with the same shape copies its static KV and query into the captured buffers and replays, so it
-pays neither the capture nor its warm-up forwards; :class:`SessionStep` lets sessions of one shape that
-are stepped in turn share one. On CPU the same objects run eagerly (no capture), which keeps the reload
-logic testable.
+pays neither the capture nor its warm-up forwards. On CPU the same objects run eagerly (no capture), which
+keeps the reload logic testable.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ class GraphedStep:
         self.query_len = query_len
         self.backend = backend
         self.rows = torch.arange(query_len, local.shape[0], device=local.device)[None]
-        self.owner: object | None = None  # token of the SessionStep whose inputs the buffers hold
         self.graph: torch.cuda.CUDAGraph | None = None
         if local.device.type != "cuda":
             return
@@ -64,11 +62,10 @@ class GraphedStep:
         finally:
             gc.enable()
 
-    def load(self, static: torch.Tensor, local: torch.Tensor, owner: object | None) -> None:
+    def load(self, static: torch.Tensor, local: torch.Tensor) -> None:
         """Put another request's static KV and local tokens (same shapes) into the captured buffers."""
         self.backend.load(static)  # type: ignore[attr-defined]
         self.local.copy_(local)
-        self.owner = owner
 
     def _step(self) -> torch.Tensor:
         hidden = self.model.hidden_states(self.local[None], self.positions, self.backend)
@@ -114,7 +111,7 @@ class GraphCache:
         key = (mode, static.shape[3], int(positions[0, 0]), local.shape[0], query_len)
         graphed = self._entries.get(key)
         if graphed is not None:
-            graphed.load(static, local, owner=None)
+            graphed.load(static, local)
             self._entries.move_to_end(key)
             self.hits += 1
             return graphed
@@ -125,25 +122,3 @@ class GraphCache:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return graphed
-
-
-class SessionStep:
-    """One decode session's step over a cached captured step that sessions of the same shape share.
-
-    When sessions are stepped in turn, before a replay the captured buffers are reloaded with this
-    session's static KV and query whenever another session used them last (one copy of the static KV per
-    switch). The decode server does not use it: its rounds batch every session into one forward. The
-    owner is an opaque token, not the session itself: no reference cycle leaves a captured graph to the
-    cyclic GC.
-    """
-
-    def __init__(self, graphed: GraphedStep, static: torch.Tensor, local: torch.Tensor) -> None:
-        """``graphed``: from :meth:`GraphCache.step` over this session's ``static`` and ``local``."""
-        self.graphed, self.static, self.local = graphed, static, local
-        self.token = object()
-        graphed.owner = self.token
-
-    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        if self.graphed.owner is not self.token:
-            self.graphed.load(self.static, self.local, owner=self.token)
-        return self.graphed(response, at)

@@ -132,36 +132,3 @@ def test_default_decode_attention_follows_device_and_graphs() -> None:
     assert default_decode_attention(cuda, cuda_graph=False) == "buffer"  # eager: the launcher would dominate
     want = "triton" if importlib.util.find_spec("triton") is not None else "buffer"
     assert default_decode_attention(cuda, cuda_graph=True) == want
-
-
-def test_interleaved_sessions_share_one_cached_step_and_decode_exactly() -> None:
-    """Same-shape sessions stepped in turn over one cached step (:class:`SessionStep`), each reloading its
-    own KV and query when another used the buffers last; tokens equal decoding alone."""
-    from pdllm.decode_service.decode import local_inputs
-    from pdllm.decode_service.graphs import SessionStep
-    from pdllm.shared.generation.sampler import DenoiseSession
-
-    m = model("llada")
-    cfg = EngineConfig(chunk_size=12, top_k=2)
-    engine = PrefillingEngine(m, None, cfg, decode_attention="buffer", reuse_chunks=False, cuda_graph=True)
-    plain = PrefillingEngine(m, None, cfg, decode_attention="segments", reuse_chunks=False)
-    gen = GenerationConfig(gen_length=6, steps=6)
-    graphs = engine.decode_worker.graph_cache
-    assert graphs is not None
-    sessions, wants = [], []
-    for doc in (1, 2, 3):
-        context, question = tokens(48, doc), tokens(5, 10 + doc)
-        sel = engine.prefill(context, question, gen)
-        static = engine.build(sel, gen)
-        local, positions = local_inputs(m, sel.request.query, static, gen)
-        kv = static.tensor()
-        step = SessionStep(graphs.step(m, "buffer", kv, local, positions, 5), kv, local)
-        sessions.append(DenoiseSession(gen, m.config.mask_token_id, m.config.eos_token_id, step))
-        wants.append(plain.generate(context, question, gen)[0].raw_tokens)
-    assert graphs.captures == 1 and graphs.hits == 2  # one shape, one step
-    while not all(s.done for s in sessions):
-        for s in sessions:
-            if not s.done:
-                s.step()
-    assert [s.result().raw_tokens for s in sessions] == wants
-    assert len({tuple(w) for w in wants}) == 3  # three different answers: a stale reload would show

@@ -47,7 +47,7 @@ def test_concurrent_requests_share_round_graphs_and_answer_exactly(tmp_path, mon
     tiny_dir = make_tiny_checkpoint(tmp_path / "tiny")
     forwards: list[GraphedRoundForward] = []
 
-    def padded(args, model, pool, device_lock=None):  # what `--cuda-graph` builds on CUDA, run eagerly on CPU
+    def padded(args, model, pool):  # what `--cuda-graph` builds on CUDA, run eagerly on CPU
         forwards.append(GraphedRoundForward(model, pool, "torch", capture=False))
         return forwards[-1]
 
