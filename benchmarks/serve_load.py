@@ -236,10 +236,16 @@ def step_metric(decode: ServeProcess) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------- scenarios
 def in_process(ckpt: Path, device: str, dtype: str, docs: list[tuple[str, str]], warm: tuple[str, str],
                gen: int, serve_flags: list[str]) -> dict:  # fmt: skip
-    """Scenario 1: the engine ``pdllm serve`` builds, called directly (tokenization included)."""
+    """Scenario 1: the engine ``pdllm serve`` builds, called directly (tokenization included), decoding with
+    a CUDA graph on CUDA as the served decode worker's rounds do."""
+    from pdllm.shared.app.engine import PrefillingEngine
+
     t = time.perf_counter()
     engine, loaded = serve._engine(serve.build_parser().parse_args(["--model", str(ckpt), "--device", device,
                                                                     "--dtype", dtype, *serve_flags]))  # fmt: skip
+    if device.startswith("cuda") and "--no-cuda-graph" not in serve_flags:
+        engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine.config, store=engine.store,
+                                  cuda_graph=True)  # fmt: skip
     load_s = time.perf_counter() - t
     try:
         with torch.inference_mode():
