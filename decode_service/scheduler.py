@@ -213,6 +213,10 @@ class DecodeScheduler:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._cv:  # nobody waits forever on work this thread will not run
+            for _, future in self._foreign:
+                future.set_exception(RuntimeError("the decode scheduler stopped"))
+            self._foreign.clear()
 
     # ------------------------------------------------------------------ scheduler thread
     def _loop(self) -> None:
