@@ -115,10 +115,7 @@ class CapturedRound:
         offsets = packed.q_offsets + [t] * (s.batch - b)  # padded sessions: no query rows
         self.q_offsets.copy_(torch.tensor(offsets, dtype=torch.int32))
         self.kv_lens.copy_(torch.tensor(packed.kv_lens + [0] * (s.batch - b), dtype=torch.int32))
-        table = torch.zeros(s.batch, s.pages, dtype=torch.int32)
-        for i, pages in enumerate(packed.page_table):
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.page_table.copy_(table)
+        self.page_table.copy_(packed.table(s.batch, s.pages))
         if self.graph is None:
             hidden = self._forward()
         else:

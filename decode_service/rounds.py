@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class BatchSession:
     pages: list[int]
     state: DenoiseState
     seconds: float = 0.0  # wall time of the rounds it took part in
-    steps: list[float] = field(default_factory=list)  # each round's wall time
 
     @classmethod
     def start(
@@ -136,6 +135,14 @@ class PackedRound:
             out.kv_lens.append(s.kv_tokens)
         return out
 
+    def table(self, sessions: int, width: int) -> torch.Tensor:
+        """The page tables as one int32 ``[sessions, width]`` CPU tensor, zero-padded (padded rows and
+        slots are never read: their sessions have no query rows, slots beyond ``kv_lens`` are masked)."""
+        out = torch.zeros(sessions, width, dtype=torch.int32)
+        for i, pages in enumerate(self.page_table):
+            out[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return out
+
     @property
     def max_q_len(self) -> int:
         return max(hi - lo for lo, hi in zip(self.q_offsets, self.q_offsets[1:]))
@@ -151,10 +158,10 @@ class EagerRoundForward:
         device = self.pool.kv.device
         b, t = len(packed.kv_lens), len(packed.ids)
         width = max(len(p) for p in packed.page_table)
-        table = [p + [0] * (width - len(p)) for p in packed.page_table]
-        ints = torch.tensor(
-            [*packed.q_offsets, *packed.kv_lens, *(x for row in table for x in row)], dtype=torch.int32
-        ).to(device)
+        table = packed.table(b, width).flatten()
+        ints = torch.cat([torch.tensor(packed.q_offsets + packed.kv_lens, dtype=torch.int32), table]).to(
+            device
+        )
         q_offsets, kv_lens, page_table = (
             ints[: b + 1],
             ints[b + 1 : 2 * b + 1],
@@ -186,5 +193,4 @@ def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> list[to
     elapsed = time.perf_counter() - start
     for s in sessions:
         s.seconds += elapsed
-        s.steps.append(elapsed)
     return picked
