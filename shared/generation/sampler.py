@@ -107,11 +107,11 @@ class DenoiseState:
 
     def update(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply one step's logits (``[len(positions()), V]``); returns the newly unmasked positions."""
-        return self.apply(*predict(logits, self.mask_id, self.config.temperature, self.generator))
+        return self.apply(*predict_many(logits, [self], [logits.shape[0]])[0])
 
     def apply(self, tokens: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
-        """Apply one step's predictions for :meth:`positions` (from :func:`predict` or
-        :func:`predict_many`); returns the newly unmasked positions."""
+        """Apply one step's predictions for :meth:`positions` (from :func:`predict_many`); returns the newly
+        unmasked positions."""
         positions = self.positions()
         if tokens.shape[0] != positions.shape[0]:
             raise ValueError(f"expected logits for {positions.shape[0]} positions, got {tokens.shape[0]}")
@@ -151,30 +151,14 @@ class DenoiseState:
         return out
 
 
-def predict(
-    logits: torch.Tensor, mask_id: int, temperature: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predicted token and its probability per row of ``logits``: greedy, or sampled at ``temperature``
-    with ``generator`` (on the CPU, which keeps seeds reproducible across devices)."""
-    logits = logits.to(torch.float32, copy=True)
-    # Predicting [MASK] would leave the position masked and stall the schedule.
-    logits[:, mask_id] = float("-inf")
-    if temperature == 0:
-        probs = torch.softmax(logits, dim=-1)
-        confidence, tokens = probs.max(dim=-1)
-        return tokens, confidence
-    probs = torch.softmax(logits / temperature, dim=-1)
-    tokens = torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(logits.device)
-    return tokens, probs.gather(-1, tokens[:, None]).flatten()
-
-
 def predict_many(
     logits: torch.Tensor, states: list[DenoiseState], counts: list[int]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`predict` for several states at once. ``logits`` stacks ``counts[i]`` rows for ``states[i]``
-    (the rows of its :meth:`~DenoiseState.positions`). Row for row the same math as :func:`predict`, but
-    the greedy rows of all states are reduced in one pass and reach the host in one copy (one more for
-    all sampled rows), so a round over many requests costs no device sync per request.
+    """Predicted token and its probability for each row of ``logits``, which stacks ``counts[i]`` rows for
+    ``states[i]`` (the rows of its :meth:`~DenoiseState.positions`): greedy, or sampled at the state's
+    temperature with its own generator on the CPU (seeds reproduce across devices). The rows of all states
+    are reduced in one pass and reach the host in one copy (one more for all sampled rows), so a round
+    over many requests costs no device sync per request; a single state is the same call with one entry.
     Returns (tokens, confidence) on the CPU per state."""
     if not states:
         return []
@@ -187,6 +171,7 @@ def predict_many(
     if bounds[-1] != logits.shape[0]:
         raise ValueError(f"counts add up to {bounds[-1]} rows, logits have {logits.shape[0]}")
     logits = logits.to(torch.float32, copy=True)
+    # Predicting [MASK] would leave the position masked and stall the schedule.
     logits[:, mask_ids.pop()] = float("-inf")
     confidence, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
     # one copy: vocabulary ids are exact in float32 (< 2**24)
