@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape, e
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
 from tests.decode.helpers import CASES, alone, pool_for, session
 from tests.engine.helpers import model
+from tests.interpreter import run_under_interpreter
 
 
 def _forward(kind: str, m, pool):  # type: ignore[no-untyped-def]
@@ -73,12 +71,7 @@ def test_shape_buckets_pad_little_and_reuse_graphs() -> None:
 
 
 def test_triton_rounds_match_torch_rounds_under_interpreter() -> None:
-    pytest.importorskip("triton", reason="triton not installed")
-    case = Path(__file__).with_name("triton_rounds_case.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(case)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("ok")
+    run_under_interpreter(Path(__file__).with_name("triton_rounds_case.py"))
 
 
 def test_pool_pages_hold_the_static_kv_exactly() -> None:
