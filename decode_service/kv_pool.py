@@ -82,16 +82,19 @@ class DecodeKVPool:
     def pages_for(self, tokens: int) -> int:
         return max(1, -(-tokens // self.page_size))
 
-    def reserve(self, tokens: int) -> list[int] | None:
-        """Pages for ``tokens`` static tokens, or None while too few are free.
-
-        Raises :class:`PoolTooSmallError` when even an empty pool could not hold them."""
+    def check_fits(self, tokens: int) -> None:
+        """Raise :class:`PoolTooSmallError` when even an empty pool could not hold ``tokens`` static tokens."""
         need = self.pages_for(tokens)
         if need > self.num_pages:
             raise PoolTooSmallError(
                 f"the request needs {need * self.page_bytes} bytes of decode KV ({tokens} tokens); "
                 f"this worker's KV pool holds {self.num_pages * self.page_bytes} bytes"
             )
+
+    def reserve(self, tokens: int) -> list[int] | None:
+        """Pages for ``tokens`` static tokens, or None while too few are free (:meth:`check_fits` first)."""
+        self.check_fits(tokens)
+        need = self.pages_for(tokens)
         if need > self.num_free:
             return None
         return self.pool.allocate(need)

@@ -37,7 +37,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -188,14 +188,12 @@ class DecodeScheduler:
             return list(self._active)
 
     def submit(self, job: DecodeJob) -> DecodeJob:
-        if job.kv_tokens and self.pool.pages_for(job.kv_tokens) > self.pool.num_pages:
+        try:
+            self.pool.check_fits(job.kv_tokens)
+        except PoolTooSmallError as exc:
             raise PdllmError(
-                f"the request needs {self.pool.pages_for(job.kv_tokens) * self.pool.page_bytes} bytes of "
-                f"decode KV ({job.kv_tokens} tokens); this worker's KV pool holds "
-                f"{self.pool.num_pages * self.pool.page_bytes} bytes",
-                code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-                request_id=job.request_id,
-            )
+                str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED, request_id=job.request_id
+            ) from exc
         with self._cv:
             if len(self._waiting) >= self.config.max_waiting:
                 raise PdllmError(
