@@ -1,9 +1,11 @@
 """Cross-request batching for the prefill worker.
 
-Concurrent Prefill calls meet in one queue; a single device thread takes what is waiting (up to
+Concurrent Prefill calls meet in one queue; a single batching thread takes what is waiting (up to
 ``max_requests`` requests / ``max_tokens`` context tokens, waiting at most ``wait_s`` for company once
-the first one arrived) and runs the worker's ``prefill_many`` on them: their chunks are prefilled in the
-same batched forwards, then each request is scored and selected. A request cancelled while queued never
+the first one arrived) and runs the batch: their chunks are prefilled in the same batched forwards, then
+each request is scored and selected. The batching thread drives the device itself (the worker's
+``prefill_many``), except in ``serve --role all``, where it hands the batch to the decode scheduler's
+thread and waits. A request cancelled while queued never
 reaches the device; one request's bad input fails only that request.
 """
 
