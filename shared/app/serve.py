@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"
     )
     k.add_argument("--kv-cpu-bytes", type=int, default=_env_default("--kv-cpu-bytes", 2 << 30, int))
+    k.add_argument(
+        "--kv-write-queue-bytes",
+        type=int,
+        default=_env_default("--kv-write-queue-bytes", 1 << 30, int),
+        help="chunk-KV writes to the tier run on a background thread with at most this many bytes queued "
+        "(more are dropped and counted); 0: write on the device thread, waiting for each write",
+    )
     r = p.add_argument_group("router")
     r.add_argument(
         "--discovery", default=_env_default("--discovery", "static"), choices=["static", "kubernetes"]
@@ -147,16 +154,23 @@ def _hostname() -> str:
 
 def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
     from pdllm.shared.kv_tier import CPUStoreConfig, KVMeta, KVTierConfig, RedisStoreConfig, build_kv_store
+    from pdllm.shared.kv_tier.writer import BackgroundKVWriter, KVWriterConfig
     from pdllm.shared.model.loader import DTYPES
 
     if args.kv_url and not args.kv_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"--kv-url must be a redis:// URL, got {args.kv_url!r}")
+    if args.kv_write_queue_bytes < 0:
+        raise ValueError(f"--kv-write-queue-bytes must be >= 0, got {args.kv_write_queue_bytes}")
     meta = KVMeta.from_model_config(model_config, DTYPES[dtype])
-    config = KVTierConfig(
-        cpu=CPUStoreConfig(args.kv_cpu_bytes) if args.kv_cpu_bytes > 0 else None,
-        redis=RedisStoreConfig(args.kv_url) if args.kv_url else None,
+    background = args.kv_write_queue_bytes > 0
+    # Behind the writer every value put is the writer's own host copy, so the CPU tier need not copy again.
+    cpu = CPUStoreConfig(args.kv_cpu_bytes, copy_on_put=not background) if args.kv_cpu_bytes > 0 else None
+    store = build_kv_store(
+        KVTierConfig(cpu=cpu, redis=RedisStoreConfig(args.kv_url) if args.kv_url else None), meta
     )
-    return build_kv_store(config, meta)
+    if not background:
+        return store
+    return BackgroundKVWriter(store, KVWriterConfig(max_pending_bytes=args.kv_write_queue_bytes))
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -199,6 +213,8 @@ def _register_kv_metrics(store: Any, registry: CollectorRegistry) -> None:
     from pdllm.shared.kv_tier.stats import register_kv_metrics
 
     tiers = getattr(store, "tiers", None) or [store]
+    if store not in tiers:  # a background writer in front of the tiers: its drops and queue too
+        tiers = [*tiers, store]
     register_kv_metrics({getattr(t, "name", f"tier{i}"): t for i, t in enumerate(tiers)}, registry)
 
 
@@ -304,12 +320,13 @@ def start(args: argparse.Namespace) -> Deployment:
         server, close = start_router(args, config, load_tokenizer(resolve_model_dir(args.model)))
         return Deployment([server], [close])
     engine, loaded = _engine(args)
+    close_store = engine.store.close  # last: writes the KV the workers queued before they stopped
     if args.role == "prefill":
         server, close = start_prefill(args, config, engine.prefill_worker)
-        return Deployment([server], [close])
+        return Deployment([server], [close, close_store])
     if args.role == "decode":
         server, scheduler = start_decode(args, config, engine.decode_worker)
-        return Deployment([server], [scheduler.close])
+        return Deployment([server], [scheduler.close, close_store])
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
     prefill_config, decode_config = replace(internal, role="prefill"), replace(internal, role="decode")
@@ -329,7 +346,7 @@ def start(args: argparse.Namespace) -> Deployment:
         }
     )
     router, close_router = start_router(args, config, loaded.tokenizer, workers=internal)
-    return Deployment([router, prefill, decode], [close_router, close_prefill, scheduler.close])
+    return Deployment([router, prefill, decode], [close_router, close_prefill, scheduler.close, close_store])
 
 
 def main(argv: list[str] | None = None) -> int:
