@@ -13,8 +13,10 @@ job's event queue.
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
 batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
-after each round, so a long prompt being prefilled delays each decode step by one piece, not by the whole
-prefill (the method's chunks are independent, which makes the pieces natural).
+per iteration while requests are decoding (the method's chunks are independent, which makes the pieces
+natural). With ``overlap_pieces`` (CUDA) a piece runs on its own low-priority stream and the thread does
+not wait for it: the piece's GPU work overlaps the following rounds, whose blocks the GPU schedules
+first, and the next piece is launched once the previous one has finished on the device.
 
 Admission: at most ``max_waiting`` requests wait; beyond that, and for a request larger than the whole KV
 pool, ``submit`` answers RESOURCE_EXHAUSTED (the router retries another worker).
@@ -120,6 +122,11 @@ class DecodeJob:
 class SchedulerConfig:
     max_active: int = 64
     max_waiting: int = 256
+    # CUDA: pieces of foreign work (run_between_rounds) run on their own low-priority stream and the thread
+    # does not wait for them, so a piece's GPU work overlaps the next rounds; False: each piece on the
+    # thread's current stream, in turn with the rounds. Off by default: on an H100 at 16 x 16K it did not
+    # beat taking turns beyond run-to-run noise (benchmarks/results/serving_notes.md).
+    overlap_pieces: bool = False
 
     def __post_init__(self) -> None:
         if self.max_active <= 0 or self.max_waiting < 0:
@@ -169,6 +176,9 @@ class DecodeScheduler:
         cuda = pool.kv.device.type == "cuda"
         self.round_stream = torch.cuda.Stream(pool.kv.device, priority=-1) if cuda else None
         self.build_stream = torch.cuda.Stream(pool.kv.device, priority=0) if cuda else None
+        overlap = cuda and self.config.overlap_pieces
+        self.piece_stream = torch.cuda.Stream(pool.kv.device, priority=0) if overlap else None
+        self._piece_done: torch.cuda.Event | None = None  # the last piece's device work (overlap only)
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -243,8 +253,9 @@ class DecodeScheduler:
 
     def run_between_rounds(self, steps: Steps[T]) -> T:
         """Run another role's device work on this thread (``serve --role all``: the prefill worker's
-        batches, in chunk-sized pieces), one piece after each round while requests are decoding and all of
-        it while none are; blocks the calling thread until it is done and returns its result."""
+        batches, in chunk-sized pieces), at most one piece per iteration while requests are decoding (on
+        CUDA: launched once the previous piece has finished on the device) and all of it while none are;
+        blocks the calling thread until it is done and returns its result."""
         future: Future = Future()
         with self._cv:
             self._foreign.append((steps, future))
@@ -257,8 +268,15 @@ class DecodeScheduler:
                 if not self._foreign:
                     return
                 steps, future = self._foreign[0]
+                decoding = bool(self._waiting or self._building or self._active)
+            if decoding and self._piece_done is not None and not self._piece_done.query():
+                return  # the last piece is still on the device: the rounds go on without waiting for it
             try:
-                next(steps)
+                with self._on(self.piece_stream):
+                    next(steps)
+                    if self.piece_stream is not None:
+                        self._piece_done = torch.cuda.Event()
+                        self._piece_done.record(self.piece_stream)
                 finished = False
             except StopIteration as stop:
                 future.set_result(stop.value)

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--role all: prefill runs between decode rounds in pieces of at most this many chunk tokens "
         "(0: whole batches)",
     )
+    pb.add_argument(
+        "--overlap-pieces",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("--overlap-pieces", False, _env_bool),
+        help="--role all on CUDA: prefill pieces run on a low-priority stream that overlaps the decode rounds "
+        "(default: pieces and rounds take turns)",
+    )
     d = p.add_argument_group("decode")
     d.add_argument(
         "--max-active",
@@ -254,7 +261,7 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, worker: Any) ->
     registry = CollectorRegistry()
     pool = DecodeKVPool.for_model(worker.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, worker.device)))
     forward = round_forward(args, worker.model, pool)
-    scheduling = SchedulerConfig(args.max_active, args.max_waiting)
+    scheduling = SchedulerConfig(args.max_active, args.max_waiting, args.overlap_pieces)
     scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
     servicer = DecodeServicer(worker, scheduler, worker_name=f"decode@{_hostname()}")
     _register_kv_metrics(worker.store, registry)
@@ -332,7 +339,7 @@ def start(args: argparse.Namespace) -> Deployment:
     prefill_config, decode_config = replace(internal, role="prefill"), replace(internal, role="decode")
     decode, scheduler = start_decode(args, decode_config, engine.decode_worker)
     # One device thread: the prefill worker's batches run on the decode scheduler's thread, in pieces of
-    # at most --prefill-piece-tokens between decode rounds (captures then never overlap other device work).
+    # at most --prefill-piece-tokens between decode rounds (no other thread launches work during a capture).
     steps = engine.prefill_worker.prefill_many_steps
     piece = args.prefill_piece_tokens or None
     run_batch = lambda jobs: scheduler.run_between_rounds(steps(jobs, piece))  # noqa: E731
