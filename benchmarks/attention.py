@@ -2,45 +2,75 @@
 retention scores. Writes attention.json, attention.md, attention.png (+ attention_sweep.json with --sweep).
 
     python benchmarks/attention.py --out benchmarks/results [--sweep] [--quick]
+    python benchmarks/attention.py --grid --out benchmarks/results [--budget-s 330] [--table T.json]
     TRITON_INTERPRET=1 python benchmarks/attention.py --smoke --out /tmp/x     # CPU: exercises the code paths
 
 Timing: CUDA-graph replay of R back-to-back calls, each on its own copy of the KV (R chosen so >= 200 MB is
 touched, like consecutive layers of one decode step, so the KV never sits in L2), median of replays / R.
 Every implementation reads the same KV bytes: the selected chunks' K and V plus the local (query+response)
 K and V. Baselines get that KV already gathered into contiguous memory (their best case); split-S reads it
-from a scattered page pool. HBM peak is measured in the same run with a 2 GB device copy.
+from a scattered page pool. HBM peak is measured in the same run with a 2 GB device copy, the dense bf16
+peak with an 8192^3 GEMM (or given by --peak-tflops).
+
+split-S is timed twice: ``split_s_triton`` is what the launcher picks with ``config=None`` (the tuned table's
+entry for this device and shape bucket, else the heuristic; see kernels/split_s_tuning.py) and
+``split_s_default`` the fixed ``SplitSConfig()`` every shape used before. A call's roofline is the larger of
+its KV read time at the HBM peak and its attention FLOPs (4 * B * Lq * Hq * d * S * C) at the GEMM peak.
+--grid runs the issue's table and grid; cells whose KV copies need more than --mem-gb, whose predicted call
+time exceeds --max-call-ms, or that start after --budget-s are recorded under ``decode_skipped``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pdllm.kernels import split_s_tuning
 from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention
 from pdllm.kernels.retention_scores import retention_scores
 from pdllm.kernels.split_s_attention import SplitSConfig, split_s_attention
+from pdllm.kernels.split_s_tuning import call_cost, config_to_dict, predicted_ms, select_config
 
 HQ, HKV, D = 28, 4, 128
 
 
-def time_us(fn: Callable[[], object], reps: int, graph: bool = True) -> tuple[float, str]:
-    """Median microseconds of one ``fn()``; CUDA-graph replay when capturable, else eager events."""
+def time_us(
+    fn: Callable[[], object], reps: int, graph: bool = True, target_s: float | None = None
+) -> tuple[float, str]:
+    """Median microseconds of one ``fn()``; CUDA-graph replay when capturable, else eager events.
+
+    ``target_s``: spend about that long replaying (at least 3 replays, at most ``reps``), with fewer calls
+    per replay for slow ``fn``; the grid's largest cells would otherwise take minutes each.
+    """
     if not torch.cuda.is_available():
         fn()
         return float("nan"), "cpu"
-    for _ in range(3):
+    for _ in range(2 if target_s is not None else 3):
         fn()
     torch.cuda.synchronize()
     n_inner = 5
+    if target_s is not None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        once = max(a.elapsed_time(b) * 1000, 1.0)
+        n_inner = max(1, min(5, math.ceil(2000 / once)))  # >= 2 ms per replay hides the launch
+        reps = max(3, min(reps, int(target_s * 1e6 / (once * n_inner))))
     if graph:
         try:
             s = torch.cuda.Stream()
@@ -85,6 +115,15 @@ def hbm_peak_gbps(dev: str) -> float:
     return 2 * x.numel() / us / 1e3
 
 
+def gemm_peak_tflops(dev: str) -> float:
+    """Dense bf16 GEMM throughput (8192^3, graph replay): the compute roof the FLOP fractions use."""
+    if dev != "cuda":
+        return float("nan")
+    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    us, _ = time_us(lambda: a @ b, reps=20)
+    return 2 * 8192**3 / us / 1e6
+
+
 class DecodeCase:
     """One decode shape: R replicas of a scattered page pool, plus gathered copies for the baselines."""
 
@@ -115,7 +154,14 @@ class DecodeCase:
         self.q_offsets = torch.arange(0, batch * lq + 1, lq, dtype=torch.int32, device=dev)
 
     def split_s(self, cfg: SplitSConfig | None) -> Callable[[], object]:
-        ws = torch.zeros(self.batch * HKV * 64, dtype=torch.int32, device=self.q.device)
+        """All R calls; ``cfg`` None = the launcher's own pick (tuned table, else heuristic), called as the
+        decode service calls it (no counter workspace: a fused-merge pick zeroes its own)."""
+        m_blocks = -(-self.lq * (HQ // HKV) // 16)  # enough counters for any block_m >= 16
+        ws = (
+            None
+            if cfg is None
+            else torch.zeros(self.batch * HKV * m_blocks, dtype=torch.int32, device=self.q.device)
+        )
 
         def fn() -> list[torch.Tensor]:
             return [
@@ -167,64 +213,144 @@ class DecodeCase:
         return fn
 
 
-def decode_rows(shapes: list[tuple[int, int, int, int]], flex_shapes: set, dev: str, dtype: torch.dtype,
-                peak: float, reps: int, cfg: SplitSConfig | None,
-                checkpoint: Callable[[list[dict]], None] | None = None) -> list[dict]:  # fmt: skip
+Shape = tuple[int, int, int, int]  # (batch, Lq, S, C)
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How decode rows are run. ``extra``: also the fused-merge and FA2-varlen columns; ``target_s``: see
+    :func:`time_us`; cells are skipped past ``mem_gb``, ``max_call_ms`` (predicted) and ``budget_s``."""
+
+    reps: int
+    hbm_gbps: float
+    gemm_tflops: float
+    flex_shapes: frozenset[Shape] = frozenset()
+    extra: bool = True
+    target_s: float | None = None
+    mem_gb: float = 40.0
+    max_call_ms: float = float("inf")
+    budget_s: float = float("inf")
+
+
+def cell_cost(shape: Shape, dtype: torch.dtype) -> tuple[float, float, int]:
+    """(attention FLOPs, KV bytes read, replicas R) of one cell."""
+    batch, lq, s, c = shape
+    flops, kv_bytes = call_cost(batch, lq, HQ, HKV, D, s * c, dtype.itemsize)
+    return flops, kv_bytes, max(1, min(16, math.ceil(200e6 / kv_bytes)))
+
+
+def skip_reason(shape: Shape, dtype: torch.dtype, opts: DecodeOptions) -> str | None:
+    """Why a cell is not run (before it is built), or None. Pools + gathered copies: 2 * R * KV bytes."""
+    flops, kv_bytes, reps = cell_cost(shape, dtype)
+    if 2 * reps * kv_bytes > opts.mem_gb * 1e9:
+        return f"KV copies need {2 * reps * kv_bytes / 1e9:.0f} GB > --mem-gb {opts.mem_gb:g}"
+    if predicted_ms(flops, kv_bytes) > opts.max_call_ms:
+        return (
+            f"predicted {predicted_ms(flops, kv_bytes):.1f} ms per call > --max-call-ms {opts.max_call_ms:g}"
+        )
+    return None
+
+
+def _check(fn: Callable[[], object], ref: torch.Tensor, batch: int, lq: int) -> float:
+    out = fn()
+    out = out[0] if isinstance(out, list) else out
+    out = out[0] if isinstance(out, tuple) else out
+    if out.shape != ref.shape:
+        out = out.view(batch, lq, HQ, D).transpose(1, 2)
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def decode_row(
+    shape: Shape, dev: str, dtype: torch.dtype, opts: DecodeOptions, flex: Callable | None
+) -> dict:
+    batch, lq, s, c = shape
+    flops, _, reps = cell_cost(shape, dtype)
+    R = reps if dev == "cuda" else 1
+    page = 64 if dev == "cuda" else 16
+    case = DecodeCase(batch, lq, s, c, page, dev, dtype, R)
+    sel = select_config(torch.device(dev), dtype, lq * (HQ // HKV), s * c + lq, batch * HKV, D, page)
+    picked = sel.config
+    # split_s_triton: config=None, exactly what the decode service gets.
+    impls = {"split_s_triton": case.split_s(None), "sdpa_gathered": case.sdpa()}
+    if picked != SplitSConfig():
+        impls["split_s_default"] = case.split_s(SplitSConfig())
+    if dev == "cuda" and opts.extra:
+        impls["split_s_triton_fused"] = case.split_s(SplitSConfig(fused_merge=True))
+        if 3 * R * case.kv_bytes <= opts.mem_gb * 1e9:  # FA2 varlen needs a third, packed copy
+            impls["flash_varlen_gathered"] = case.flash_varlen()
+    if flex is not None and shape in opts.flex_shapes:
+        impls["flex_vanilla"] = case.flex(flex)
+        impls["flex_split_s"] = case.flex_split_s(flex)
+    row = {"batch": batch, "Lq": lq, "S": s, "C": c, "kv_bytes": case.kv_bytes, "flops": flops, "replicas": R,
+           "config": {"source": sel.source, "bucket": dataclasses.asdict(sel.bucket), **config_to_dict(picked)},
+           "latency_us": {}, "mode": {}}  # fmt: skip
+    ref = case.sdpa()()[0]
+    for name, fn in impls.items():
+        try:
+            err = _check(fn, ref, batch, lq)
+            us, mode = time_us(fn, opts.reps, target_s=opts.target_s)
+            row["latency_us"][name] = us / R
+            row["mode"][name] = mode
+            row.setdefault("rel_err_vs_sdpa", {})[name] = err
+        except Exception as e:  # a baseline that cannot run here is recorded, not fatal
+            row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    lat = row["latency_us"]
+    if "split_s_default" not in impls and "split_s_triton" in lat:
+        lat["split_s_default"] = lat["split_s_triton"]  # the pick is the default: one timing serves both
+    us_eager, _ = time_us(case.split_s(None), opts.reps, graph=False, target_s=opts.target_s)
+    lat["split_s_triton_eager"] = us_eager / R
+    ours, default_us = lat.get("split_s_triton", math.nan), lat.get("split_s_default", math.nan)
+    sdpa = lat.get("sdpa_gathered", math.nan)
+    roof_us = max(case.kv_bytes / opts.hbm_gbps / 1e3, flops / opts.gemm_tflops / 1e6)
+    row.update({
+        "bw_GBps": case.kv_bytes / ours / 1e3,
+        "hbm_fraction": case.kv_bytes / ours / 1e3 / opts.hbm_gbps,
+        "tflops": flops / ours / 1e6,
+        "flop_fraction": flops / ours / 1e6 / opts.gemm_tflops,
+        "roofline_us": roof_us,
+        "roofline_fraction": roof_us / ours,
+        "speedup_vs_sdpa": sdpa / ours,
+        "speedup_vs_sdpa_default": sdpa / default_us,
+        "tuned_vs_default": default_us / ours,
+        "speedup_vs_flex": lat["flex_vanilla"] / ours if "flex_vanilla" in lat else None,
+        "speedup_vs_flash": lat["flash_varlen_gathered"] / ours if "flash_varlen_gathered" in lat else None,
+    })  # fmt: skip
+    print(f"B={batch:2d} Lq={lq:3d} S={s:2d} C={c:4d} {case.kv_bytes / 1e6:7.1f}MB {sel.source}:{picked.block_m}x"
+          f"{picked.block_n}w{picked.num_warps}s{picked.num_stages}  "
+          + "  ".join(f"{k}={v:8.1f}" for k, v in lat.items())
+          + f"  roof={row['roofline_fraction']:.2f} xSDPA={row['speedup_vs_sdpa']:.2f}", flush=True)  # fmt: skip
+    return row
+
+
+def decode_rows(shapes: list[Shape], dev: str, dtype: torch.dtype, opts: DecodeOptions,
+                checkpoint: Callable[[list[dict], list[dict]], None] | None = None
+                ) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Rows for the cells that ran and ``{batch, Lq, S, C, kv_bytes, reason}`` for those skipped."""
     flex = None
-    if flex_shapes and dev == "cuda":
+    if opts.flex_shapes and dev == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
 
         torch._dynamo.config.cache_size_limit = 256
         flex = torch.compile(flex_attention, dynamic=False)
-    rows = []
-    for batch, lq, s, c in shapes:
-        kv_bytes = batch * (s * c + lq) * HKV * D * 4
-        R = max(1, min(16, math.ceil(200e6 / kv_bytes))) if dev == "cuda" else 1
-        case = DecodeCase(batch, lq, s, c, 64 if dev == "cuda" else 16, dev, dtype, R)
-        impls = {"split_s_triton": case.split_s(cfg), "sdpa_gathered": case.sdpa()}
-        if dev == "cuda":
-            impls["split_s_triton_fused"] = case.split_s(SplitSConfig(fused_merge=True))
-        if dev == "cuda":
-            impls["flash_varlen_gathered"] = case.flash_varlen()
-        if flex is not None and (batch, lq, s, c) in flex_shapes:
-            impls["flex_vanilla"] = case.flex(flex)
-            impls["flex_split_s"] = case.flex_split_s(flex)
-        row = {"batch": batch, "Lq": lq, "S": s, "C": c, "kv_bytes": case.kv_bytes, "replicas": R,
-               "latency_us": {}, "mode": {}}  # fmt: skip
-        ref = case.sdpa()()[0]
-        for name, fn in impls.items():
-            try:
-                out = fn()
-                out = out[0] if isinstance(out, list) else out
-                out = out[0] if isinstance(out, tuple) else out
-                if out.shape != ref.shape:
-                    out = out.view(batch, lq, HQ, D).transpose(1, 2)
-                err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                us, mode = time_us(fn, reps)
-                row["latency_us"][name] = us / R
-                row["mode"][name] = mode
-                row.setdefault("rel_err_vs_sdpa", {})[name] = err
-            except Exception as e:  # a baseline that cannot run here is recorded, not fatal
-                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
-        us_eager, _ = time_us(case.split_s(cfg), reps, graph=False)
-        row["latency_us"]["split_s_triton_eager"] = us_eager / R
-        lat = row["latency_us"]
-        ours = lat.get("split_s_triton", float("nan"))
-        row["bw_GBps"] = case.kv_bytes / ours / 1e3
-        row["hbm_fraction"] = row["bw_GBps"] / peak
-        row["speedup_vs_sdpa"] = lat.get("sdpa_gathered", float("nan")) / ours
-        row["speedup_vs_flex"] = lat["flex_vanilla"] / ours if "flex_vanilla" in lat else None
-        row["speedup_vs_flash"] = (
-            lat["flash_varlen_gathered"] / ours if "flash_varlen_gathered" in lat else None
-        )
-        print(f"B={batch:2d} Lq={lq:3d} S={s:2d} C={c:4d} {case.kv_bytes / 1e6:7.1f}MB  "
-              + "  ".join(f"{k}={v:8.1f}" for k, v in lat.items()) + f"  hbm={row['hbm_fraction']:.2f}", flush=True)  # fmt: skip
-        rows.append(row)
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    t0 = time.monotonic()
+    for shape in shapes:
+        reason = skip_reason(shape, dtype, opts)
+        if reason is None and rows and time.monotonic() - t0 > opts.budget_s:  # the first cell always runs
+            reason = f"time budget: --budget-s {opts.budget_s:g} spent"
+        if reason is not None:
+            b, lq, s, c = shape
+            skipped.append({"batch": b, "Lq": lq, "S": s, "C": c, "kv_bytes": int(cell_cost(shape, dtype)[1]),
+                            "reason": reason})  # fmt: skip
+            print(f"skip B={b} Lq={lq} S={s} C={c}: {reason}", flush=True)
+            continue
+        rows.append(decode_row(shape, dev, dtype, opts, flex))
         if checkpoint is not None and len(rows) % 9 == 0:
-            checkpoint(rows)  # a run cut short by its time limit still leaves its rows behind
-        del case
-        torch.cuda.empty_cache() if dev == "cuda" else None
-    return rows
+            checkpoint(rows, skipped)  # a run cut short by its time limit still leaves its rows behind
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows, skipped
 
 
 def _prefill_impls(n: int, c: int, lq: int, dev: str, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -286,24 +412,49 @@ def sweep(dev: str, dtype: torch.dtype, shapes: list[tuple[int, int, int, int]],
     return out
 
 
-def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict]) -> None:
+def _fmt(v: object, spec: str = ".1f") -> str:
+    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def _cfg_label(cfg: dict) -> str:
+    fused = "+fm" if cfg["fused_merge"] else ""
+    return (
+        f"{cfg['source'][0]}:{cfg['block_m']}x{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}{fused}"
+    )
+
+
+def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict], skipped: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    rows = sorted(rows, key=lambda r: (r["batch"], r["Lq"], r["S"], r["C"]))
     (out / "attention.json").write_text(
-        json.dumps({"meta": meta, "decode": rows, "prefill": prefill}, indent=1)
+        json.dumps({"meta": meta, "decode": rows, "decode_skipped": skipped, "prefill": prefill}, indent=1)
     )
     names = sorted({k for r in rows for k in r["latency_us"]})
-    fmt = lambda v: "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+    fmt = _fmt
     lines = [f"# Attention benchmark — {meta['device']}, {meta['date']}", "", f"`{meta['command']}`", "",
-             f"HBM peak (2 GB copy, read+write): {meta['hbm_peak_GBps']:.0f} GB/s. Latency in µs per layer call "
-             f"({meta['dtype']}, {HQ}/{HKV} heads, d={D}, page 64).", "",
-             "| B | Lq | S | C | KV MB | " + " | ".join(names) + " | GB/s | HBM frac | x SDPA | x flex | x flash |",
-             "|" + "---|" * (10 + len(names))]  # fmt: skip
+             f"HBM peak (2 GB copy, read+write): {meta['hbm_peak_GBps']:.0f} GB/s; dense bf16 GEMM peak: "
+             f"{meta['gemm_peak_TFLOPs']:.0f} TFLOP/s ({meta['gemm_peak_source']}). Latency in µs per layer call "
+             f"({meta['dtype']}, {HQ}/{HKV} heads, d={D}, page 64). `split_s_triton`: the launcher's pick "
+             "(config column: t = tuned table, h = heuristic; BLOCK_M x BLOCK_N, warps, stages, +fm = fused "
+             "merge); `split_s_default`: the fixed 64x64w4s2. Roofline = max(KV bytes / HBM peak, "
+             "4·B·Lq·Hq·d·S·C / GEMM peak).", "",
+             "| B | Lq | S | C | KV MB | config | " + " | ".join(names)
+             + " | GB/s | HBM frac | TFLOP/s | FLOP frac | roofline frac | x default | x SDPA | x SDPA (default) "
+             "| x flex | x flash |",
+             "|" + "---|" * (16 + len(names))]  # fmt: skip
     for r in rows:
         lat = r["latency_us"]
         lines.append(f"| {r['batch']} | {r['Lq']} | {r['S']} | {r['C']} | {r['kv_bytes'] / 1e6:.1f} | "
-                     + " | ".join(fmt(lat.get(n)) for n in names)
-                     + f" | {r['bw_GBps']:.0f} | {r['hbm_fraction']:.2f} | {fmt(r['speedup_vs_sdpa'])} | "
-                     f"{fmt(r['speedup_vs_flex'])} | {fmt(r['speedup_vs_flash'])} |")  # fmt: skip
+                     f"{_cfg_label(r['config'])} | " + " | ".join(fmt(lat.get(n)) for n in names)
+                     + f" | {fmt(r['bw_GBps'], '.0f')} | {fmt(r['hbm_fraction'], '.2f')} | {fmt(r['tflops'], '.0f')} | "
+                     f"{fmt(r['flop_fraction'], '.2f')} | {fmt(r['roofline_fraction'], '.2f')} | "
+                     f"{fmt(r['tuned_vs_default'], '.2f')} | {fmt(r['speedup_vs_sdpa'], '.2f')} | "
+                     f"{fmt(r['speedup_vs_sdpa_default'], '.2f')} | {fmt(r['speedup_vs_flex'], '.2f')} | "
+                     f"{fmt(r['speedup_vs_flash'], '.2f')} |")  # fmt: skip
+    if skipped:
+        lines += ["", f"Skipped cells ({len(skipped)}):", ""]
+        lines += [f"- B={r['batch']} Lq={r['Lq']} S={r['S']} C={r['C']} ({r['kv_bytes'] / 1e6:.0f} MB): {r['reason']}"
+                  for r in skipped]  # fmt: skip
     if prefill:
         pn = sorted({k for r in prefill for k in r["latency_us"]})
         lines += ["", "## Chunk prefill and retention scores (µs per layer call)", "",
@@ -314,7 +465,8 @@ def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict]) 
                 + " | ".join(fmt(r["latency_us"].get(n)) for n in pn)
                 + " |"
             )
-    errs = [(r["batch"], r["Lq"], r["S"], r["C"], r["errors"]) for r in rows + prefill if r.get("errors")]
+    errs = [(*(r[k] for k in ("batch", "N", "Lq", "S", "C") if k in r), r["errors"]) for r in rows + prefill
+            if r.get("errors")]  # fmt: skip
     if errs:
         lines += ["", "Errors (implementation could not run):", *[f"- {e}" for e in errs[:10]]]
     (out / "attention.md").write_text("\n".join(lines) + "\n")
@@ -349,14 +501,43 @@ def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict]) 
     fig.savefig(out / "attention.png", dpi=110)
 
 
+# The issue's table (issue 14), then its grid.
+ISSUE_SHAPES: list[Shape] = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 4, 1024), (1, 256, 16, 2048),
+                             (32, 96, 16, 2048)]  # fmt: skip
+ISSUE_GRID: list[Shape] = [
+    (b, lq, s, c) for b in (1, 4, 16, 64) for lq in (32, 96) for s in (4, 16, 64) for c in (256, 1024, 2048)
+]
+
+
+def grid_shapes(dtype: torch.dtype) -> list[Shape]:
+    """The issue's five shapes, then the grid cheapest first (so a spent budget skips the largest)."""
+    rest = [sh for sh in ISSUE_GRID if sh not in ISSUE_SHAPES]
+    return ISSUE_SHAPES + sorted(rest, key=lambda sh: predicted_ms(*cell_cost(sh, dtype)[:2]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a handful of shapes")
+    ap.add_argument("--grid", action="store_true", help="the issue's table + grid (split-S, default, SDPA)")
     ap.add_argument("--sweep", action="store_true", help="time kernel configs first")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument(
+        "--table", type=Path, default=None, help="tuned config table (default: the committed one)"
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="start no decode cell after this (grid: 330)"
+    )
+    ap.add_argument("--max-call-ms", type=float, default=12.0, help="skip cells predicted slower per call")
+    ap.add_argument("--mem-gb", type=float, default=40.0, help="skip cells whose KV copies need more")
+    ap.add_argument(
+        "--peak-tflops", type=float, default=None, help="dense bf16 peak (default: measured GEMM)"
+    )
     a = ap.parse_args(argv)
+    if a.table is not None:
+        os.environ[split_s_tuning.TABLE_ENV] = str(a.table)  # the launcher's own lookup reads it too
+        split_s_tuning.clear_caches()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float16
     grid = [
@@ -375,26 +556,46 @@ def main(argv: list[str] | None = None) -> int:
     }
     prefill_sizes = [(32, 1024), (16, 2048), (64, 512)]
     if a.quick:
-        grid = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 4, 1024), (1, 256, 16, 2048), (32, 96, 16, 2048)]
+        grid = list(ISSUE_SHAPES)
+    if a.grid:
+        grid, flex_shapes = grid_shapes(dtype), set()
     if a.smoke:
         grid, flex_shapes, prefill_sizes = [(1, 16, 2, 32), (2, 16, 1, 64)], set(), [(2, 48)]
+        if a.grid:  # and a cell over --max-call-ms, so the skip path runs too
+            grid.append((64, 96, 64, 2048))
+    table = split_s_tuning.load_table()  # a malformed table fails here, before any timing
     meta = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "torch": torch.__version__, "dtype": str(dtype),
+        "config_table": table.path,
     }  # fmt: skip
+    meta["config_table_entries_for_device"] = sum(d == meta["device"] for d, _ in table.entries)
     meta["hbm_peak_GBps"] = hbm_peak_gbps(dev)
-    print(f"HBM peak {meta['hbm_peak_GBps']:.0f} GB/s on {meta['device']}", flush=True)
-    cfg = SplitSConfig(16, 16) if a.smoke else None
+    measured = gemm_peak_tflops(dev) if a.peak_tflops is None else math.nan
+    meta["gemm_peak_TFLOPs"] = a.peak_tflops if a.peak_tflops is not None else measured
+    meta["gemm_peak_source"] = (
+        "given (--peak-tflops)" if a.peak_tflops is not None else "8192^3 GEMM, same run"
+    )
+    print(f"HBM peak {meta['hbm_peak_GBps']:.0f} GB/s, GEMM {meta['gemm_peak_TFLOPs']:.0f} TFLOP/s on "
+          f"{meta['device']}; table {table.path} ({meta['config_table_entries_for_device']} entries here)",
+          flush=True)  # fmt: skip
     if a.sweep and not a.smoke:
         shapes = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 8, 2048), (1, 256, 4, 1024), (8, 96, 16, 2048)]
         res = sweep(dev, dtype, shapes, a.reps)
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "attention_sweep.json").write_text(json.dumps({"meta": meta, "rows": res}, indent=1))
-    rows = decode_rows(grid, flex_shapes, dev, dtype, meta["hbm_peak_GBps"], a.reps, cfg,
-                       checkpoint=lambda r: write_outputs(a.out, meta, r, []))  # fmt: skip
+    budget = a.budget_s if a.budget_s is not None else (330.0 if a.grid and not a.smoke else math.inf)
+    opts = DecodeOptions(
+        reps=a.reps, hbm_gbps=meta["hbm_peak_GBps"], gemm_tflops=meta["gemm_peak_TFLOPs"],
+        flex_shapes=frozenset(flex_shapes), extra=not a.grid, target_s=0.1 if a.grid else None,
+        mem_gb=a.mem_gb, max_call_ms=a.max_call_ms, budget_s=budget,
+    )  # fmt: skip
+    meta["grid"] = {"budget_s": opts.budget_s, "max_call_ms": opts.max_call_ms, "mem_gb": opts.mem_gb}
+    rows, skipped = decode_rows(grid, dev, dtype, opts,
+                                checkpoint=lambda r, sk: write_outputs(a.out, meta, r, [], sk))  # fmt: skip
     prefill = prefill_rows(dev, dtype, prefill_sizes, 64 if not a.smoke else 16, a.reps)
-    write_outputs(a.out, meta, rows, prefill)
+    write_outputs(a.out, meta, rows, prefill, skipped)
     print((a.out / "attention.md").read_text())
     return 0
 

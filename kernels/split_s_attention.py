@@ -22,6 +22,9 @@ common size; programs are (row block, split, request x KV head). Each writes its
 base-2 log-sum-exp; a second small kernel merges the splits. With one split the first kernel writes the
 final output directly. The split count comes from the work (:func:`plan_splits`), so a batch of one still
 spreads over all SMs. fp32 accumulation throughout; bf16/fp16 (or fp32) inputs.
+
+Tiles, warps, stages and the split policy come per call from ``config``; left None, from the tuned table by
+device name and shape bucket, or a heuristic where the table has no entry (:mod:`.split_s_tuning`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pdllm.kernels.split_s_reference import (
     plan_splits,
     split_s_attention_reference,
 )
+from pdllm.kernels.split_s_tuning import select_config
 
 try:
     import triton
@@ -237,6 +241,9 @@ def split_s_attention(
 ) -> torch.Tensor:
     """Launch the split-S kernel (see the module docstring for layouts).
 
+    ``config`` None: the tuned table's config for this device and shape bucket, else the heuristic's
+    (:func:`pdllm.kernels.split_s_tuning.select_config`, host integers only); an explicit config wins.
+
     ``workspace`` (``config.fused_merge`` only): a zeroed int32 tensor of at least ``B * Hkv * m_blocks``
     counters, reused across calls (the kernel leaves it zeroed); omitted, one is allocated per call.
 
@@ -246,7 +253,6 @@ def split_s_attention(
     if triton is None:
         raise RuntimeError("split_s_attention needs triton; use split_s_attention_reference on this machine")
     check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
-    config = config or SplitSConfig()
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_pages.shape
     g = hq // hkv
@@ -269,6 +275,8 @@ def split_s_attention(
     out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     if total_q == 0 or max_q_len == 0:
         return out
+    if config is None:
+        config = select_config(q.device, q.dtype, max_q_len * g, max_total, batch * hkv, d, page).config
     plan = plan_splits(max_total, batch, hkv, max_q_len * g, config, _num_sms(q.device, config))
     single = plan.num_splits == 1
     if single:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# A 512 x 128 fp32 accumulator alone would fill an SM's whole 256 KB register file.
+MAX_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,21 @@ class SplitSConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if max(self.block_m, self.block_n) > MAX_BLOCK:
+            raise ValueError(f"block_m/block_n must be <= {MAX_BLOCK}, got {self.block_m}/{self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be in 1..6, got {self.num_stages}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         if self.min_split_tokens < 1:
             raise ValueError("min_split_tokens must be >= 1")
+        if self.programs_per_sm <= 0 or self.partial_cost < 0:
+            raise ValueError(
+                f"programs_per_sm must be > 0 and partial_cost >= 0, got {self.programs_per_sm}, "
+                f"{self.partial_cost}"
+            )
 
 
 @dataclass(frozen=True)
@@ -159,8 +172,9 @@ def _gather_request(
     page = k_pages.shape[2]
     n_pages = -(-kv_len // page)
     ids = page_table[b, :n_pages].long()
-    k = k_pages[ids].permute(1, 0, 2, 3).reshape(k_pages.shape[1], n_pages * page, -1)[:, :kv_len]
-    v = v_pages[ids].permute(1, 0, 2, 3).reshape(v_pages.shape[1], n_pages * page, -1)[:, :kv_len]
+    hkv, d = k_pages.shape[1], k_pages.shape[3]  # explicit: a request with no paged KV has 0 pages
+    k = k_pages[ids].permute(1, 0, 2, 3).reshape(hkv, n_pages * page, d)[:, :kv_len]
+    v = v_pages[ids].permute(1, 0, 2, 3).reshape(hkv, n_pages * page, d)[:, :kv_len]
     slot = torch.arange(n_pages * page, device=k.device)
     if page_fill is None:
         valid = torch.ones(n_pages * page, dtype=torch.bool, device=k.device)

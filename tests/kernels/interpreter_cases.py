@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -51,6 +52,134 @@ def case_split_s() -> None:
             for _ in range(2):
                 assert _rel(split_s_attention(*p.args(), config=fused, workspace=ws), want) < tol
                 assert int(ws.abs().sum()) == 0
+
+
+def kernel_variants() -> list[tuple[int, int, bool]]:
+    """Every (block_m, block_n, fused_merge) the tuner can write into the table or the heuristic can pick:
+    the other fields (warps, stages, split policy) do not change what the kernel computes."""
+    from pdllm.kernels.split_s_tuning import ShapeBucket, candidates, heuristic_config
+
+    buckets = [
+        ShapeBucket(rows, 4096, 16, 128, page, "bfloat16") for rows in (16, 32, 256) for page in (16, 64)
+    ]
+    cfgs = [c for b in buckets for c in [*candidates(b), heuristic_config(b)]]
+    return sorted({(c.block_m, c.block_n, c.fused_merge) for c in cfgs})
+
+
+class _Recorder:
+    """Wraps the Triton kernel so a case can see which tiles the launcher really used."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid: tuple) -> Callable[..., object]:  # as triton's kernel[grid](...)
+        def launch(*args: object, **kw: object) -> object:
+            self.calls.append(kw)
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+def case_split_s_configs() -> None:
+    """Each kernel variant at pages 16 and 64 against the reference (same split plan) and the float64 gather:
+    ragged batches (a request with no queries, one with no paged KV), GQA 1/4/7/8, full pages, partial pages,
+    an all-hole page poisoned with garbage, S = 1 and S = 64 chunks, the planner's splits and a single split.
+    Then config=None through a table file: the launcher must run the table's tiles."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from pdllm.kernels import split_s_attention as sa
+    from pdllm.kernels import split_s_tuning as st
+
+    gen = torch.Generator().manual_seed(5)
+    variants = kernel_variants()
+    assert {(128, 32, False), (128, 128, False), (64, 16, False), (16, 64, False), (64, 64, True)} <= set(
+        variants
+    )
+    groups = (1, 4, 7, 8)
+    problems = {}
+    for page in (16, 64):
+        for group in groups:
+            c = page // 8  # S = 64 chunks of c tokens: 64 partial pages
+            p = make_problem(
+                gen, [5, 0, 3, 20, 2], [[page, page, page], [c] * 64, [9], [], [40]], 2, group, 16, page
+            )
+            p.page_fill[0, 1] = 0  # a page of holes only, and garbage in it
+            p.k_pages[p.page_table[0, 1].long()] = 1e4
+            problems[page, group] = p
+    for i, (bm, bn, fused) in enumerate(variants):
+        for page in (16, 64):
+            p = problems[page, groups[(i + page // 16) % 4]]
+            want = sa.naive_attention(*p.args())
+            for splits in (None, 1):
+                cfg = sa.SplitSConfig(block_m=bm, block_n=bn, fused_merge=fused, num_splits=splits, num_sms=4)
+                got = sa.split_s_attention(*p.args(), config=cfg)
+                ref = sa.split_s_attention_reference(*p.args(), config=cfg)
+                assert _rel(got, ref) < 1e-5 and _rel(got, want) < 1e-5, (bm, bn, fused, page, splits)
+        print(f"split_s bm={bm} bn={bn} fused={fused}: pages 16/64 ok")
+
+    # config=None: a table entry for this device ("cpu") and bucket must reach the kernel launch.
+    p = problems[64, 7]
+    lqs = (p.q_offsets[1:] - p.q_offsets[:-1]).tolist()
+    bucket = st.ShapeBucket.of(max(lqs) * 7, int(p.kv_lens.max()) + max(lqs), 5 * 2, 16, 64, p.q.dtype)
+    entry_cfg = sa.SplitSConfig(block_m=128, block_n=32, fused_merge=True, num_warps=8)
+    assert entry_cfg != st.heuristic_config(bucket)
+    table = {"version": 1, "entries": [{"device": "cpu", "bucket": dataclasses.asdict(bucket),
+                                        "config": st.config_to_dict(entry_cfg)}]}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "table.json"
+        path.write_text(json.dumps(table))
+        os.environ[st.TABLE_ENV] = str(path)
+        st.clear_caches()
+        sa._split_s_kernel = rec = _Recorder(sa._split_s_kernel)
+        got = sa.split_s_attention(*p.args())
+        assert _rel(got, sa.naive_attention(*p.args())) < 1e-5
+        launched = rec.calls[-1]
+        assert (launched["BLOCK_M"], launched["BLOCK_N"], launched["FUSED"], launched["num_warps"]) == (
+            128, 32, True, 8), launched  # fmt: skip
+        # An explicit config wins over the table.
+        sa.split_s_attention(*p.args(), config=sa.SplitSConfig(block_m=16, block_n=16))
+        assert (rec.calls[-1]["BLOCK_M"], rec.calls[-1]["BLOCK_N"]) == (16, 16)
+    print("split_s config=None: table entry launched")
+
+
+def case_split_s_tuner() -> None:
+    """The tuner's per-bucket step on a tiny shape (real kernel runs, scripted timings): a candidate replaces
+    the default only when >= 3% faster, a failing candidate is recorded, and the table it writes is what the
+    lookup then returns."""
+    import tempfile
+
+    from pdllm.kernels import split_s_tuning as st
+    from pdllm.kernels.split_s_attention import SplitSConfig
+
+    shape = st.TuneShape(batch=2, lq=3, kv_tokens=40, page=16, hq=8, hkv=2, head_dim=16)
+    rows, kv = 3 * 4, 40 + 3
+    bucket = st.ShapeBucket.of(rows, kv, 2 * 2, 16, 16, torch.float32)
+    fast, broken = SplitSConfig(block_m=128, block_n=32, num_warps=8), SplitSConfig(block_n=128)
+    st.candidates = lambda b: [SplitSConfig(), broken, fast]
+    for speed, want in ((0.9, fast), (0.98, SplitSConfig())):
+        script = iter([100.0, RuntimeError("out of resources: shared memory"), 100.0 * speed])
+
+        def fake_time(fn: Callable[[], object], script: Iterator[float | Exception] = script) -> float:
+            fn()
+            t = next(script)
+            if isinstance(t, Exception):
+                raise t
+            return t
+
+        st.graph_time_us = fake_time
+        entry = st.tune_bucket(shape, bucket, torch.float32, torch.device("cpu"))
+        assert entry["config"] == st.config_to_dict(want) and entry["default_us"] == 100.0, entry
+        assert entry["timings"][1][1] is None and "shared memory" in entry["timings"][1][2]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "t.json"
+            st.write_table(path, [entry])
+            sel = st.select_config(
+                torch.device("cpu"), torch.float32, rows, kv, 4, 16, 16, st.load_table(path)
+            )
+            assert (sel.source, sel.config) == ("table", want), sel
+    print("split_s tuner: winner only when >= 3% faster; failures recorded; table round-trips")
 
 
 def case_retention() -> None:

@@ -105,3 +105,34 @@ def test_bad_inputs_raise_clear_errors() -> None:
         split_s_attention_reference(p.q[..., :12], p.k_pages[..., :12], p.v_pages[..., :12], *p.args()[3:6])
     with pytest.raises(ValueError, match="num_splits"):
         SplitSConfig(num_splits=0)
+
+
+def test_request_without_paged_kv_sees_only_its_local_tokens() -> None:
+    gen = torch.Generator().manual_seed(12)
+    p = make_problem(gen, [3, 2], [[20], []], hkv=2, group=2, head_dim=16, page_size=8)
+    assert p.kv_lens.tolist() == [24, 0]
+    want = naive_attention(*p.args())
+    got = split_s_attention_reference(*p.args(), config=SplitSConfig(block_n=16, num_splits=2))
+    assert _rel(got, want) < 1e-5
+    # Request 1 by hand: its 2 queries over its 2 local tokens, GQA head h*2+j -> KV head h.
+    q, k, v = p.q[3:5].double(), p.k_local[3:5].double(), p.v_local[3:5].double()
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # [2 tokens, Hq, D]
+    att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * 16**-0.5, -1)
+    assert _rel(want[3:5], torch.einsum("hqk,khd->qhd", att, v)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"block_m": 24}, "power of two"),
+        ({"block_n": 512}, "<= 256"),
+        ({"num_warps": 3}, "num_warps"),
+        ({"num_stages": 0}, "num_stages"),
+        ({"programs_per_sm": 0.0}, "programs_per_sm"),
+        ({"partial_cost": -0.1}, "partial_cost"),
+        ({"min_split_tokens": 0}, "min_split_tokens"),
+    ],
+)
+def test_config_validation(bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SplitSConfig(**bad)
