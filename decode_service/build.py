@@ -9,21 +9,28 @@ the masked response. ``chunk-only``: no forward over the chunks at all; the step
 re-rotated from chunk-local to continuous positions (RoPE composes, so rotating by the start offset is
 exact up to rounding), the instruction is encoded alone. Retention scores follow ``shared/reference.py``:
 :class:`RetentionProbe` sums them during the build forward, ``chunk-only`` probes the first decode forward.
+``retention="triton"`` (not the default) sums them with :class:`KernelRetentionProbe` instead: same
+scores, from the flash attention's LSE and ``kernels/retention_scores`` (``benchmarks/prefill_kernels.py``
+times both).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from pdllm.decode_service.attention import SegmentedAttention
+from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.layout import DecodeLayout, Request, keep_top_b
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, sdpa
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
+
+RetentionImpl = Literal["torch", "triton"]
 
 
 @dataclass
@@ -71,6 +78,47 @@ class RetentionProbe:
         return sdpa(q, k, v)
 
 
+@dataclass
+class KernelRetentionProbe:
+    """:class:`RetentionProbe`'s scores without forming the attention matrix: one flash pass gives the output
+    and each row's LSE, then ``retention_scores`` recomputes only the query x key and key x query tiles.
+
+    The kernel takes the query as the suffix of its sequence. The build forward is bidirectional and
+    unmasked, so the order of its rows is free (RoPE is already in q/k): the query rows are moved to the end
+    (full-mask has the masked response after them). Only ``mass[:query.start]`` (instruction + chunks) is
+    filled, the part :func:`_assemble` reads. Triton on CUDA (or under TRITON_INTERPRET=1).
+    """
+
+    query: slice
+    both: bool
+    mass: torch.Tensor
+    # cu_seqlens, query_lens and the row order, made on the first layer (no host->device copy per layer).
+    _consts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(default=None, init=False)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from pdllm.kernels.retention_scores import retention_scores  # triton is optional on CPU installs
+
+        t, start, stop = q.shape[2], self.query.start, self.query.stop
+        if self._consts is None:
+            order = None
+            if stop != t:
+                order = torch.cat([torch.arange(start), torch.arange(stop, t), torch.arange(start, stop)])
+                order = order.to(q.device)
+            cu = torch.tensor([0, t], dtype=torch.int32, device=q.device)
+            self._consts = cu, torch.tensor([stop - start], dtype=torch.int32, device=q.device), order
+        cu, ql, order = self._consts
+        qp, kp, vp = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, H, D] views
+        out, lse = chunk_prefill_attention(qp, kp, vp, cu, return_lse=True, max_seqlen=t)
+        if order is not None:
+            qp, kp, lse = qp[order], kp[order], lse[order]
+        # causal=True only drops the key -> query term; the LSE stays the bidirectional one.
+        scores = retention_scores(
+            qp, kp, cu, ql, lse=lse, causal=not self.both, max_chunk_len=t - stop + start
+        )
+        self.mass[:start] += scores[:start].to(self.mass.dtype)
+        return out.transpose(0, 1)[None]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -100,8 +148,10 @@ def build_static(
     layout: DecodeLayout,
     config: EngineConfig,
     local_segments: Sequence[torch.Tensor] = (),
+    retention: RetentionImpl = "torch",
 ) -> StaticKV:
-    """``local_segments``: step-3 KV of the selected chunks (document order), needed by chunk-only only."""
+    """``local_segments``: step-3 KV of the selected chunks (document order), needed by chunk-only only.
+    ``retention``: how top-B scores are summed in the build forward (chunk-only always probes in torch)."""
     if config.kv_mode == "chunk-only":
         return _chunk_only(model, request, layout, config, local_segments)
     device = next(model.parameters()).device
@@ -116,10 +166,11 @@ def build_static(
     static = _empty(model, s)
     mass = torch.zeros(len(ids), dtype=torch.float64, device=device)
     inner: AttentionBackend = DenseAttention()
-    if config.top_b is not None:
-        inner = RetentionProbe(
-            slice(s, s + q), config.retention_score == "bidirectional", config.retention_block, mass
-        )
+    both = config.retention_score == "bidirectional"
+    if config.top_b is not None and retention == "triton":
+        inner = KernelRetentionProbe(slice(s, s + q), both, mass)
+    elif config.top_b is not None:
+        inner = RetentionProbe(slice(s, s + q), both, config.retention_block, mass)
     tokens = torch.tensor(ids, device=device)[None]
     model.hidden_states(tokens, torch.arange(len(ids), device=device)[None], _Capture(inner, static, s))
     return _assemble(layout, config, static, mass)

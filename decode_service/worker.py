@@ -62,6 +62,7 @@ class DecodeWorker:
         self.decode_attention = decode_attention
         self.cuda_graph = cuda_graph
         self.graph_cache = GraphCache() if cuda_graph else None
+        self._gpu_kernels = HAS_TRITON and self.device.type == "cuda"
 
     @property
     def device(self) -> torch.device:
@@ -74,8 +75,17 @@ class DecodeWorker:
 
         Returns the segments and how many came from the store."""
         cfg = config or self.config
+        # Packed flash varlen beats masked, padded SDPA for bidirectional chunks on an H100 (0.33-0.81x at
+        # C >= 512, benchmarks/results/prefill_kernels.md); for causal ones the padded call is as fast.
+        varlen = self._gpu_kernels and cfg.prefill_attention == "bidirectional"
         kv, stats = chunk_prefill(
-            self.model, chunks, cfg.prefill_attention, cfg.chunk_size, cfg.prefill_batch, self.store
+            self.model,
+            chunks,
+            cfg.prefill_attention,
+            cfg.chunk_size,
+            cfg.prefill_batch,
+            self.store,
+            kernel="varlen" if varlen else "sdpa",
         )
         return [kv.segment(j) for j in range(len(chunks))], stats.hits
 
@@ -87,7 +97,11 @@ class DecodeWorker:
         local: Sequence[torch.Tensor] = (),
     ) -> StaticKV:
         """Step 6: the static decode KV of the selected chunks (``local``: their step-3 KV, chunk-only)."""
-        return build_static(self.model, request, layout, config or self.config, local)
+        cfg = config or self.config
+        # The retention kernel is 3-12x faster than the torch probe for bidirectional scores, and no faster
+        # for query-to-chunk ones (benchmarks/results/prefill_kernels.md).
+        triton = self._gpu_kernels and cfg.retention_score == "bidirectional"
+        return build_static(self.model, request, layout, cfg, local, "triton" if triton else "torch")
 
     def decode(
         self,

@@ -7,19 +7,28 @@ forward. Chunks are forwarded ``prefill_batch`` at a time, right-padded to the l
 at its own positions 0..T-1 with intra-chunk attention only. Under causal attention the padding is
 invisible to real tokens; under bidirectional attention a key mask hides it. Chunks found in the store are copied in
 and never forwarded, so a second question on the same document skips step 3 entirely.
+
+``kernel`` picks the attention of those forwards: "sdpa" (the default: padded SDPA, masked when
+bidirectional) or "varlen" (:class:`~pdllm.shared.model.attention.VarlenAttention`: the packed chunks
+through ``kernels/chunk_prefill_attention``, no padding, no mask); same KV.
+``benchmarks/prefill_kernels.py`` times both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys
-from pdllm.shared.model.attention import AttentionBackend, DenseAttention
+from pdllm.shared.model.attention import AttentionBackend, DenseAttention, VarlenAttention
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.stepwise import Steps, drain
+
+ChunkAttentionKernel = Literal["sdpa", "varlen"]
+CHUNK_ATTENTION_KERNELS = ("sdpa", "varlen")
 
 
 @dataclass
@@ -80,11 +89,12 @@ def chunk_prefill(
     batch: int,
     store: ChunkKVStore | None = None,
     keys: Sequence[str] | None = None,
+    kernel: ChunkAttentionKernel = "sdpa",
 ) -> tuple[ChunkBank, PrefillStats]:
     """KV of every chunk (BOS included) at chunk-local positions; ``attention`` is "causal"/"bidirectional".
 
     ``keys``: the chunks' store keys when the caller has them already (else computed here, with a store)."""
-    return drain(chunk_prefill_steps(model, chunks, attention, chunk_size, batch, store, keys))
+    return drain(chunk_prefill_steps(model, chunks, attention, chunk_size, batch, store, keys, kernel=kernel))
 
 
 @torch.inference_mode()
@@ -97,9 +107,12 @@ def chunk_prefill_steps(
     store: ChunkKVStore | None = None,
     keys: Sequence[str] | None = None,
     max_tokens: int | None = None,
+    kernel: ChunkAttentionKernel = "sdpa",
 ) -> Steps[tuple[ChunkBank, PrefillStats]]:
     """:func:`chunk_prefill` in pieces: yields after each batched forward, which holds at most ``batch``
     chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk)."""
+    if kernel not in CHUNK_ATTENTION_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(CHUNK_ATTENTION_KERNELS)}; got {kernel!r}")
     device = next(model.parameters()).device
     bank = empty_bank(model, [len(c) for c in chunks])
     stats = PrefillStats(chunks=len(chunks))
@@ -122,7 +135,7 @@ def chunk_prefill_steps(
     while a < len(todo):
         size = batch if max_tokens is None else max(1, min(batch, max_tokens // bank.lens[todo[a]]))
         group = todo[a : a + size]
-        _forward_group(model, chunks, group, bank, attention, device)
+        _forward_group(model, chunks, group, bank, attention, device, kernel)
         stats.forwarded += len(group)
         a += size
         if a < len(todo):
@@ -140,7 +153,7 @@ def encode_kv(
     model: DiffusionLM,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    inner: DenseAttention,
+    inner: AttentionBackend,
     bank: ChunkBank,
     rows: slice,
 ) -> None:
@@ -163,6 +176,7 @@ def _forward_group(
     bank: ChunkBank,
     attention: str,
     device: torch.device,
+    kernel: ChunkAttentionKernel,
 ) -> None:
     width = max(bank.lens[i] for i in group)
     tokens = torch.full((len(group), width), model.config.mask_token_id, dtype=torch.long, device=device)
@@ -170,7 +184,10 @@ def _forward_group(
     for row, i in enumerate(group):
         tokens[row, : bank.lens[i]] = torch.as_tensor(chunks[i], device=device)
         valid[row, : bank.lens[i]] = True
-    if attention == "causal":
+    inner: AttentionBackend
+    if kernel == "varlen":
+        inner = VarlenAttention([bank.lens[i] for i in group], width, attention == "causal", device)
+    elif attention == "causal":
         inner = DenseAttention(causal=True)
     else:
         inner = DenseAttention(mask=valid[:, None, None, :].expand(-1, 1, width, -1))

@@ -12,10 +12,12 @@ Shapes: q ``[B, Hq, T, D]``; k, v ``[B, Hkv, T, D]``; output ``[B, Hq, T, D]``. 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
+
+from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention
 
 
 class AttentionBackend(Protocol):
@@ -51,6 +53,52 @@ class DenseAttention:
             t = q.shape[2]
             mask = mask & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         return sdpa(q, k, v, mask=mask, causal=self.causal)
+
+
+@dataclass
+class VarlenAttention:
+    """Row ``b`` of a right-padded batch attends within its first ``lens[b]`` tokens (causally or not) through
+    :func:`~pdllm.kernels.chunk_prefill_attention.chunk_prefill_attention` on the packed tokens, instead of a
+    padded (and, bidirectionally, masked) SDPA: no FLOPs on padding, and no mask that rules out flash.
+
+    Padding rows get a zero output; nothing reads them (the chunk bank keeps each row's first ``lens[b]``
+    tokens, and a later layer's real tokens never see them). Built once per batch: the packing index and
+    ``cu_seqlens`` are reused by every layer, so no call syncs the device.
+    """
+
+    lens: list[int]
+    width: int
+    causal: bool
+    device: torch.device
+    cu_seqlens: torch.Tensor = field(init=False)
+    # Flat [B * width] rows of the real tokens (None: no padding, the packed views are the batch as is).
+    index: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.lens or min(self.lens) <= 0 or max(self.lens) > self.width:
+            raise ValueError(f"need 0 < lens <= width={self.width}, got {self.lens}")
+        lens = torch.tensor(self.lens, dtype=torch.int32)
+        self.cu_seqlens = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(self.device)
+        self.index = None
+        if any(n != self.width for n in self.lens):
+            rows = [torch.arange(n) + b * self.width for b, n in enumerate(self.lens)]
+            self.index = torch.cat(rows).to(self.device)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, hq, t, d = q.shape
+        if (b, t) != (len(self.lens), self.width):
+            raise ValueError(f"built for [{len(self.lens)}, *, {self.width}, *], got q {tuple(q.shape)}")
+        # [B, H, T, D] views of token-major memory (the model's layout): flattening is free.
+        packed = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]
+        if self.index is not None:
+            packed = [x.index_select(0, self.index) for x in packed]
+        out = cast(
+            torch.Tensor,
+            chunk_prefill_attention(*packed, self.cu_seqlens, causal=self.causal, max_seqlen=max(self.lens)),
+        )
+        if self.index is not None:
+            out = q.new_zeros(b * t, hq, d).index_copy_(0, self.index, out)
+        return out.view(b, t, hq, d).transpose(1, 2)
 
 
 @dataclass
