@@ -29,6 +29,7 @@ from pdllm.shared.layout import DecodeLayout, Request, keep_top_b
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, sdpa
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
+from pdllm.shared.stepwise import Steps, drain
 
 RetentionImpl = Literal["torch", "triton"]
 
@@ -141,7 +142,6 @@ def _empty(model: DiffusionLM, n: int) -> torch.Tensor:
     return torch.empty(cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim, dtype=p.dtype, device=p.device)
 
 
-@torch.inference_mode()
 def build_static(
     model: DiffusionLM,
     request: Request,
@@ -152,6 +152,21 @@ def build_static(
 ) -> StaticKV:
     """``local_segments``: step-3 KV of the selected chunks (document order), needed by chunk-only only.
     ``retention``: how top-B scores are summed in the build forward (chunk-only always probes in torch)."""
+    return drain(build_static_steps(model, request, layout, config, local_segments, retention))
+
+
+@torch.inference_mode()
+def build_static_steps(
+    model: DiffusionLM,
+    request: Request,
+    layout: DecodeLayout,
+    config: EngineConfig,
+    local_segments: Sequence[torch.Tensor] = (),
+    retention: RetentionImpl = "torch",
+    layers_per_step: int | None = None,
+) -> Steps[StaticKV]:
+    """:func:`build_static` in pieces of ``layers_per_step`` layers of the build forward (chunk-only: one
+    piece), for a scheduler that runs builds between decode rounds."""
     if config.kv_mode == "chunk-only":
         return _chunk_only(model, request, layout, config, local_segments)
     device = next(model.parameters()).device
@@ -172,7 +187,8 @@ def build_static(
     elif config.top_b is not None:
         inner = RetentionProbe(slice(s, s + q), both, config.retention_block, mass)
     tokens = torch.tensor(ids, device=device)[None]
-    model.hidden_states(tokens, torch.arange(len(ids), device=device)[None], _Capture(inner, static, s))
+    positions = torch.arange(len(ids), device=device)[None]
+    yield from model.hidden_states_steps(tokens, positions, _Capture(inner, static, s), layers_per_step)
     return _assemble(layout, config, static, mass)
 
 

@@ -98,6 +98,10 @@ class DecodeJob:
     build_s: float = 0.0
     build_bytes: int = 0
     cache_stats: tuple[int, int] = (0, 0)
+    # The same build as ``start`` in pieces of N layers (pdllm sessions), for SchedulerConfig.build_pieces;
+    # None: the job's build can only run whole.
+    start_steps: Callable[[int], Steps[StaticDecode]] | None = None
+    build_steps: Steps[StaticDecode] | None = None  # a build being run piece by piece
     built: StaticDecode | DenoiseSession | None = None  # launched build, until it joins the rounds
     built_event: torch.cuda.Event | None = None  # its device work is done (CUDA)
     build_started: float = 0.0
@@ -127,10 +131,14 @@ class SchedulerConfig:
     # thread's current stream, in turn with the rounds. Off by default: on an H100 at 16 x 16K it did not
     # beat taking turns beyond run-to-run noise (benchmarks/results/serving_notes.md).
     overlap_pieces: bool = False
+    # > 0: builds run on the round stream in pieces of this many layers, one piece per iteration while
+    # sessions decode (each round waits for at most one piece); 0: each build runs whole on its own stream,
+    # overlapping the rounds (CUDA), or before the round (CPU).
+    build_pieces: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_active <= 0 or self.max_waiting < 0:
-            raise ValueError("max_active must be positive and max_waiting non-negative")
+        if self.max_active <= 0 or self.max_waiting < 0 or self.build_pieces < 0:
+            raise ValueError("max_active must be positive, max_waiting and build_pieces non-negative")
 
 
 class DecodeScheduler:
@@ -246,6 +254,7 @@ class DecodeScheduler:
             self._retire([j for j in self.active if j.cancelled.is_set()])
             for job in self._take_admissible():
                 self._launch_build(job)
+            self._advance_build_pieces()
             self._join_built()
             with self._on(self.round_stream):
                 self._round()
@@ -312,6 +321,11 @@ class DecodeScheduler:
         """Run a job's build on the build stream (CUDA: queued behind nothing the rounds wait for)."""
         job.build_started = time.perf_counter()
         job.queue_s = job.build_started - job.submitted
+        if self.config.build_pieces and job.start_steps is not None:
+            job.build_steps = job.start_steps(self.config.build_pieces)
+            with self._cv:
+                self._building.append(job)
+            return
         device = self.pool.kv.device
         try:
             with self._on(self.build_stream):
@@ -334,10 +348,39 @@ class DecodeScheduler:
         with self._cv:
             self._building.append(job)
 
+    def _advance_build_pieces(self) -> None:
+        """Pieces mode: one piece of the oldest unfinished build while sessions decode, all of them when
+        none do. Pieces run on the round stream, so a round never overlaps a piece."""
+        while True:
+            with self._cv:
+                pending = [j for j in self._building if j.build_steps is not None]
+                decoding = bool(self._active)
+            if not pending:
+                return
+            job = pending[0]
+            try:
+                with self._on(self.round_stream):
+                    next(job.build_steps)  # type: ignore[arg-type]
+            except StopIteration as stop:
+                built: StaticDecode = stop.value
+                with self._on(self.round_stream):
+                    self.pool.write(job.pages, built.static.tensor())
+                job.built, job.build_steps = built, None
+            except Exception as exc:  # a bad request must not take the worker down
+                job.build_steps = None
+                with self._cv:
+                    self._building.remove(job)
+                self.pool.release(job.pages)
+                job.pages = []
+                job.events.put(exc)
+            if decoding:
+                return
+
     def _join_built(self) -> None:
         """Builds whose device work has finished join the rounds (with nothing to decode, wait for one)."""
         with self._cv:
-            building, idle = list(self._building), not self._active and not self._foreign
+            building = [j for j in self._building if j.build_steps is None]
+            idle = not self._active and not self._foreign
         if not building:
             return
         ready = [j for j in building if j.built_event is None or j.built_event.query()]

@@ -29,6 +29,7 @@ from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
+from pdllm.shared.stepwise import Steps, drain
 
 
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
@@ -52,16 +53,23 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                         "vanilla decode needs context_ids", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
                 start = lambda: self._vanilla_session(request, gen)  # noqa: E731
+                start_steps = None
                 kv_tokens = 0
             else:
                 if not request.chunks:
                     raise PdllmError(
                         "pdllm decode needs at least one chunk", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
-                start = lambda: self._pdllm_session(request, gen, cfg)  # noqa: E731
+                start = lambda: drain(self._pdllm_steps(request, gen, cfg))  # noqa: E731
+                start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, layers)  # noqa: E731
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
             job = DecodeJob(
-                request.request_id, start, termination_event(context), request.stream_partials, kv_tokens
+                request.request_id,
+                start,
+                termination_event(context),
+                request.stream_partials,
+                kv_tokens,
+                start_steps=start_steps,
             )
             self.scheduler.submit(job)
             for event in job.stream():
@@ -79,9 +87,14 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         fn = vanilla_logits_fn(model, prompt, gen.gen_length)
         return DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, prompt.device)
 
-    def _pdllm_session(
-        self, request: wpb.DecodeRequest, gen: GenerationConfig, cfg: EngineConfig
-    ) -> StaticDecode:
+    def _pdllm_steps(
+        self,
+        request: wpb.DecodeRequest,
+        gen: GenerationConfig,
+        cfg: EngineConfig,
+        layers_per_step: int | None = None,
+    ) -> Steps[StaticDecode]:
+        """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece)."""
         chunks = [list(h.token_ids) for h in request.chunks]
         req = Request(
             instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
@@ -92,7 +105,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         if cfg.kv_mode == "chunk-only":
             local, hits = self.worker.chunk_kv(chunks, cfg)
             stats = (hits, len(chunks) - hits)
-        return StaticDecode(req.query, self.worker.build(req, layout, cfg, local), gen, stats)
+        static = yield from self.worker.build_steps(req, layout, cfg, local, layers_per_step)
+        return StaticDecode(req.query, static, gen, stats)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdllm.decode_service.build import build_static
+from pdllm.decode_service.build import build_static_steps
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticPolicy, decode
 from pdllm.decode_service.graphs import GraphCache
 from pdllm.kernels import HAS_TRITON
@@ -24,6 +24,7 @@ from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.layout import DecodeLayout, Request
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
+from pdllm.shared.stepwise import Steps, drain
 
 
 def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
@@ -97,11 +98,23 @@ class DecodeWorker:
         local: Sequence[torch.Tensor] = (),
     ) -> StaticKV:
         """Step 6: the static decode KV of the selected chunks (``local``: their step-3 KV, chunk-only)."""
+        return drain(self.build_steps(request, layout, config, local))
+
+    def build_steps(
+        self,
+        request: Request,
+        layout: DecodeLayout,
+        config: EngineConfig | None = None,
+        local: Sequence[torch.Tensor] = (),
+        layers_per_step: int | None = None,
+    ) -> Steps[StaticKV]:
+        """:meth:`build` in pieces of ``layers_per_step`` layers of its forward."""
         cfg = config or self.config
         # The retention kernel is 3-12x faster than the torch probe for bidirectional scores, and no faster
         # for query-to-chunk ones (benchmarks/results/prefill_kernels.md).
         triton = self._gpu_kernels and cfg.retention_score == "bidirectional"
-        return build_static(self.model, request, layout, cfg, local, "triton" if triton else "torch")
+        retention = "triton" if triton else "torch"
+        return build_static_steps(self.model, request, layout, cfg, local, retention, layers_per_step)
 
     def decode(
         self,

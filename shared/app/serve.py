@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
     d.add_argument(
+        "--build-pieces",
+        type=int,
+        default=_env_default("--build-pieces", 0, int),
+        help="run each new session's KV build between rounds in pieces of this many layers (0: whole "
+        "builds on their own CUDA stream, overlapping the rounds)",
+    )
+    d.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
         default=_env_default("--cuda-graph", None, _env_bool),
@@ -261,7 +268,7 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, worker: Any) ->
     registry = CollectorRegistry()
     pool = DecodeKVPool.for_model(worker.model, KVPoolConfig(_pool_bytes(args.kv_pool_bytes, worker.device)))
     forward = round_forward(args, worker.model, pool)
-    scheduling = SchedulerConfig(args.max_active, args.max_waiting, args.overlap_pieces)
+    scheduling = SchedulerConfig(args.max_active, args.max_waiting, args.overlap_pieces, args.build_pieces)
     scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
     servicer = DecodeServicer(worker, scheduler, worker_name=f"decode@{_hostname()}")
     _register_kv_metrics(worker.store, registry)

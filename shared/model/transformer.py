@@ -20,6 +20,7 @@ from pdllm.kernels import HAS_TRITON
 from pdllm.kernels.rms_norm import rms_norm
 from pdllm.kernels.rope import apply_rope as apply_rope_fused
 from pdllm.kernels.silu_mul import silu_mul_fused
+from pdllm.shared.stepwise import Steps, drain
 
 from .attention import AttentionBackend, DenseAttention
 from .config import ModelConfig, ModelConfigError
@@ -257,14 +258,29 @@ class DiffusionLM(nn.Module):
         attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[B, T, H]``. Default attention: full bidirectional."""
+        return drain(self.hidden_states_steps(input_ids, position_ids, attention))
+
+    def hidden_states_steps(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention: AttentionBackend | None = None,
+        layers_per_step: int | None = None,
+    ) -> Steps[torch.Tensor]:
+        """:meth:`hidden_states` in pieces of ``layers_per_step`` layers (None: one piece), so a long forward
+        can run between other device work (the decode scheduler's builds)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if layers_per_step is not None and layers_per_step <= 0:
+            raise ValueError(f"layers_per_step must be positive, got {layers_per_step}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         attention = attention if attention is not None else DenseAttention()
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            if layers_per_step is not None and i and i % layers_per_step == 0:
+                yield
             x = layer(x, cos, sin, attention)
         return self.model.norm(x)
 

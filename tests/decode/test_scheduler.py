@@ -13,9 +13,17 @@ import grpc
 import pytest
 
 from pdllm.decode_service.rounds import EagerRoundForward
-from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial, SchedulerConfig
+from pdllm.decode_service.scheduler import (
+    DecodeJob,
+    DecodeScheduler,
+    Final,
+    Partial,
+    SchedulerConfig,
+    StaticDecode,
+)
+from pdllm.shared.layout import decode_layout
 from pdllm.shared.rpc.errors import PdllmError
-from tests.decode.helpers import CASES, alone, pool_for, static_decode
+from tests.decode.helpers import CASES, alone, pool_for, prefill, static_decode
 from tests.engine.helpers import model
 
 
@@ -164,3 +172,44 @@ def test_other_device_work_runs_one_piece_per_round_while_requests_decode() -> N
     sched.run_once()
     idle.join(timeout=5)
     assert results == ["p", "q"] and log[-3:] == ["q0", "q1", "q2"]  # nothing decoding: all in one go
+
+
+def _piecewise_job(m, seed: int) -> DecodeJob:  # type: ignore[no-untyped-def]
+    """A job whose build can also run in pieces of N layers (what the decode server hands over)."""
+    case = CASES[seed]
+    engine, sel = prefill(m, case, seed)
+    layout = decode_layout(sel.request, sel.selected, case.gen.gen_length)
+
+    def steps(layers: int):  # type: ignore[no-untyped-def]
+        worker = engine.decode_worker
+        static = yield from worker.build_steps(sel.request, layout, sel.config, (), layers)
+        return StaticDecode(sel.request.query, static, case.gen)
+
+    whole = static_decode(m, case, seed)
+    return DecodeJob(
+        f"p{seed}", lambda: whole, threading.Event(), True, whole.static.num_tokens, start_steps=steps
+    )
+
+
+def test_builds_in_pieces_run_one_piece_per_round_and_answer_exactly() -> None:
+    m = model("dream")  # two layers: build_pieces=1 cuts each build into two pieces
+    sched = _scheduler(m, build_pieces=1)
+    first = sched.submit(_piecewise_job(m, 1))
+    sched.run_once()  # nothing decodes yet: the whole build runs, then the first round
+    assert first.session is not None and first.session.state.steps_taken == 1
+    second = sched.submit(_piecewise_job(m, 0))
+    sched.run_once()  # one piece of the second build, then a round of the first alone
+    assert second.session is None and first.session.state.steps_taken == 2
+    sched.run_once()  # the last piece: the build finishes and joins this round
+    assert second.session is not None and second.session.state.steps_taken == 1
+    assert first.session.state.steps_taken == 3
+    finals = {}
+    while sched.active:
+        sched.run_once()
+        for job in (first, second):
+            for event in _events(job):
+                if isinstance(event, Final):
+                    finals[job.request_id] = event
+    assert finals[first.request_id].result.raw_tokens == alone(m, CASES[1], 1)
+    assert finals[second.request_id].result.raw_tokens == alone(m, CASES[0], 0)
+    assert sched.pool.num_free == sched.pool.num_pages
