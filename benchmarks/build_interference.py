@@ -39,9 +39,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
+from pdllm.decode_service.jobs import DecodeJob, Final, StaticDecode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
-from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, SchedulerConfig, StaticDecode  # noqa: E402
+from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig  # noqa: E402
 from pdllm.decode_service.worker import DecodeWorker  # noqa: E402
 from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402

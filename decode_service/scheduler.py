@@ -26,100 +26,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
-from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps
 
 T = TypeVar("T")
 
 _log = logging.getLogger("pdllm.decode.scheduler")
-
-
-@dataclass
-class Partial:
-    step: int
-    block: int
-    tokens: list[int]  # -1 = still masked
-
-
-@dataclass
-class Final:
-    result: GenerationResult
-    build_s: float
-    queue_s: float
-    peak_bytes: int  # this request's own: its KV pages plus its build's transient memory
-
-
-@dataclass
-class StaticDecode:
-    """A pdllm session to join the batched rounds: its query suffix, built static KV and settings."""
-
-    query: list[int]
-    static: StaticKV
-    gen: GenerationConfig
-    cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
-
-
-Session = BatchSession | DenoiseSession
-
-
-@dataclass
-class DecodeJob:
-    request_id: str
-    # Builds the session's decode KV (StaticDecode) or a session stepped alone (DenoiseSession); runs on
-    # the scheduler thread, which owns the device.
-    start: Callable[[], StaticDecode | DenoiseSession]
-    cancelled: threading.Event
-    stream_partials: bool = True
-    # Static KV tokens the session will hold in the pool (an upper bound; 0: it holds none).
-    kv_tokens: int = 0
-    events: queue.Queue = field(default_factory=queue.Queue)
-    submitted: float = field(default_factory=time.perf_counter)
-    session: Session | None = None
-    pages: list[int] = field(default_factory=list)
-    queue_s: float = 0.0
-    build_s: float = 0.0
-    build_bytes: int = 0
-    cache_stats: tuple[int, int] = (0, 0)
-    # The same build as ``start`` in pieces of N layers (pdllm sessions), for SchedulerConfig.build_pieces;
-    # None: the job's build can only run whole.
-    start_steps: Callable[[int], Steps[StaticDecode]] | None = None
-    build_steps: Steps[StaticDecode] | None = None  # a build being run piece by piece
-    built: StaticDecode | DenoiseSession | None = None  # launched build, until it joins the rounds
-    built_event: torch.cuda.Event | None = None  # its device work is done (CUDA)
-    build_started: float = 0.0
-
-    def stream(self, poll_s: float = 0.5) -> Iterator[Partial | Final]:
-        """Events until the final result; re-raises a failure; stops early if the call was cancelled."""
-        while True:
-            try:
-                event = self.events.get(timeout=poll_s)
-            except queue.Empty:
-                if self.cancelled.is_set():
-                    return
-                continue
-            if isinstance(event, BaseException):
-                raise event
-            yield event
-            if isinstance(event, Final):
-                return
 
 
 @dataclass(frozen=True)

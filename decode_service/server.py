@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from pdllm.decode_service.scheduler import DecodeJob, DecodeScheduler, Final, Partial, StaticDecode
+from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
+from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb

@@ -12,15 +12,9 @@ import threading
 import grpc
 import pytest
 
+from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.rounds import EagerRoundForward
-from pdllm.decode_service.scheduler import (
-    DecodeJob,
-    DecodeScheduler,
-    Final,
-    Partial,
-    SchedulerConfig,
-    StaticDecode,
-)
+from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
 from pdllm.shared.layout import decode_layout
 from pdllm.shared.rpc.errors import PdllmError
 from tests.decode.helpers import CASES, alone, pool_for, prefill, static_decode
