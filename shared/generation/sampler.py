@@ -10,12 +10,27 @@ are kept per step) or with Fast-dLLM's confidence threshold (all predictions abo
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+
+# Sampling temperatures outside this range are refused: beyond it logits / temperature leaves float32's
+# range (tiny values give inf, huge ones inf in the divisor), and no useful setting lies there.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
+
+def temperature_error(temperature: float) -> str | None:
+    """Why ``temperature`` is not accepted (None: it is): 0 for greedy, else within the sampling range."""
+    if temperature == 0.0:
+        return None
+    if not math.isfinite(temperature) or not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        return f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -58,8 +73,8 @@ class GenerationConfig:
             )
         if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if (problem := temperature_error(self.temperature)) is not None:
+            raise ValueError(f"temperature {problem}")
 
 
 def step_schedule(block_length: int, steps_per_block: int) -> list[int]:

@@ -9,8 +9,8 @@ never fails later inside the engine on a parameter.
 
 from __future__ import annotations
 
-import math
 import re
+import unicodedata
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -24,7 +24,7 @@ from pdllm.shared.config import (
     SCORE_MODES,
     EngineConfig,
 )
-from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.generation.sampler import GenerationConfig, temperature_error
 from pdllm.shared.rpc.errors import InvalidRequestError
 
 # Mode choices and defaults come from the engine's configs, so the wire never drifts from the engine.
@@ -153,6 +153,12 @@ class ResolvedRequest:
         return MethodSettings(**{f.name: getattr(self, f.name) for f in fields(MethodSettings)})
 
 
+def is_blank(text: str) -> bool:
+    """True when ``text`` has nothing visible: only whitespace and format characters (zero-width space and
+    joiners, word joiner, byte-order mark: Unicode category Cf)."""
+    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -248,12 +254,8 @@ def resolve_generation(
         if steps > gen_length or (even_split and steps % num_blocks):
             steps = gen_length
     temperature = gen.temperature if gen.HasField("temperature") else defaults.temperature
-    if not math.isfinite(temperature) or temperature < 0.0:
-        _fail(
-            "temperature_range",
-            f"generation.temperature must be a finite number >= 0 (got {temperature})",
-            rid,
-        )
+    if (problem := temperature_error(temperature)) is not None:
+        _fail("temperature_range", f"generation.temperature {problem}", rid)
     seed = gen.seed if gen.HasField("seed") else defaults.seed
     if seed < 0:
         _fail("seed_negative", f"generation.seed must be >= 0 (got {seed})", rid)
@@ -326,10 +328,12 @@ def resolve_generate_request(
         _fail("request_id_chars", "request_id may only contain letters, digits and . _ : -", "")
     for field in ("context", "question", "instruction"):
         check_text(field, getattr(req, field))
-    if not req.context.strip():
-        _fail("empty_context", "context must not be empty", rid)
-    if not req.question.strip():
-        _fail("empty_question", "question must not be empty", rid)
+    if is_blank(req.context):
+        _fail("empty_context", "context must not be empty (or only whitespace and invisible characters)", rid)
+    if is_blank(req.question):
+        _fail(
+            "empty_question", "question must not be empty (or only whitespace and invisible characters)", rid
+        )
     prompt_bytes = sum(len(getattr(req, f).encode("utf-8")) for f in ("instruction", "context", "question"))
     if prompt_bytes > limits.max_prompt_bytes:
         _fail(

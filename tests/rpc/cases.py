@@ -40,6 +40,9 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
     ("empty_context", _set("context", ""), "context must not be empty"),
     ("empty_context", _set("context", " \n\t "), "context must not be empty"),
     ("empty_question", _set("question", ""), "question must not be empty"),
+    # only zero-width space / non-joiner / joiner, word joiner, BOM: nothing visible
+    ("empty_question", _set("question", "\u200b\u200c\u200d\u2060\ufeff"), "question must not be empty"),
+    ("empty_context", _set("context", " \u200b\n\ufeff "), "context must not be empty"),
     ("prompt_too_large", _set("context", "x" * 70_000), "limit is 65536"),
     ("nul_character", _set("question", "what\x00is"), "NUL"),
     ("request_id_too_long", _set("request_id", "r" * 129), "at most 128"),
@@ -56,8 +59,20 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
     ("threshold_range", _set("generation.threshold", 0.0), "threshold must be in (0, 1]"),
     ("threshold_range", _set("generation.threshold", 1.5), "threshold must be in (0, 1]"),
     ("threshold_range", _set("generation.threshold", float("nan")), "threshold must be in (0, 1]"),
-    ("temperature_range", _set("generation.temperature", -0.1), "temperature must be a finite number >= 0"),
-    ("temperature_range", _set("generation.temperature", float("inf")), "temperature must be a finite"),
+    (
+        "temperature_range",
+        _set("generation.temperature", -0.1),
+        "temperature must be 0 (greedy) or in [0.0001, 10000]",
+    ),
+    (
+        "temperature_range",
+        _set("generation.temperature", float("inf")),
+        "temperature must be 0 (greedy) or in",
+    ),
+    # finite but extreme: logits / temperature would leave float32 (these reached the device as INTERNAL)
+    ("temperature_range", _set("generation.temperature", 1e308), "temperature must be 0 (greedy) or in"),
+    ("temperature_range", _set("generation.temperature", 3.5e38), "temperature must be 0 (greedy) or in"),
+    ("temperature_range", _set("generation.temperature", 5e-324), "temperature must be 0 (greedy) or in"),
     ("seed_negative", _set("generation.seed", -3), "seed must be >= 0"),
     ("unknown_method", _set("method.method", "beam"), "method.method 'beam' is not supported"),
     ("unknown_kv_mode", _set("method.kv_mode", "half-mask"), "expected one of full-mask, chunk-query"),
