@@ -39,7 +39,11 @@ def encode_prompt(
         raise ValueError("question is empty")
 
     def enc(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+        # User text is text: "[MASK]" typed in a question must not become the mask token (special tokens
+        # come only from the prompt template and chunking).
+        if not text:
+            return []
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     return PromptIds(
         instruction=enc(instruction or ""),
