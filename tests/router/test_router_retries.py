@@ -30,7 +30,9 @@ PDLLM = {"method": "pdllm", "gen_length": 4, "steps": 2, "block_length": 4, "chu
 class ByteTokenizer:
     eos_token_id = 0
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False
+    ) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
