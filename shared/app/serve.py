@@ -366,9 +366,13 @@ def start(args: argparse.Namespace) -> Deployment:
 def main(argv: list[str] | None = None) -> int:
     from pdllm.shared.rpc.logs import configure_json_logging
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure_json_logging()
-    deployment = start(args)
+    try:
+        deployment = start(args)
+    except ValueError as exc:  # a bad flag value or a taken port: one line, not a traceback
+        parser.exit(2, f"pdllm serve: error: {exc}\n")
     public = deployment.servers[0]
     metrics = f", metrics on port {public.metrics_port}" if public.metrics_port else ""
     # One write call: print() writes the text and the newline apart, and a log line from another thread

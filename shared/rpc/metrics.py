@@ -118,6 +118,13 @@ class MetricsEndpoint:
 
 
 def start_metrics_endpoint(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
-    """Serve `registry` at http://host:port/metrics (port 0 picks a free port)."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    """Serve `registry` at http://host:port/metrics (port 0 picks a free port); a port that cannot be bound
+    raises ValueError naming the flag (two roles on one machine both default to 9400)."""
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ValueError(
+            f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+            "give each process its own port, or -1 for no metrics endpoint"
+        ) from exc
     return MetricsEndpoint(server=server, thread=thread)
