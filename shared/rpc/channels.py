@@ -9,12 +9,19 @@ import grpc
 
 from pdllm.shared.rpc.server import ServerConfig
 
+RECONNECT_BACKOFF_MAX_MS = 2000
+
 
 def worker_channel_factory(config: ServerConfig) -> Callable[[str], grpc.Channel]:
     """Router -> worker channels: same token and TLS as the public side (workers check them too)."""
     options = [
         ("grpc.max_receive_message_length", config.max_receive_message_bytes),
         ("grpc.max_send_message_length", config.max_send_message_bytes),
+        # gRPC's reconnect backoff grows to 120 s by default: a worker that was down two minutes would wait
+        # up to a minute after it serves again before the health checks could reach it.
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     ]
 
     def factory(address: str) -> grpc.Channel:

@@ -176,3 +176,30 @@ def test_static_discovery_and_flag_parsing() -> None:
         discovery_from_flags("static", {"prefill_workers": "p:1", "decode_workers": None})
     with pytest.raises(DiscoveryError, match="thresholds"):
         WorkerPool(role="decode", config=HealthCheckConfig(unhealthy_threshold=0))
+
+
+def test_a_worker_back_after_a_long_outage_rejoins_within_seconds() -> None:
+    """The router's channels cap gRPC's reconnect backoff (default: growing to 120 s), so after a 30 s
+    outage the worker is routable again within 5 s of serving, not after the channel's next retry."""
+    from pdllm.shared.rpc.channels import worker_channel_factory
+    from pdllm.shared.rpc.server import ServerConfig
+
+    worker = start_worker()
+    port = int(worker.address.rsplit(":", 1)[1])
+    pool = WorkerPool(
+        "prefill", HealthCheckConfig(interval_s=0.25, timeout_s=0.5), worker_channel_factory(ServerConfig())
+    )
+    pool.set_members(frozenset({worker.address}))
+    pool.start()
+    try:
+        assert wait_until(lambda: pool.healthy() == (worker.address,), 5)
+        worker.server.stop(None)
+        assert wait_until(lambda: pool.healthy() == (), 5)
+        time.sleep(30)  # long enough for the default backoff to reach ~15-25 s between attempts
+        back = start_worker(port)
+        started = time.monotonic()
+        assert wait_until(lambda: pool.healthy() == (worker.address,), 15)
+        assert time.monotonic() - started <= 5.0
+        back.server.stop(None)
+    finally:
+        pool.stop()
