@@ -170,13 +170,18 @@ class RedisStore:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
-        raw_values = pipe.execute()
+        # Per-key errors (WRONGTYPE: something else wrote another Redis type there) come back as values, so
+        # one bad key is repaired like a corrupt value instead of failing the whole read as "backend down".
+        raw_values = pipe.execute(raise_on_error=False)
         pending: list[_Pending] = []
         bad: list[tuple[str, int]] = []
         for index, (key, raw) in enumerate(zip(keys, raw_values)):
             if raw is None:
                 continue
-            if raw[:4] == MAGIC:
+            if isinstance(raw, Exception):
+                self._stats.add(corrupt=1)
+                bad.append((key, 0))
+            elif raw[:4] == MAGIC:
                 results[index] = self._decode(key, raw, bad, parts=0)
             elif raw[:4] == MANIFEST_MAGIC and not isinstance(manifest := _parse_manifest(raw), str):
                 pending.append(_Pending(index, key, *manifest))
@@ -197,9 +202,11 @@ class RedisStore:
         for item in pending:
             for part in range(item.parts):
                 pipe.get(part_key(item.key, part))
-        replies = iter(pipe.execute())
+        replies = iter(pipe.execute(raise_on_error=False))
         for item in pending:
-            chunks = [next(replies) for _ in range(item.parts)]
+            chunks = [
+                None if isinstance(r, Exception) else r for r in (next(replies) for _ in range(item.parts))
+            ]
             buffer = self._assemble(item, chunks)
             if buffer is None:
                 self._stats.add(corrupt=1)

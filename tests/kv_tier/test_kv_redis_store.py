@@ -114,6 +114,23 @@ def test_damaged_part_is_a_miss(redis_server: str, client: redis.Redis, damage: 
     assert store.stats().corrupt == 1
 
 
+def test_a_key_of_another_redis_type_is_repaired_and_the_other_keys_still_hit(
+    redis_server: str, client: redis.Redis
+) -> None:
+    store = make_store(redis_server)
+    small, large = chunk_kv(meta(), 3), chunk_kv(meta(), 40, seed=1)  # one value, one split into parts
+    store.put_many([("ok", small), ("wrong", small), ("parted", large)])
+    client.delete("wrong")
+    client.rpush("wrong", b"x")  # WRONGTYPE for GET
+    client.delete(part_key("parted", 1))
+    client.sadd(part_key("parted", 1), b"y")
+    got = store.get_many(["ok", "wrong", "parted"])
+    assert bitwise_equal(got[0], small) and got[1:] == [None, None]
+    assert store.stats().corrupt == 2 and store.healthy()
+    assert client.exists("wrong", part_key("parted", 1)) == 0  # deleted, so the next put rewrites them
+    assert store.put_many([("wrong", small)]) == 1 and bitwise_equal(store.get_many(["wrong"])[0], small)
+
+
 def test_garbage_under_the_key_is_corrupt(redis_server: str, client: redis.Redis) -> None:
     store = make_store(redis_server)
     client.set("k", b"not a chunk")
