@@ -366,7 +366,10 @@ class DecodeScheduler:
             assert session is not None
             if job.stream_partials:
                 state = session.state
-                job.events.put(Partial(state.steps_taken, state.block, session.partial()))
+                # After its last step a state points past its last block; the partial names the block it
+                # denoised (generation.proto: "block being denoised").
+                block = min(state.block, state.config.num_blocks - 1)
+                job.events.put(Partial(state.steps_taken, block, session.partial()))
             if session.done:
                 peak = len(job.pages) * self.pool.page_bytes + job.build_bytes
                 job.events.put(Final(session.result(), job.build_s, job.queue_s, peak))

@@ -52,12 +52,17 @@ def test_every_active_request_advances_in_each_round_and_answers_exactly() -> No
         (event,) = _events(job)
         assert isinstance(event, Partial) and event.step == 1
     finals = {}
+    blocks: dict[str, list[int]] = {job.request_id: [] for job in jobs}
     while sched.active:
         sched.run_once()
         for job in jobs:
             for event in _events(job):
                 if isinstance(event, Final):
                     finals[job.request_id] = event
+                else:
+                    blocks[job.request_id].append(event.block)
+    for job, case in zip(jobs, CASES, strict=True):  # partials name the block denoised, never one past it
+        assert blocks[job.request_id] and max(blocks[job.request_id]) < case.gen.num_blocks
     longest = max(job.session.state.steps_taken for job in jobs)  # type: ignore[union-attr]
     assert sched.rounds == longest  # one forward per round, not one per request
     for seed, (job, case) in enumerate(zip(jobs, CASES, strict=True)):
