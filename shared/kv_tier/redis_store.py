@@ -117,6 +117,7 @@ class RedisStore:
         self._stats = StatsRecorder()
         self._state_lock = threading.Lock()
         self._failed_at: float | None = None
+        self._refusing = False  # the last put reached Redis and every value was refused
 
     # ------------------------------------------------------------------ availability
     def _available(self) -> bool:
@@ -131,9 +132,12 @@ class RedisStore:
             self._stats.add(errors=1)
 
     def healthy(self) -> bool:
-        """False while Redis is known to be failing; probes it again once ``retry_after_s`` has passed."""
+        """False while Redis is known to be failing, or refused every value of the last put (out of memory);
+        probes it again once ``retry_after_s`` has passed."""
         with self._state_lock:
-            failed_at = self._failed_at
+            failed_at, refusing = self._failed_at, self._refusing
+        if refusing:  # until a put succeeds again
+            return False
         if failed_at is None:
             return True
         return self._available() and self.ping()
@@ -255,6 +259,8 @@ class RedisStore:
                 [(key, encode(tensor, self.meta, key)) for key, tensor in items]
             )
             self._mark(ok)
+            with self._state_lock:  # reachable but storing nothing (e.g. OOM under maxmemory): unhealthy
+                self._refusing = ok and stored == 0
         else:
             for key, tensor in items:  # a caller's bad tensor is its bug, reported even while Redis is down
                 problem = self.meta.layout_error(tuple(tensor.shape), tensor.dtype)

@@ -133,3 +133,25 @@ def test_prometheus_export_matches_stats(redis_server: str) -> None:
     assert b'pdllm_kv_corrupt_total{tier="redis"} 0.0' in generate_latest(registry)
     with pytest.raises(ValueError, match="Duplicated"):
         register_kv_metrics({"redis": store}, registry)
+
+
+def test_redis_refusing_every_put_is_unhealthy_until_a_put_succeeds() -> None:
+    import redis
+
+    with RedisServer(RedisServerConfig(max_memory="2mb")) as server:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("maxmemory-policy", "noeviction")  # full: writes fail with OOM, nothing evicted
+        store = RedisStore(RedisStoreConfig(url=server.url, part_bytes=4096, retry_after_s=RETRY_S), meta())
+        refused = False
+        for start in range(0, 2000, 10):
+            items = [(f"k{i}", chunk_kv(meta(), 32, seed=i)) for i in range(start, start + 10)]
+            if store.put_many(items) == 0:
+                refused = True
+                break
+        assert refused and store.stats().errors == 0  # reachable, just refusing
+        assert not store.healthy()
+        assert store.get_many(["k0"])[0] is not None  # reads still answer
+        client.config_set("maxmemory", "0")  # room again
+        assert store.put_many([("again", chunk_kv(meta(), 3))]) == 1
+        assert store.healthy()
+        client.close()
