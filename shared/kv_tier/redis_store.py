@@ -13,6 +13,7 @@ timeout per request while it is down); then the next call tries again, and the p
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -38,6 +39,7 @@ _MANIFEST = struct.Struct("<4sHIQQI")  # magic, version, parts, total bytes, par
 MAX_PARTS = 1 << 16
 _BACKEND_ERRORS = (redis.RedisError, OSError) if redis is not None else (OSError,)
 MiB = 1 << 20
+_log = logging.getLogger("pdllm.kv_tier.redis")
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,11 @@ class RedisStore:
 
     def _delete(self, bad: list[tuple[str, int]]) -> None:
         # A corrupt value left in place would look present to contains_many() and never be rewritten.
+        _log.warning(
+            "kv tier: %d corrupt chunk-KV value(s) in Redis deleted (they will be recomputed): %s",
+            len(bad),
+            ", ".join(key for key, _ in bad[:5]) + (" ..." if len(bad) > 5 else ""),
+        )
         names = [name for key, parts in bad for name in (key, *(part_key(key, i) for i in range(parts)))]
         self._client.delete(*names)
 

@@ -85,7 +85,7 @@ def _flip(client: redis.Redis, name: str, offset: int) -> None:
 
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_flipped_byte_is_a_counted_miss_and_is_deleted(
-    redis_server: str, client: redis.Redis, tokens: int
+    redis_server: str, client: redis.Redis, tokens: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = make_store(redis_server)
     store.put_many([("k", chunk_kv(meta(), tokens)), ("ok", chunk_kv(meta(), tokens, seed=1))])
@@ -97,6 +97,9 @@ def test_flipped_byte_is_a_counted_miss_and_is_deleted(
     assert (stats.corrupt, stats.hits, stats.misses) == (1, 1, 1)
     assert client.exists("k") == 0 and not client.keys("k:part:*")  # next prefill rewrites it
     assert store.contains_many(["k"]) == [False]
+    assert any(
+        "corrupt" in r.getMessage() and "k" in r.getMessage() for r in caplog.records
+    )  # not only a counter
 
 
 @pytest.mark.parametrize("damage", ["truncate", "drop", "extend"])
