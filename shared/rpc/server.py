@@ -196,6 +196,24 @@ class RpcServer:
             self.stop()
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1_handler(service_names: tuple[str, ...]) -> grpc.GenericRpcHandler:
+    """Server reflection under its v1 name (current grpcurl and other clients try v1 first). grpcio-reflection
+    ships only v1alpha; the two protocols are the same messages in another package, identical on the wire,
+    so the v1alpha servicer answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    servicer = reflection.ReflectionServicer(service_names)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method})
+
+
 def build_server(
     config: ServerConfig, services: list[ServiceSpec], registry: CollectorRegistry | None = None
 ) -> RpcServer:
@@ -236,15 +254,14 @@ def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(spec.name for spec in services)
     if config.reflection:
-        reflection.enable_server_reflection(
-            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-        )
+        listed = (*names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
+        reflection.enable_server_reflection(listed, server)
+        server.add_generic_rpc_handlers((_reflection_v1_handler(listed),))
     address = _address(config.host, config.port)
     if credentials is not None:
         port = server.add_secure_port(address, credentials)
     else:
         port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind gRPC server to {address}")
+    if port == 0:  # ValueError: `serve` reports it as one line naming the flag
+        raise ValueError(f"--port {config.port}: could not bind the gRPC server to {address} (in use?)")
     return RpcServer(config, server, port, health_servicer, names, admission, metrics, registry)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
@@ -62,20 +62,27 @@ def test_answers_and_reports_health_per_service(start_server: StartServer) -> No
         assert client.health("pdllm.v1.Generation") == "NOT_SERVING"
 
 
-def test_reflection_lists_and_describes_services(start_server: StartServer) -> None:
+@pytest.mark.parametrize("version", ["v1alpha", "v1"])
+def test_reflection_lists_and_describes_services(start_server: StartServer, version: str) -> None:
     server, _ = start_server()
     with grpc.insecure_channel(server.address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        # v1 and v1alpha are the same messages in two packages (identical on the wire): one client for both.
+        info = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
         requests = [
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol="pdllm.v1.Generation"),
         ]
-        listed, described = list(stub.ServerReflectionInfo(iter(requests), timeout=5))
+        listed, described = list(info(iter(requests), timeout=5))
     names = {s.name for s in listed.list_services_response.service}
     assert {
         "pdllm.v1.Generation",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     } <= names
     files = [
         descriptor_pb2.FileDescriptorProto.FromString(raw)
