@@ -40,7 +40,7 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.convert import generation_params, method_params
 from pdllm.shared.rpc.errors import PdllmError
-from pdllm.shared.rpc.logs import bind_request_id
+from pdllm.shared.rpc.logs import bind_request_id, current_request_id
 from pdllm.shared.rpc.validation import (
     RequestDefaults,
     ResolvedRequest,
@@ -121,7 +121,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         """One request's events; ``stream`` asks the decode worker for partial outputs (GenerateStream)."""
         started = time.perf_counter()
         resolved = resolve_generate_request(request, self.limits, self.defaults)
-        rid = resolved.request_id or new_request_id()
+        # The server interceptor already bound an id for a request that has none (its log lines carry it).
+        rid = resolved.request_id or current_request_id() or new_request_id()
         with bind_request_id(rid), self._admission(rid):
             ids = encode_prompt(self.tokenizer, resolved.context, resolved.question, resolved.instruction)
             gen, method = generation_params(resolved), method_params(resolved)

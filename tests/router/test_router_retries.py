@@ -214,3 +214,36 @@ def test_unary_generate_asks_for_no_partials(cluster: Cluster) -> None:
     assert events[0].partial.text == "48"
     streamed = events[-1].final.trace.timings
     assert 0 < streamed.ttft_s <= streamed.total_s
+
+
+def test_a_request_without_an_id_has_one_id_everywhere(cluster: Cluster) -> None:
+    """The id the router's logs carry (bound by the server interceptor), the one the workers get and the
+    one in the response are the same when the client sends none."""
+    import logging
+
+    from pdllm.shared.rpc.logs import current_request_id
+
+    seen: list[str | None] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(current_request_id())
+
+    handler = Record()
+    loggers = [logging.getLogger(name) for name in ("pdllm.router", "pdllm.rpc")]  # router + its interceptor
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    cluster.decodes[0].mode = "busy"  # the router logs a warning while it handles the request
+    try:
+        with cluster.client() as client:
+            reply = client.generate(CONTEXT, QUESTION, **PDLLM)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+    rid = reply.request_id
+    assert rid and seen and set(seen) == {rid}
+    assert cluster.prefills[0].requests[0].request_id == rid
+    assert {r.request_id for d in cluster.decodes for r in d.requests} == {rid}
