@@ -7,8 +7,9 @@ Each session holds K * (C + 1) static tokens (random KV written into the decode 
 full-mask build would leave it), a ``--query``-token question and a ``--gen``-token response decoded in
 ``--gen`` steps. For each number of active sessions the whole generation runs as batched rounds
 (``decode_round``): eager (op by op, split-S kernel) and CUDA-graphed (``GraphedRoundForward``; a first
-generation captures the buckets, a second one is timed). ``round_ms`` = wall time of a generation / its
-rounds. The baseline is the engine's own single-request decode step (``decode`` with the split-S kernel
+generation captures the buckets, a second one is timed), with the sessions' default sampler (greedy: on
+the device; ``decode_sampler.py`` compares it with the host-side one). ``round_ms`` = wall time of a
+generation / its rounds. The baseline is the engine's own single-request decode step (``decode`` with the split-S kernel
 and one captured CUDA graph), measured in the same run: ``single_step_ms``. Writes ``decode_rounds.{json,md}``
 and a profile of one eager round at 16 sessions (``decode_rounds_profile.txt``).
 """
@@ -48,18 +49,32 @@ def static_kv(model, tokens: int, seed: int) -> torch.Tensor:  # type: ignore[no
     return torch.randn(shape, generator=gen, device=p.device, dtype=p.dtype)
 
 
-def sessions(model, pool, n: int, static: torch.Tensor, query: list[int], gen: GenerationConfig):  # type: ignore[no-untyped-def]
+def sessions(
+    model,
+    pool,
+    n: int,
+    static: torch.Tensor,
+    query: list[int],
+    gen: GenerationConfig,
+    device_sampler: bool = True,
+):  # type: ignore[no-untyped-def]
     out = []
     for _ in range(n):
         pages = pool.reserve(static.shape[3])
         pool.write(pages, static)
-        out.append(BatchSession.start(model, query, static.shape[3], static.shape[3], pages, gen))
+        s = static.shape[3]
+        out.append(BatchSession.start(model, query, s, s, pages, gen, device_sampler=device_sampler))
     return out
 
 
-def generation(forward, model, pool, n, static, query, gen, device) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    """Seconds and rounds for ``n`` sessions decoded together from start to end (pages returned)."""
-    active = sessions(model, pool, n, static, query, gen)
+def generation(
+    forward, model, pool, n, static, query, gen, device, device_sampler: bool = True, keep=None
+) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Seconds and rounds for ``n`` sessions decoded together from start to end (pages returned);
+    ``keep``: a list that receives the sessions."""
+    active = sessions(model, pool, n, static, query, gen, device_sampler)
+    if keep is not None:
+        keep += active
     every = list(active)
     sync(device)
     t, rounds = time.perf_counter(), 0

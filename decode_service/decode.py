@@ -97,9 +97,12 @@ def decode(
     progress: bool = False,
     cuda_graph: bool = False,
     graph_cache: GraphCache | None = None,
+    device_sampler: bool = True,
 ) -> GenerationResult:
     """``cuda_graph``: replay one captured step (step-invariant policies only; eager off CUDA).
-    ``graph_cache``: reuse captured steps across requests (default policy in buffer/triton mode only)."""
+    ``graph_cache``: reuse captured steps across requests (default policy in buffer/triton mode only).
+    ``device_sampler`` (with ``cuda_graph``, greedy requests): unmask on the device after each replay
+    (:meth:`GraphedStep.denoise`) instead of on the host between replays."""
     device = next(model.parameters()).device
     gen.validate()
     policy = policy or StaticPolicy()
@@ -113,6 +116,8 @@ def decode(
         else:
             policy.begin(static, local.shape[0])
             graphed = GraphedStep(model, policy.backend(0, local), local, positions, q)
+        if device_sampler and gen.temperature == 0:
+            return graphed.denoise(gen, model.config.mask_token_id, model.config.eos_token_id, progress)
         return denoise(
             gen,
             model.config.mask_token_id,

@@ -7,6 +7,13 @@ step; only the response token ids change. With a step-invariant attention backen
 per-kernel launch cost that otherwise dominates a ~5 ms memory-bound step. Logits are computed for all
 response rows inside the graph and the masked rows picked afterwards (row-wise identical math).
 
+Greedy requests then never leave the device (:meth:`GraphedStep.denoise`): a second, small graph per block
+length replays :class:`~pdllm.shared.generation.device_sampler.DeviceUnmasker` (prediction, top-k or
+threshold, token update, block / EOS bookkeeping) on the forward's logits and writes the next step's
+input tokens in place. A step is two graph launches and no host sync; the host reads one flag only where
+the schedule cannot tell whether the request is done (threshold mode: every step; EOS stop: at the end of
+each non-final block), and the tokens once at the end.
+
 :class:`GraphCache` keeps captured steps by shape (static KV tokens, query start, local tokens): a later
 request with the same shape copies its static KV and query into the captured buffers and replays, so it
 pays neither the capture nor its warm-up forwards. On CPU the same objects run eagerly (no capture), which
@@ -16,11 +23,15 @@ keeps the reload logic testable.
 from __future__ import annotations
 
 import gc
+import time
 from collections import OrderedDict
 
 import torch
+from tqdm import tqdm
 
 from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention
+from pdllm.shared.generation.device_sampler import DeviceUnmasker
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, trim_response
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -45,6 +56,9 @@ class GraphedStep:
         self.backend = backend
         self.rows = torch.arange(query_len, local.shape[0], device=local.device)[None]
         self.graph: torch.cuda.CUDAGraph | None = None
+        # unmasking graphs by (block length, mask id, EOS id), captured on first use
+        self._unmaskers: dict[tuple[int, int, int | None], tuple[DeviceUnmasker, torch.cuda.CUDAGraph | None]]
+        self._unmaskers = {}
         if local.device.type != "cuda":
             return
         stream = torch.cuda.Stream(device=local.device)
@@ -77,6 +91,69 @@ class GraphedStep:
             return self._step()[at]
         self.graph.replay()
         return self.logits[at]
+
+    def _unmasker(
+        self, block: int, mask_id: int, eos_id: int | None
+    ) -> tuple[DeviceUnmasker, torch.cuda.CUDAGraph | None]:
+        key = (block, mask_id, eos_id)
+        if key in self._unmaskers:
+            return self._unmaskers[key]
+        response = self.local[self.query_len :]
+        unmasker = DeviceUnmasker(response.shape[0], block, mask_id, eos_id, self.local.device)
+        graph = None
+        if self.graph is not None:
+            device = self.local.device
+            saved = response.clone()
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                unmasker.step(self.logits, response)  # warm-up outside the capture; undone below
+            torch.cuda.current_stream(device).wait_stream(stream)
+            response.copy_(saved)
+            graph = torch.cuda.CUDAGraph()
+            gc.collect()
+            gc.disable()
+            try:
+                # reads the forward graph's logits and writes its input tokens: one pool, replayed in turn
+                with torch.cuda.graph(graph, pool=self.graph.pool()):
+                    unmasker.step(self.logits, response)
+            finally:
+                gc.enable()
+        self._unmaskers[key] = (unmasker, graph)
+        return unmasker, graph
+
+    def denoise(
+        self, gen: GenerationConfig, mask_id: int, eos_id: int | None, progress: bool = False
+    ) -> GenerationResult:
+        """Decode a greedy request whose response in the local buffer is all [MASK]: every step the
+        forward and :class:`DeviceUnmasker` run on the device (replayed graphs on CUDA, eagerly
+        elsewhere); token for token what :func:`~pdllm.shared.generation.sampler.denoise` gives with this
+        step as its logits function."""
+        unmasker, graph = self._unmasker(gen.block, mask_id, eos_id)
+        unmasker.reset(gen)
+        response = self.local[self.query_len :]
+        most, checks = unmasker.checks_after(gen)
+        start = time.perf_counter()
+        with tqdm(
+            total=most, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False
+        ) as bar:
+            for step in range(most):
+                if self.graph is None:
+                    unmasker.step(self._step(), response)
+                else:
+                    self.graph.replay()
+                    graph.replay()  # type: ignore[union-attr]
+                bar.update(1)
+                if step in checks and bool(unmasker.finished):
+                    break
+            tokens = response.tolist()
+            steps = int(unmasker.steps_taken)
+        return GenerationResult(
+            token_ids=trim_response(tokens, eos_id, mask_id),
+            raw_tokens=tokens,
+            steps=steps,
+            decode_seconds=time.perf_counter() - start,
+        )
 
 
 def _reloadable(mode: str, static: torch.Tensor, local_len: int) -> BufferedAttention | PagedSplitSAttention:

@@ -27,6 +27,7 @@ import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.rounds import PackedRound, PagedBatchAttention
+from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.transformer import DiffusionLM
 
 
@@ -110,18 +111,27 @@ class CapturedRound:
     def __call__(self, packed: PackedRound) -> torch.Tensor:
         s = self.shape
         t, b = len(packed.ids), len(packed.kv_lens)
-        self.ids[:t].copy_(torch.tensor(packed.ids))
-        self.positions[:t].copy_(torch.tensor(packed.positions))
+        device = self.ids.device
         offsets = packed.q_offsets + [t] * (s.batch - b)  # padded sessions: no query rows
-        self.q_offsets.copy_(torch.tensor(offsets, dtype=torch.int32))
-        self.kv_lens.copy_(torch.tensor(packed.kv_lens + [0] * (s.batch - b), dtype=torch.int32))
-        self.page_table.copy_(packed.table(s.batch, s.pages))
+        ints = torch.cat(
+            [
+                torch.tensor(offsets + packed.kv_lens + [0] * (s.batch - b), dtype=torch.int32),
+                packed.table(s.batch, s.pages).flatten(),
+            ]
+        )
+        ints = to_device(ints, torch.int32, device)
+        self.q_offsets.copy_(ints[: s.batch + 1])
+        self.kv_lens.copy_(ints[s.batch + 1 : 2 * s.batch + 1])
+        self.page_table.copy_(ints[2 * s.batch + 1 :].view(s.batch, s.pages))
+        longs = to_device(packed.positions + packed.ids + packed.rows, torch.long, device)
+        self.positions[:t].copy_(longs[:t])
+        self.ids[:t].copy_(longs[t : 2 * t] if packed.device_ids is None else packed.device_ids)
         if self.graph is None:
             hidden = self._forward()
         else:
             self.graph.replay()
             hidden = self.hidden
-        rows = torch.tensor(packed.rows).to(self.ids.device)
+        rows = longs[2 * t :] if packed.device_rows is None else packed.device_rows
         return self.model.logits_from_hidden(hidden, rows[None])[0]
 
 

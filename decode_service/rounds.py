@@ -5,21 +5,30 @@ pages), its own query + response tokens at its own positions, its own block, ste
 A round packs all sessions' local tokens into one ragged row: the GEMMs see every session's rows at once
 (a decode step is weight-bound, so many sessions cost little more than one), attention is one varlen
 split-S call per layer over all sessions' page tables (:class:`PagedBatchAttention`), the LM head runs
-only on the rows still masked in each session's current block, and :func:`predict_many` turns all those
-logits into predictions with one copy to the host. The per-session unmasking (top-k / threshold on the
-CPU-resident :class:`~pdllm.shared.generation.sampler.DenoiseState`) then costs no device sync.
+only on the rows still masked in each session's current block.
+
+Greedy sessions keep their response on the device (:class:`~pdllm.shared.generation.device_state.
+DeviceDenoiseState`): one :class:`~pdllm.shared.generation.device_state.DeviceBatch` per round finds their
+masked rows, places their tokens into the forward's input and unmasks from the logits, all on the device;
+their schedule, hence every shape of the round, is known on the host, so a round of them reads nothing
+back (except threshold sessions and EOS checks at block ends) and the host can pack the next round while
+the device runs this one. Sampled sessions (and any, with ``device_sampler=False``) keep the host-side
+:class:`~pdllm.shared.generation.sampler.DenoiseState`: :func:`predict_many` turns their logits into
+predictions with one copy to the host per round, and each applies its own top-k / threshold on the CPU.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.kernels.split_s_reference import split_s_attention_reference
+from pdllm.shared.generation.device_sampler import to_device
+from pdllm.shared.generation.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -35,8 +44,9 @@ class BatchSession:
     query_start: int
     kv_tokens: int
     pages: list[int]
-    state: DenoiseState
-    seconds: float = 0.0  # wall time of the rounds it took part in
+    state: DenoiseState | DeviceDenoiseState
+    # host wall time of the rounds it took part in (device sessions: up to when the round was queued)
+    seconds: float = 0.0
 
     @classmethod
     def start(
@@ -47,22 +57,33 @@ class BatchSession:
         kv_tokens: int,
         pages: list[int],
         gen: GenerationConfig,
+        device_sampler: bool = True,
     ) -> BatchSession:
-        state = DenoiseState(gen, model.config.mask_token_id, model.config.eos_token_id, "cpu")
+        """``device_sampler``: a greedy session keeps its response and unmasking on the model's device."""
+        mask_id, eos_id = model.config.mask_token_id, model.config.eos_token_id
+        state: DenoiseState | DeviceDenoiseState
+        if device_sampler and gen.temperature == 0:
+            state = DeviceDenoiseState(gen, mask_id, eos_id, next(model.parameters()).device)
+        else:
+            state = DenoiseState(gen, mask_id, eos_id, "cpu")
         return cls(list(query), query_start, kv_tokens, list(pages), state)
 
     @property
     def done(self) -> bool:
         return self.state.done
 
+    def _tokens(self) -> list[int]:
+        state = self.state
+        return state.host_tokens() if isinstance(state, DeviceDenoiseState) else state.tokens.tolist()
+
     def partial(self) -> list[int]:
-        """Response slots so far, -1 where still masked."""
-        return [-1 if t == self.state.mask_id else t for t in self.state.tokens.tolist()]
+        """Response slots so far, -1 where still masked (a device session waits for its last round)."""
+        return [-1 if t == self.state.mask_id else t for t in self._tokens()]
 
     def result(self) -> GenerationResult:
         return GenerationResult(
             token_ids=self.state.result(),
-            raw_tokens=self.state.tokens.tolist(),
+            raw_tokens=self._tokens(),
             steps=self.state.steps_taken,
             decode_seconds=self.seconds,
         )
@@ -109,7 +130,11 @@ class PagedBatchAttention:
 @dataclass
 class PackedRound:
     """Host-side packing of one round: ``ids``/``positions`` ``[T]``, ``rows`` (masked rows into the packed
-    tokens, shifted logits applied later by the model), per-session row ``counts`` and attention metadata."""
+    tokens, shifted logits applied later by the model), per-session row ``counts`` and attention metadata.
+
+    Device sessions' response tokens and rows are known only on the device: ``ids`` hold [MASK] and
+    ``rows`` -1 in their place, and ``device_ids`` / ``device_rows`` (set by :func:`decode_round`) are
+    the complete ``ids`` / ``rows`` on the device, which a forward then uses instead."""
 
     ids: list[int]
     positions: list[int]
@@ -118,18 +143,29 @@ class PackedRound:
     q_offsets: list[int]
     page_table: list[list[int]]
     kv_lens: list[int]
+    starts: list[int] = field(default_factory=list)  # each session's response position 0 in ``ids``
+    device_ids: torch.Tensor | None = None
+    device_rows: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, sessions: list[BatchSession]) -> PackedRound:
         out = cls([], [], [], [], [0], [], [])
         for s in sessions:
-            masked = s.state.positions()
-            local = s.query + s.state.tokens.tolist()
             base = out.q_offsets[-1]
+            start = base + len(s.query)
+            state = s.state
+            if isinstance(state, DeviceDenoiseState):
+                local = s.query + [state.mask_id] * state.config.gen_length
+                rows = [-1] * state.masked
+            else:
+                masked = state.positions()
+                local = s.query + state.tokens.tolist()
+                rows = (masked + start).tolist()
             out.ids += local
             out.positions += range(s.query_start, s.query_start + len(local))
-            out.rows += (masked + base + len(s.query)).tolist()
-            out.counts.append(int(masked.numel()))
+            out.rows += rows
+            out.counts.append(len(rows))
+            out.starts.append(start)
             out.q_offsets.append(base + len(local))
             out.page_table.append(s.pages)
             out.kv_lens.append(s.kv_tokens)
@@ -159,16 +195,17 @@ class EagerRoundForward:
         b, t = len(packed.kv_lens), len(packed.ids)
         width = max(len(p) for p in packed.page_table)
         table = packed.table(b, width).flatten()
-        ints = torch.cat([torch.tensor(packed.q_offsets + packed.kv_lens, dtype=torch.int32), table]).to(
-            device
-        )
+        ints = torch.cat([torch.tensor(packed.q_offsets + packed.kv_lens, dtype=torch.int32), table])
+        ints = to_device(ints, torch.int32, device)
         q_offsets, kv_lens, page_table = (
             ints[: b + 1],
             ints[b + 1 : 2 * b + 1],
             ints[2 * b + 1 :].view(b, width),
         )
-        longs = torch.tensor([*packed.ids, *packed.positions, *packed.rows]).to(device)
+        longs = to_device([*packed.ids, *packed.positions, *packed.rows], torch.long, device)
         ids, positions, rows = longs[:t], longs[t : 2 * t], longs[2 * t :]
+        ids = ids if packed.device_ids is None else packed.device_ids
+        rows = rows if packed.device_rows is None else packed.device_rows
         attention = PagedBatchAttention(
             self.pool.kv, page_table, kv_lens, q_offsets, packed.max_q_len, max(packed.kv_lens), self.kernel
         )
@@ -180,17 +217,59 @@ RoundForward = Callable[[PackedRound], torch.Tensor]
 
 
 @torch.inference_mode()
-def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> list[torch.Tensor]:
-    """One denoising step of every session in one ``forward``; returns each session's newly unmasked
-    response positions (CPU). Finished sessions must not be passed."""
+def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> None:
+    """One denoising step of every session in one ``forward``. Finished sessions must not be passed.
+
+    Device sessions are stepped without reading the device back where their schedule tells the host
+    everything (:meth:`~pdllm.shared.generation.device_state.DeviceDenoiseState.needs_readback`); host
+    sessions cost one copy of their predictions to the host."""
     if not sessions:
-        return []
+        return
     start = time.perf_counter()
     packed = PackedRound.pack(sessions)
+    on_device = [i for i, s in enumerate(sessions) if isinstance(s.state, DeviceDenoiseState)]
+    on_host = [i for i, s in enumerate(sessions) if isinstance(s.state, DenoiseState)]
+    spans = [0]
+    for n in packed.counts:
+        spans.append(spans[-1] + n)
+    batch = None
+    if on_device:
+        states = [s.state for s in sessions if isinstance(s.state, DeviceDenoiseState)]
+        batch = DeviceBatch(states, [packed.starts[i] for i in on_device])
+        packed.device_ids, packed.device_rows = _device_inputs(packed, sessions, on_device, batch, spans)
     logits = forward(packed)
-    predictions = predict_many(logits, [s.state for s in sessions], packed.counts)
-    picked = [s.state.apply(*p) for s, p in zip(sessions, predictions, strict=True)]
+    if batch is not None:
+        batch.apply(logits if not on_host else logits.index_select(0, _rows_of(on_device, spans, logits)))
+    if on_host:
+        own = logits if not on_device else logits.index_select(0, _rows_of(on_host, spans, logits))
+        host_states = [s.state for s in sessions if isinstance(s.state, DenoiseState)]
+        predictions = predict_many(own, host_states, [packed.counts[i] for i in on_host])
+        for state, p in zip(host_states, predictions, strict=True):
+            state.apply(*p)
     elapsed = time.perf_counter() - start
     for s in sessions:
         s.seconds += elapsed
-    return picked
+
+
+def _rows_of(which: list[int], spans: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Indices, into a round's ``rows``, of the sessions ``which``."""
+    return to_device([r for i in which for r in range(spans[i], spans[i + 1])], torch.long, like.device)
+
+
+def _device_inputs(
+    packed: PackedRound,
+    sessions: list[BatchSession],
+    on_device: list[int],
+    batch: DeviceBatch,
+    spans: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's ``ids`` and ``rows`` on the device, device sessions' tokens and masked rows in place."""
+    device = batch.tokens.device
+    slots = [packed.starts[i] + j for i in on_device for j in range(sessions[i].state.config.gen_length)]
+    ids = to_device(packed.ids, torch.long, device)
+    ids.index_copy_(0, to_device(slots, torch.long, device), batch.tokens)
+    if len(on_device) == len(sessions):
+        return ids, batch.rows
+    rows = to_device(packed.rows, torch.long, device)
+    rows.index_copy_(0, _rows_of(on_device, spans, rows), batch.rows)
+    return ids, rows

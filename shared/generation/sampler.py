@@ -6,6 +6,9 @@ how it computes logits for the masked response positions. What to unmask next is
 either with LLaDA/Dream's fixed schedule (low-confidence remasking: the top-k most confident predictions
 are kept per step) or with Fast-dLLM's confidence threshold (all predictions above tau, at least one).
 :func:`denoise` is the loop that drives a state with any logits function.
+
+This CPU-steppable state is the specification; ``device_sampler`` runs the same decision as device ops
+(greedy only) and is tested token for token against it. Ties in confidence go to the lower position.
 """
 
 from __future__ import annotations
@@ -135,7 +138,9 @@ class DenoiseState:
             k = min(self._schedule[self.step_in_block], positions.shape[0])
             if self.step_in_block == len(self._schedule) - 1:
                 k = positions.shape[0]
-            chosen = torch.topk(confidence, k).indices
+            # A stable sort, not topk: topk's tie order is implementation-defined (it differs between CPU
+            # and CUDA and between sizes), and the device path must reproduce this choice exactly.
+            chosen = torch.sort(confidence, descending=True, stable=True).indices[:k]
         else:
             chosen = (confidence > self.config.threshold).nonzero().flatten()
             if chosen.numel() == 0:
@@ -158,12 +163,32 @@ class DenoiseState:
 
     def result(self) -> list[int]:
         """The response ids, trimmed at the first EOS (and at the first still-masked token)."""
-        out: list[int] = []
-        for t in self.tokens.tolist():
-            if t == self.eos_id or t == self.mask_id:
-                break
-            out.append(t)
-        return out
+        return trim_response(self.tokens.tolist(), self.eos_id, self.mask_id)
+
+
+def trim_response(tokens: list[int], eos_id: int | None, mask_id: int) -> list[int]:
+    """``tokens`` up to (not including) the first EOS or still-masked slot."""
+    out: list[int] = []
+    for t in tokens:
+        if t in (eos_id, mask_id):
+            break
+        out.append(t)
+    return out
+
+
+def greedy_predictions(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(confidence, token) per row of ``logits``, on its device: the most probable token other than
+    [MASK] and its softmax probability in float32. Row-wise, so any subset of rows gives the same values."""
+    logits = logits.to(torch.float32, copy=True)
+    # Predicting [MASK] would leave the position masked and stall the schedule.
+    logits[:, mask_id] = float("-inf")
+    return torch.softmax(logits, dim=-1).max(dim=-1)
+
+
+def _sampling_probs(logits: torch.Tensor, mask_id: int, temperature: float) -> torch.Tensor:
+    logits = logits.to(torch.float32, copy=True)
+    logits[:, mask_id] = float("-inf")
+    return torch.softmax(logits / temperature, -1)
 
 
 def predict_many(
@@ -185,10 +210,8 @@ def predict_many(
         bounds.append(bounds[-1] + n)
     if bounds[-1] != logits.shape[0]:
         raise ValueError(f"counts add up to {bounds[-1]} rows, logits have {logits.shape[0]}")
-    logits = logits.to(torch.float32, copy=True)
-    # Predicting [MASK] would leave the position masked and stall the schedule.
-    logits[:, mask_ids.pop()] = float("-inf")
-    confidence, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    mask_id = mask_ids.pop()
+    confidence, tokens = greedy_predictions(logits, mask_id)
     # one copy: vocabulary ids are exact in float32 (< 2**24)
     host = torch.stack([confidence, tokens.to(torch.float32)]).cpu()
     out = [(host[1, a:b].long(), host[0, a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -196,7 +219,7 @@ def predict_many(
     if sampled:
         probs = torch.cat(
             [
-                torch.softmax(logits[bounds[i] : bounds[i + 1]] / states[i].config.temperature, -1)
+                _sampling_probs(logits[bounds[i] : bounds[i + 1]], mask_id, states[i].config.temperature)
                 for i in sampled
             ]
         ).cpu()

@@ -15,6 +15,7 @@ from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
+from tests.model.helpers import tiny_model
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,26 @@ def static_decode(m: DiffusionLM, case: Case, seed: int) -> StaticDecode:
     return StaticDecode(sel.request.query, engine.build(sel, case.gen), case.gen)
 
 
-def session(m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int) -> BatchSession:
+def session(
+    m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int, device_sampler: bool = True
+) -> BatchSession:
     built = static_decode(m, case, seed)
     pages = pool.reserve(built.static.num_tokens)
     assert pages is not None
     pool.write(pages, built.static.tensor())
     s = built.static
-    return BatchSession.start(m, built.query, s.query_start, s.num_tokens, pages, case.gen)
+    return BatchSession.start(
+        m, built.query, s.query_start, s.num_tokens, pages, case.gen, device_sampler=device_sampler
+    )
+
+
+def eos_model(family: str) -> DiffusionLM:
+    """A tiny model whose LM head makes EOS the prediction at some response positions (so requests stop
+    early): EOS's row is a scaled copy of a token's row that wins at some of them."""
+    m = tiny_model(family)
+    with torch.no_grad():
+        m.lm_head.weight[m.config.eos_token_id] = m.lm_head.weight[50 if family == "dream" else 70] * 1.3
+    return m
 
 
 def pool_for(m: DiffusionLM, pages: int = 64, page_size: int = 16) -> DecodeKVPool:

@@ -9,6 +9,7 @@ import torch
 
 from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape, eighths, pow2
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
+from pdllm.shared.generation.device_state import DeviceBatch
 from tests.decode.helpers import CASES, alone, pool_for, session
 from tests.engine.helpers import model
 from tests.interpreter import run_under_interpreter
@@ -45,14 +46,21 @@ def test_round_with_one_session_equals_alone_and_rows_cover_masked_positions() -
     m = model("dream")
     pool = pool_for(m)
     case = CASES[1]
-    s = session(m, pool, case, 1)
-    packed = PackedRound.pack([s])
-    q = len(s.query)
-    assert packed.rows == [q + p for p in range(case.gen.block)]  # first block, all masked
-    assert packed.positions[0] == s.query_start and len(packed.ids) == q + case.gen.gen_length
-    while not s.done:
-        decode_round(EagerRoundForward(m, pool, "torch"), [s])
-    assert s.state.tokens.tolist() == alone(m, case, 1)
+    for device_sampler in (False, True):
+        s = session(m, pool, case, 1, device_sampler)
+        packed = PackedRound.pack([s])
+        q = len(s.query)
+        first_block = [q + p for p in range(case.gen.block)]  # all masked
+        if device_sampler:  # the rows are found on the device
+            assert packed.rows == [-1] * case.gen.block
+            assert DeviceBatch([s.state], packed.starts).rows.tolist() == first_block  # type: ignore[list-item]
+        else:
+            assert packed.rows == first_block
+        assert packed.positions[0] == s.query_start and len(packed.ids) == q + case.gen.gen_length
+        while not s.done:
+            decode_round(EagerRoundForward(m, pool, "torch"), [s])
+        assert s.state.tokens.tolist() == alone(m, case, 1)
+        pool.release(s.pages)
 
 
 def test_shape_buckets_pad_little_and_reuse_graphs() -> None:
