@@ -6,7 +6,8 @@ the first one arrived) and runs the batch: their chunks are prefilled in the sam
 each request is scored and selected. The batching thread drives the device itself (the worker's
 ``prefill_many``), except in ``serve --role all``, where it hands the batch to the decode scheduler's
 thread and waits. A request cancelled while queued never
-reaches the device; one request's bad input fails only that request.
+reaches the device; one cancelled while its batch runs stops being scored, and a batch whose requests
+are all cancelled stops before its next forward. One request's bad input fails only that request.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdllm.prefill_service.worker import PrefillJob, Selection
 
-PrefillMany = Callable[[list[PrefillJob]], list[Selection | ValueError]]
+PrefillMany = Callable[[list[PrefillJob]], list[Selection | Exception]]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class PrefillBatcher:
     def submit(self, job: PrefillJob, cancelled: threading.Event) -> tuple[Selection, float]:
         """Run ``job`` in the next batch; returns its selection and the seconds it waited in the queue.
 
-        Raises ValueError for the job's bad input, ``CancelledError`` when cancelled while queued."""
+        Raises ValueError for the job's bad input, ``CancelledError`` when cancelled before it finished."""
         pending = _Pending(job, cancelled)
         self._queue.put(pending)
         return pending.future.result()
@@ -109,7 +110,8 @@ class PrefillBatcher:
                 continue
             started = time.perf_counter()
             try:
-                results = self._prefill_many([p.job for p in live])
+                # Each job carries its caller's cancellation: the worker stops work nobody waits for.
+                results = self._prefill_many([replace(p.job, cancelled=p.cancelled) for p in live])
             except Exception as exc:  # a device failure fails the whole batch, never hangs callers
                 for p in live:
                     p.future.set_exception(exc)
@@ -117,7 +119,7 @@ class PrefillBatcher:
             if self._on_batch is not None:
                 self._on_batch(len(live))
             for p, res in zip(live, results):
-                if isinstance(res, ValueError):
+                if isinstance(res, Exception):  # its bad input, or its caller cancelled it
                     p.future.set_exception(res)
                 else:
                     p.future.set_result((res, started - p.arrived))

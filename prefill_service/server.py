@@ -78,7 +78,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             try:
                 sel, queue_s = self.batcher.submit(job, cancelled)
             except CancelledError as exc:
-                raise PdllmError("cancelled while queued", code=grpc.StatusCode.CANCELLED) from exc
+                raise PdllmError("prefill cancelled by the caller", code=grpc.StatusCode.CANCELLED) from exc
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
         self.chunks.labels("hit").inc(sel.trace.cache_hits)

@@ -10,15 +10,17 @@ in-process engine (``pdllm.shared.app.engine``) hands to its decode phase.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from concurrent.futures import CancelledError
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pdllm.prefill_service.scoring import score_chunks
 from pdllm.prefill_service.trace import MemoryMeter, Trace
-from pdllm.shared.chunk_prefill import ChunkBank, chunk_prefill_steps
+from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped, chunk_prefill_steps
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys, position_scheme
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
@@ -46,13 +48,23 @@ class Selection:
     config: EngineConfig
 
 
+class PrefillCancelled(CancelledError):
+    """A job whose caller went away (cancelled, or past its deadline) before its prefill finished."""
+
+
 @dataclass(frozen=True)
 class PrefillJob:
-    """A validated request waiting for steps 3-5 (see :meth:`PrefillWorker.prefill_many`)."""
+    """A validated request waiting for steps 3-5 (see :meth:`PrefillWorker.prefill_many`). ``cancelled``:
+    set when its caller is gone; the worker then stops its work between forwards."""
 
     request: Request
     gen: GenerationConfig
     config: EngineConfig
+    cancelled: threading.Event | None = field(default=None, compare=False)
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled is not None and self.cancelled.is_set()
 
     @property
     def num_context_tokens(self) -> int:
@@ -139,18 +151,20 @@ class PrefillWorker:
         )
         return PrefillJob(request, gen, cfg)
 
-    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Selection | ValueError]:
+    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Selection | Exception]:
         """Steps 3-5 for several requests at once: the chunks of all requests that share a chunk size are
         prefilled in the same batched forwards (a chunk two requests share is forwarded once), then every
-        request is scored and selected on its own. Results equal :meth:`prefill` on each request alone."""
+        request is scored and selected on its own. Results equal :meth:`prefill` on each request alone; a
+        job's bad input gives its ValueError, a cancelled job :class:`PrefillCancelled`."""
         return drain(self.prefill_many_steps(jobs))
 
     def prefill_many_steps(
         self, jobs: Sequence[PrefillJob], max_tokens: int | None = None
-    ) -> Steps[list[Selection | ValueError]]:
+    ) -> Steps[list[Selection | Exception]]:
         """:meth:`prefill_many` in pieces: yields after every chunk-prefill forward (at most ``max_tokens``
-        padded tokens each, when given) and after every request's scoring; same results."""
-        out: list[Selection | ValueError] = [ValueError("not run")] * len(jobs)
+        padded tokens each, when given) and after every request's scoring; same results. A group whose jobs
+        are all cancelled stops before its next forward; a cancelled job is not scored."""
+        out: list[Selection | Exception] = [ValueError("not run")] * len(jobs)
         groups: dict[tuple[int, int], list[int]] = {}
         for j, job in enumerate(jobs):
             groups.setdefault((job.config.chunk_size, job.config.prefill_batch), []).append(j)
@@ -164,12 +178,22 @@ class PrefillWorker:
             chunks = [list(c) for c in unique]
             dtype = next(self.model.parameters()).dtype
             keys = chunk_keys(self.model.config.model_id, dtype, chunk_size, "causal", chunks)  # hashed once
-            with timer.phase("prefill", self.device):  # (includes the time others ran between pieces)
-                bank, stats = yield from chunk_prefill_steps(
-                    self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens
-                )
+            everyone_gone = lambda m=members: all(jobs[j].is_cancelled for j in m)  # noqa: E731
+            try:
+                with timer.phase("prefill", self.device):  # (includes the time others ran between pieces)
+                    bank, stats = yield from chunk_prefill_steps(
+                        self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens,
+                        stop=everyone_gone,
+                    )  # fmt: skip
+            except PrefillStopped as stopped:
+                for j in members:
+                    out[j] = PrefillCancelled(f"prefill cancelled by its caller ({stopped})")
+                continue
             hit = set(stats.hit_rows)
             for j, idx in zip(members, rows):
+                if jobs[j].is_cancelled:
+                    out[j] = PrefillCancelled("prefill cancelled by its caller before scoring")
+                    continue
                 request = jobs[j].request
                 trace = Trace(num_chunks=request.num_chunks, context_tokens=jobs[j].num_context_tokens)
                 trace.timings["prefill"] = timer.timings["prefill"]

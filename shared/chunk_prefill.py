@@ -16,7 +16,7 @@ through ``kernels/chunk_prefill_attention``, no padding, no mask); same KV.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,6 +29,10 @@ from pdllm.shared.stepwise import Steps, drain
 
 ChunkAttentionKernel = Literal["sdpa", "varlen"]
 CHUNK_ATTENTION_KERNELS = ("sdpa", "varlen")
+
+
+class PrefillStopped(Exception):
+    """A chunk prefill abandoned between forwards because nobody waits for it any more."""
 
 
 @dataclass
@@ -108,9 +112,11 @@ def chunk_prefill_steps(
     keys: Sequence[str] | None = None,
     max_tokens: int | None = None,
     kernel: ChunkAttentionKernel = "sdpa",
+    stop: Callable[[], bool] | None = None,
 ) -> Steps[tuple[ChunkBank, PrefillStats]]:
     """:func:`chunk_prefill` in pieces: yields after each batched forward, which holds at most ``batch``
-    chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk)."""
+    chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk).
+    ``stop`` is asked before every forward; True raises :class:`PrefillStopped` (nothing is stored)."""
     if kernel not in CHUNK_ATTENTION_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(CHUNK_ATTENTION_KERNELS)}; got {kernel!r}")
     device = next(model.parameters()).device
@@ -135,6 +141,8 @@ def chunk_prefill_steps(
     while a < len(todo):
         size = batch if max_tokens is None else max(1, min(batch, max_tokens // bank.lens[todo[a]]))
         group = todo[a : a + size]
+        if stop is not None and stop():
+            raise PrefillStopped(f"stopped after {stats.forwarded} of {len(todo)} chunk forwards")
         _forward_group(model, chunks, group, bank, attention, device, kernel)
         stats.forwarded += len(group)
         a += size

@@ -57,3 +57,45 @@ def test_bad_request_is_rejected_before_batching() -> None:
     worker = PrefillWorker(model("dream"), None, EngineConfig(chunk_size=12))
     with pytest.raises(ValueError, match="question is empty"):
         worker.job(tokens(20, 1), [], GEN)
+
+
+def test_cancelled_jobs_stop_between_forwards_and_are_not_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+    import threading
+
+    import pdllm.shared.chunk_prefill as chunk_prefill
+    from pdllm.prefill_service.worker import PrefillCancelled
+    from pdllm.shared.stepwise import drain
+
+    forwards: list[int] = []
+    real = chunk_prefill._forward_group
+    monkeypatch.setattr(
+        chunk_prefill, "_forward_group", lambda *a, **k: (forwards.append(len(a[2])), real(*a, **k))[1]
+    )
+    m = model("dream")
+    worker = PrefillWorker(m, None, EngineConfig(chunk_size=8, top_k=2, prefill_batch=1))
+    gone, staying = threading.Event(), threading.Event()
+
+    def job(seed: int, event: threading.Event):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(worker.job(tokens(40, seed), tokens(5, seed), GEN), cancelled=event)
+
+    # Both callers leave after the first forward: the group stops, nothing more runs.
+    steps = worker.prefill_many_steps([job(1, gone), job(2, gone)])
+    next(steps)
+    gone.set()
+    results = drain(steps)
+    assert all(isinstance(r, PrefillCancelled) for r in results)
+    assert len(forwards) == 1  # of 10 (two documents of five 8-token chunks, one chunk per forward)
+
+    # One caller leaves: the shared forwards go on for the other, the leaver is not scored.
+    forwards.clear()
+    leaver = threading.Event()
+    steps = worker.prefill_many_steps([job(3, leaver), job(4, staying)])
+    next(steps)
+    leaver.set()
+    left, stayed = drain(steps)
+    assert isinstance(left, PrefillCancelled) and not isinstance(stayed, Exception)
+    assert (
+        stayed.selected
+        == PrefillWorker(m, None, worker.config).prefill(tokens(40, 4), tokens(5, 4), GEN).selected
+    )

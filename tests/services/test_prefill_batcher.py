@@ -16,6 +16,7 @@ from pdllm.prefill_service.batching import BatchingConfig, PrefillBatcher
 class Job:
     name: str
     num_context_tokens: int = 100
+    cancelled: threading.Event | None = None  # the batcher hands each job its caller's cancellation
 
 
 class Device:
@@ -112,3 +113,17 @@ def test_device_failure_fails_the_batch_and_the_worker_keeps_serving() -> None:
 def test_bad_config_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="max_requests >= 1"):
         BatchingConfig(max_requests=0)
+
+
+def test_each_job_reaches_the_device_with_its_callers_cancellation() -> None:
+    seen: list[threading.Event | None] = []
+
+    def device(jobs):  # type: ignore[no-untyped-def]
+        seen.extend(j.cancelled for j in jobs)
+        return [f"sel-{j.name}" for j in jobs]
+
+    batcher = PrefillBatcher(device, BatchingConfig(max_requests=1, wait_s=0.0))
+    event = threading.Event()
+    assert batcher.submit(Job("r0"), event)[0] == "sel-r0"
+    assert seen == [event]  # the worker can stop work whose caller left mid-batch
+    batcher.close()
