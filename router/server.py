@@ -193,7 +193,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             with self.prefill_load.outstanding(address, tokens):
                 future = stub.Prefill.future(req, timeout=self._remaining(deadline))
                 context.add_callback(future.cancel)
-                response = future.result()
+                try:
+                    response = future.result()
+                except grpc.FutureCancelledError:  # our caller left (cancelled, or its deadline passed)
+                    raise PdllmError(
+                        "the client went away during prefill", code=grpc.StatusCode.CANCELLED
+                    ) from None
             self.prefill_load.remember(doc, address)
             return response
 

@@ -5,6 +5,7 @@ reported, and unary Generate asks the decode worker for no partial outputs."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -77,6 +78,8 @@ class FakePrefill(workers_pb2_grpc.PrefillServicer):
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
         self.requests.append(request)
+        if self.mode == "slow":
+            time.sleep(1.5)
         if self.mode == "busy":
             raise PdllmError("too many calls in flight", code=BUSY)
         ids = list(request.context_ids)
@@ -247,3 +250,16 @@ def test_a_request_without_an_id_has_one_id_everywhere(cluster: Cluster) -> None
     assert rid and seen and set(seen) == {rid}
     assert cluster.prefills[0].requests[0].request_id == rid
     assert {r.request_id for d in cluster.decodes for r in d.requests} == {rid}
+
+
+def test_a_client_leaving_during_prefill_is_no_internal_error(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    for p in cluster.prefills:
+        p.mode = "slow"
+    with cluster.client() as client, pytest.raises(PdllmError) as err:
+        client.generate(CONTEXT, QUESTION, timeout_s=0.3, **PDLLM)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.6)  # the router's handler finishes after the slow prefill call is cancelled
+    unhandled = [r for r in caplog.records if "unhandled error" in r.getMessage()]
+    assert not unhandled, "a client leaving is not an internal error"
