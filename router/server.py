@@ -24,6 +24,7 @@ status is passed on at once without a retry.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -216,9 +217,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 with self.decode_load.outstanding(address, 1):
                     for event in stream:
                         sent = True
-                        yield event
                         if event.HasField("final"):
+                            # Read the stream to its end before answering: cancelling it now (the
+                            # `finally` below) would end the worker's successful call as CANCELLED.
+                            with contextlib.suppress(grpc.RpcError):  # the answer is in hand already
+                                for _ in stream:
+                                    pass
+                            yield event
                             return
+                        yield event
                 return
             except grpc.RpcError as err:
                 if err.code() == BUSY and sent:  # not an admission refusal: do not redo relayed work

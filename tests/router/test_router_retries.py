@@ -98,6 +98,7 @@ class Cluster:
     decodes: list[FakeDecode]
     prefills: list[FakePrefill]
     reported: list[tuple[str, str]]
+    workers: list[RpcServer] = field(default_factory=list)  # the fakes' servers (their RPC metrics)
 
     def client(self) -> PdllmClient:
         return PdllmClient(self.router.address, timeout_s=10)
@@ -140,7 +141,7 @@ def cluster() -> Iterator[Cluster]:
     spec = service_spec(router, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
     servers.append(build_server(ServerConfig(role="router"), [spec]).start())
     try:
-        yield Cluster(servers[-1], decodes, prefills, reported)
+        yield Cluster(servers[-1], decodes, prefills, reported, servers[:-1])
     finally:
         for ch in channels.values():
             ch.close()
@@ -263,3 +264,19 @@ def test_a_client_leaving_during_prefill_is_no_internal_error(
     time.sleep(1.6)  # the router's handler finishes after the slow prefill call is cancelled
     unhandled = [r for r in caplog.records if "unhandled error" in r.getMessage()]
     assert not unhandled, "a client leaving is not an internal error"
+
+
+def test_decode_calls_that_delivered_their_answer_end_ok_at_the_worker(cluster: Cluster) -> None:
+    """The router reads a decode stream to its end after the final message: cancelling it right away
+    made workers count some successful decodes as CANCELLED."""
+    with cluster.client() as client:
+        for _ in range(20):
+            assert list(client.generate(CONTEXT, QUESTION, **VANILLA).token_ids) == ANSWER
+    time.sleep(0.2)
+    codes: dict[str, float] = {}
+    for server in cluster.workers:
+        for metric in server.registry.collect():
+            for sample in metric.samples:
+                if sample.name == "pdllm_rpc_requests_total" and sample.labels["method"].endswith("Decode"):
+                    codes[sample.labels["code"]] = codes.get(sample.labels["code"], 0) + sample.value
+    assert codes == {"OK": 20}
