@@ -65,6 +65,9 @@ class RouterConfig:
     attempts: int = 3  # tries per phase (another worker each time) on UNAVAILABLE / RESOURCE_EXHAUSTED
     default_timeout_s: float = 600.0  # when the client sets no deadline
     model_name: str = ""
+    # Traces name the workers by the address the router used; False (all-in-one: private loopback
+    # workers) leaves the names empty, as generation.proto says.
+    name_workers: bool = True
 
 
 class Pools:
@@ -201,6 +204,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         "the client went away during prefill", code=grpc.StatusCode.CANCELLED
                     ) from None
             self.prefill_load.remember(doc, address)
+            response.worker = address if self.config.name_workers else ""
             return response
 
         return self._with_retries("prefill", self.prefill_load, call, doc)
@@ -218,6 +222,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     for event in stream:
                         sent = True
                         if event.HasField("final"):
+                            event.final.worker = address if self.config.name_workers else ""
                             # Read the stream to its end before answering: cancelling it now (the
                             # `finally` below) would end the worker's successful call as CANCELLED.
                             with contextlib.suppress(grpc.RpcError):  # the answer is in hand already
@@ -321,10 +326,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             trace.selected_chunk_ids.extend(c.chunk_id for c in prefill.selected)
             trace.chunk_scores.extend(prefill.chunk_scores)
             trace.kept_tokens = sum(s.kept_tokens for s in prefill.chunk_scores)
+            kept = {s.chunk_id: s.kept_tokens for s in prefill.chunk_scores}
+            trace.selected_kept_tokens.extend(kept.get(c.chunk_id, 0) for c in prefill.selected)
             trace.prefill_worker = prefill.worker
             trace.peak_memory_bytes = max(trace.peak_memory_bytes, prefill.peak_memory_bytes)
-            trace.cache_hits += prefill.cache_hits
-            trace.cache_misses += prefill.cache_misses
+            # One count per chunk: the prefill looked every chunk up; a chunk-only decode worker's second
+            # lookup of the selected ones is not another chunk.
+            trace.cache_hits, trace.cache_misses = prefill.cache_hits, prefill.cache_misses
+            trace.prefill_skipped = prefill.cache_hits > 0 and prefill.cache_misses == 0
             for name in ("queue_s", "prefill_s", "score_s", "select_s"):
                 setattr(timings, name, getattr(prefill.timings, name))
             timings.build_s += prefill.timings.build_s

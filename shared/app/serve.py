@@ -304,7 +304,8 @@ def start_router(
     name = args.model_name or model_dir.name
     limits = ValidationLimits(models=(name,), max_prompt_bytes=args.max_prompt_bytes)
     defaults = RequestDefaults.for_engine(read_serving_defaults(model_dir).engine, model=name)
-    servicer = RouterServicer(tokenizer, view, RouterConfig(max_queue=args.max_queue), limits, defaults)
+    routing = RouterConfig(max_queue=args.max_queue, name_workers=workers is None)  # all-in-one: no names
+    servicer = RouterServicer(tokenizer, view, routing, limits, defaults)
     spec = service_spec(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
     server = build_server(config, [spec]).start()
 

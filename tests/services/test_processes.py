@@ -66,8 +66,8 @@ def test_answer_equals_in_process_engine(cluster, tiny_dir) -> None:
     with PdllmClient(cluster["router"].address, timeout_s=120) as client:
         response = client.generate(DOC, question, model=MODEL, gen_length=8, steps=8, **METHOD)
     assert list(response.token_ids) == _engine_answer(tiny_dir, question)
-    assert response.trace.prefill_worker.startswith("prefill@")
-    assert response.trace.decode_worker.startswith("decode@")
+    assert response.trace.prefill_worker == cluster["prefill"].address  # the address the router used
+    assert response.trace.decode_worker == cluster["decode"].address
 
 
 def test_second_question_on_same_document_skips_chunk_prefill(cluster, tiny_dir) -> None:
@@ -83,6 +83,10 @@ def test_second_question_on_same_document_skips_chunk_prefill(cluster, tiny_dir)
     assert prefill.metric("pdllm_prefill_chunks_total", 'result="computed"') == computed
     assert prefill.metric("pdllm_prefill_chunks_total", 'result="hit"') == hits + n
     assert second.trace.cache_hits == n  # every chunk from the store (a time comparison would be flaky)
+    assert second.trace.prefill_skipped  # (the first may hit too: other tests prefill the same document)
+    kept = {s.chunk_id: s.kept_tokens for s in second.trace.chunk_scores}
+    assert list(second.trace.selected_kept_tokens) == [kept[c] for c in second.trace.selected_chunk_ids]
+    assert all(k > 0 for k in second.trace.selected_kept_tokens)
     assert list(second.token_ids) == _engine_answer(tiny_dir, "When did the archive reopen?")
 
 
