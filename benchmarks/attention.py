@@ -42,7 +42,8 @@ from pdllm.kernels import split_s_tuning
 from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention
 from pdllm.kernels.retention_scores import retention_scores
 from pdllm.kernels.split_s_attention import SplitSConfig, split_s_attention
-from pdllm.kernels.split_s_tuning import call_cost, config_to_dict, predicted_ms, select_config
+from pdllm.kernels.split_s_tuner import call_cost, predicted_ms
+from pdllm.kernels.split_s_tuning import config_to_dict, select_config
 
 HQ, HKV, D = 28, 4, 128
 

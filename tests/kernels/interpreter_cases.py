@@ -57,7 +57,8 @@ def case_split_s() -> None:
 def kernel_variants() -> list[tuple[int, int, bool]]:
     """Every (block_m, block_n, fused_merge) the tuner can write into the table or the heuristic can pick:
     the other fields (warps, stages, split policy) do not change what the kernel computes."""
-    from pdllm.kernels.split_s_tuning import ShapeBucket, candidates, heuristic_config
+    from pdllm.kernels.split_s_tuner import candidates
+    from pdllm.kernels.split_s_tuning import ShapeBucket, heuristic_config
 
     buckets = [
         ShapeBucket(rows, 4096, 16, 128, page, "bfloat16") for rows in (16, 32, 256) for page in (16, 64)
@@ -150,14 +151,15 @@ def case_split_s_tuner() -> None:
     lookup then returns."""
     import tempfile
 
+    from pdllm.kernels import split_s_tuner as tuner
     from pdllm.kernels import split_s_tuning as st
     from pdllm.kernels.split_s_attention import SplitSConfig
 
-    shape = st.TuneShape(batch=2, lq=3, kv_tokens=40, page=16, hq=8, hkv=2, head_dim=16)
+    shape = tuner.TuneShape(batch=2, lq=3, kv_tokens=40, page=16, hq=8, hkv=2, head_dim=16)
     rows, kv = 3 * 4, 40 + 3
     bucket = st.ShapeBucket.of(rows, kv, 2 * 2, 16, 16, torch.float32)
     fast, broken = SplitSConfig(block_m=128, block_n=32, num_warps=8), SplitSConfig(block_n=128)
-    st.candidates = lambda b: [SplitSConfig(), broken, fast]
+    tuner.candidates = lambda b: [SplitSConfig(), broken, fast]
     for speed, want in ((0.9, fast), (0.98, SplitSConfig())):
         script = iter([100.0, RuntimeError("out of resources: shared memory"), 100.0 * speed])
 
@@ -168,13 +170,13 @@ def case_split_s_tuner() -> None:
                 raise t
             return t
 
-        st.graph_time_us = fake_time
-        entry = st.tune_bucket(shape, bucket, torch.float32, torch.device("cpu"))
+        tuner.graph_time_us = fake_time
+        entry = tuner.tune_bucket(shape, bucket, torch.float32, torch.device("cpu"))
         assert entry["config"] == st.config_to_dict(want) and entry["default_us"] == 100.0, entry
         assert entry["timings"][1][1] is None and "shared memory" in entry["timings"][1][2]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "t.json"
-            st.write_table(path, [entry])
+            tuner.write_table(path, [entry])
             sel = st.select_config(
                 torch.device("cpu"), torch.float32, rows, kv, 4, 16, 16, st.load_table(path)
             )

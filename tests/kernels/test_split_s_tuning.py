@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdllm.kernels import split_s_tuner as tuner
 from pdllm.kernels import split_s_tuning as st
 from pdllm.kernels.split_s_reference import SplitSConfig
 from tests.kernels.interpreter_cases import kernel_variants
@@ -255,21 +256,21 @@ def test_every_pickable_config_is_checked_under_the_interpreter() -> None:
     table = st.load_table(st.DEFAULT_TABLE)
     variants = set(kernel_variants())
     for (_, bucket), cfg in table.entries.items():
-        assert cfg in st.candidates(bucket), (bucket, cfg)
+        assert cfg in tuner.candidates(bucket), (bucket, cfg)
     for rows in (8, 16, 32, 64, 256, 2048):
         for page in (16, 32, 64):
             b = _bucket(rows=rows, page=page)
-            for cfg in [*st.candidates(b), st.heuristic_config(b)]:
+            for cfg in [*tuner.candidates(b), st.heuristic_config(b)]:
                 assert (cfg.block_m, cfg.block_n, cfg.fused_merge) in variants, (b, cfg)
 
 
 def test_write_table_merges_and_refuses_a_malformed_target(tmp_path: Path) -> None:
     path = _write(tmp_path, [_entry(H100, _bucket(), CFG_A), _entry("NVIDIA H200", _bucket(), CFG_B)])
-    st.write_table(path, [{**_entry(H100, _bucket(), CFG_C), "us": 1.0, "timings": []}])
+    tuner.write_table(path, [{**_entry(H100, _bucket(), CFG_C), "us": 1.0, "timings": []}])
     table = st.load_table(path)
     assert table.entries == {(H100, _bucket()): CFG_C, ("NVIDIA H200", _bucket()): CFG_B}
     bad = tmp_path / "bad.json"
     bad.write_text('{"version": 1, "entries": [{}]}')
     with pytest.raises(st.SplitSTableError):
-        st.write_table(bad, [_entry(H100, _bucket(), CFG_C)])
+        tuner.write_table(bad, [_entry(H100, _bucket(), CFG_C)])
     assert bad.read_text() == '{"version": 1, "entries": [{}]}'
