@@ -34,10 +34,20 @@ from pdllm.shared.stepwise import Steps, drain
 
 
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, scheduler: DecodeScheduler, worker_name: str = "") -> None:
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        scheduler: DecodeScheduler,
+        worker_name: str = "",
+        max_vanilla_tokens: int = 0,
+    ) -> None:
+        """``max_vanilla_tokens``: longest prompt a vanilla request may have (0: no limit). Vanilla forwards
+        the whole prompt every step, and one step cannot be stopped halfway: beyond some length a
+        cancelled or timed-out request would hold the device for minutes."""
         self.worker = worker
         self.scheduler = scheduler
         self.worker_name = worker_name
+        self.max_vanilla_tokens = max_vanilla_tokens
 
     def Decode(
         self, request: wpb.DecodeRequest, context: grpc.ServicerContext
@@ -52,6 +62,13 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 if not request.context_ids:
                     raise PdllmError(
                         "vanilla decode needs context_ids", code=grpc.StatusCode.INVALID_ARGUMENT
+                    )
+                prompt = len(request.instruction_ids) + len(request.context_ids) + len(request.question_ids)
+                if self.max_vanilla_tokens and prompt > self.max_vanilla_tokens:
+                    raise PdllmError(
+                        f"vanilla decoding is limited to {self.max_vanilla_tokens} prompt tokens on this "
+                        f"worker (--max-vanilla-tokens), got {prompt}; use method 'pdllm' for long contexts",
+                        code=grpc.StatusCode.INVALID_ARGUMENT,
                     )
                 start = lambda: self._vanilla_session(request, gen)  # noqa: E731
                 start_steps = None

@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
     d.add_argument(
+        "--max-vanilla-tokens",
+        type=int,
+        default=_env_default("--max-vanilla-tokens", 32768, int),
+        help="longest prompt a vanilla request may have (0: no limit); vanilla forwards the whole prompt "
+        "every step, so a cancelled request holds the device until its current step ends",
+    )
+    d.add_argument(
         "--build-pieces",
         type=int,
         default=_env_default("--build-pieces", 0, int),
@@ -270,7 +277,7 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, worker: Any) ->
     forward = round_forward(args, worker.model, pool)
     scheduling = SchedulerConfig(args.max_active, args.max_waiting, args.overlap_pieces, args.build_pieces)
     scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
-    servicer = DecodeServicer(worker, scheduler, worker_name=f"decode@{_hostname()}")
+    servicer = DecodeServicer(worker, scheduler, f"decode@{_hostname()}", args.max_vanilla_tokens)
     _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
     return build_server(config, [spec], registry).start(), scheduler
