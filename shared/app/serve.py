@@ -21,6 +21,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from pdllm.shared.rpc.channels import worker_channel_factory
+from pdllm.shared.rpc.metrics import MergedRegistries, start_metrics_endpoint
 from pdllm.shared.rpc.options import add_server_arguments, env_value, server_config_from_args
 from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
 
@@ -367,7 +368,15 @@ def start(args: argparse.Namespace) -> Deployment:
             "decode_workers": decode.address,
         }
     )
-    router, close_router = start_router(args, config, loaded.tokenizer, workers=internal)
+    # One public metrics endpoint for the three servers (the workers' own have no port): router, prefill,
+    # decode and KV-tier metrics, the servers' pdllm_rpc_* told apart by their role label.
+    router, close_router = start_router(
+        args, replace(config, metrics_port=None), loaded.tokenizer, workers=internal
+    )
+    if config.metrics_port is not None:
+        merged = CollectorRegistry()
+        merged.register(MergedRegistries([router.registry, prefill.registry, decode.registry]))
+        router.metrics_endpoint = start_metrics_endpoint(merged, config.metrics_host, config.metrics_port)
     return Deployment([router, prefill, decode], [close_router, close_prefill, scheduler.close, close_store])
 
 

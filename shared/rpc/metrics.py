@@ -7,10 +7,12 @@ so each server registers its collectors on the registry it is given.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 # Generation requests run from milliseconds (cache hits, errors) to minutes (long contexts on CPU).
 LATENCY_BUCKETS = (
@@ -101,6 +103,31 @@ class RpcMetrics:
         if code != "OK":
             self.errors.labels(self.role, method, code).inc()
         self.latency.labels(self.role, method).observe(seconds)
+
+
+class MergedRegistries:
+    """A collector over several registries whose metrics share names (each server's ``pdllm_rpc_*``, told
+    apart by their ``role`` label): same-named families are merged into one, so a single endpoint can
+    serve all of them (``serve --role all``: router, prefill and decode in one process). A series present
+    in several registries (the KV tier both workers share and both export) is kept once."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self._registries = list(registries)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        for registry in self._registries:
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    series = (sample.name, tuple(sorted(sample.labels.items())))
+                    if series not in seen:
+                        seen.add(series)
+                        into.samples.append(sample)
+        yield from merged.values()
 
 
 @dataclass

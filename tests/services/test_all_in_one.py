@@ -77,3 +77,30 @@ def test_stream_yields_partials_then_final(deployment) -> None:
     assert len(finals) == 1 and len(partials) == 8
     unmasked = [p.unmasked for p in partials]
     assert unmasked == sorted(unmasked) and unmasked[-1] == 8
+
+
+def test_one_metrics_endpoint_exports_router_workers_and_kv_tier(tiny_dir) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    args = build_parser().parse_args(
+        ["--role", "all", "--model", str(tiny_dir), "--port", "0", "--metrics-host", "127.0.0.1",
+         "--metrics-port", "0"]
+    )  # fmt: skip
+    dep = start(args)
+    try:
+        with PdllmClient(dep.address, timeout_s=60) as client:
+            client.generate(CONTEXT, QUESTION, gen_length=4, steps=4, chunk_size=32, top_k=2)
+        url = f"http://127.0.0.1:{dep.servers[0].metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        dep.stop()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert len(families) == len({line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")})
+    for name in ("pdllm_decode_step_seconds", "pdllm_prefill_chunks", "pdllm_kv_puts", "pdllm_kv_healthy"):
+        assert name in families, name
+    roles = {s.labels["role"] for s in families["pdllm_rpc_requests"].samples if s.name.endswith("_total")}
+    assert roles == {"router", "prefill", "decode"}
+    series = [(s.name, tuple(sorted(s.labels.items()))) for f in families.values() for s in f.samples]
+    assert len(series) == len(set(series))  # the KV tier both workers export appears once
