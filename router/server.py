@@ -149,8 +149,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 decode_req.kv_spec.CopyFrom(prefill.kv_spec)
                 decode_req.chunks.extend(prefill.selected)
             ttft: float | None = None
+            shown = 0  # unmasked slots in the last partial relayed
             for event in self._decode(decode_req, deadline, context):
                 if event.HasField("partial"):
+                    # generation.proto: unmasked slots never go back to masked. After a retry on another
+                    # worker its stream starts over; relay its partials only once they pass what was shown.
+                    if event.partial.unmasked <= shown:
+                        continue
+                    shown = event.partial.unmasked
                     if ttft is None:
                         ttft = time.perf_counter() - started
                     yield pb.GenerateStreamResponse(partial=self._partial(rid, event.partial))

@@ -57,7 +57,7 @@ class FakeDecode(workers_pb2_grpc.DecodeServicer):
             raise PdllmError("decode queue is full (0 waiting); retry on another worker", code=BUSY)
         if self.mode == "down":
             raise PdllmError("worker is draining", code=grpc.StatusCode.UNAVAILABLE)
-        if request.stream_partials or self.mode == "busy-mid-stream":
+        if request.stream_partials or self.mode in ("busy-mid-stream", "down-mid-stream"):
             for step in (1, 2):
                 tokens = ANSWER[: 2 * step] + [-1] * (len(ANSWER) - 2 * step)
                 yield wpb.DecodeResponse(
@@ -65,6 +65,8 @@ class FakeDecode(workers_pb2_grpc.DecodeServicer):
                 )
                 if self.mode == "busy-mid-stream":
                     raise PdllmError("response too large", code=BUSY)
+                if self.mode == "down-mid-stream":
+                    raise PdllmError("worker is draining", code=grpc.StatusCode.UNAVAILABLE)
         yield wpb.DecodeResponse(
             final=wpb.DecodeResult(token_ids=ANSWER, finish_reason="length", steps=2, worker=self.address)
         )
@@ -280,3 +282,15 @@ def test_decode_calls_that_delivered_their_answer_end_ok_at_the_worker(cluster: 
                 if sample.name == "pdllm_rpc_requests_total" and sample.labels["method"].endswith("Decode"):
                     codes[sample.labels["code"]] = codes.get(sample.labels["code"], 0) + sample.value
     assert codes == {"OK": 20}
+
+
+def test_a_stream_retried_mid_way_stays_monotone(cluster: Cluster) -> None:
+    """The first worker sends one partial and goes away; the retry's stream starts over on the second.
+    The client never sees unmasked slots go back to masked: the replayed partials are not relayed."""
+    cluster.decodes[0].mode = "down-mid-stream"
+    with cluster.client() as client:
+        events = list(client.generate_stream(CONTEXT, QUESTION, **VANILLA))
+    unmasked = [e.partial.unmasked for e in events if e.HasField("partial")]
+    assert unmasked == [2, 4]  # 2 from the first worker, then only the second's step past it
+    assert list(events[-1].final.token_ids) == ANSWER
+    assert len(cluster.decodes[1].requests) == 1
