@@ -32,6 +32,9 @@ from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
 from pdllm.shared.stepwise import Steps, drain
 
+# A decode result's peak memory: its KV pages in the pool plus its build's transient growth (scheduler).
+DECODE_MEMORY_KIND = "kv-pages-plus-build"
+
 
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
     def __init__(
@@ -153,5 +156,6 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             cache_hits=hits,
             cache_misses=misses,
             peak_memory_bytes=event.peak_bytes,
+            memory_kind=DECODE_MEMORY_KIND,
             worker=self.worker_name,
         )

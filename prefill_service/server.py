@@ -130,7 +130,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             score_s=t.get("score", 0.0),
             select_s=t.get("select", 0.0),
         )
-        peak, _ = sel.meter.peak()
+        peak, kind = sel.meter.peak()
         return wpb.PrefillResponse(
             request_id=request.request_id,
             kv_spec=spec,
@@ -141,4 +141,5 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             cache_misses=sel.trace.cache_misses,
             peak_memory_bytes=int(peak or 0),
             worker=self.worker_name,
+            memory_kind=kind,
         )

@@ -322,6 +322,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             steps=result.steps,
             decode_worker=result.worker,
             peak_memory_bytes=result.peak_memory_bytes,
+            memory_kind=result.memory_kind,
             cache_hits=result.cache_hits,
             cache_misses=result.cache_misses,
         )
@@ -335,7 +336,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             kept = {s.chunk_id: s.kept_tokens for s in prefill.chunk_scores}
             trace.selected_kept_tokens.extend(kept.get(c.chunk_id, 0) for c in prefill.selected)
             trace.prefill_worker = prefill.worker
-            trace.peak_memory_bytes = max(trace.peak_memory_bytes, prefill.peak_memory_bytes)
+            if prefill.peak_memory_bytes > trace.peak_memory_bytes:  # the phase that peaked names the kind
+                trace.peak_memory_bytes, trace.memory_kind = prefill.peak_memory_bytes, prefill.memory_kind
             # One count per chunk: the prefill looked every chunk up; a chunk-only decode worker's second
             # lookup of the selected ones is not another chunk.
             trace.cache_hits, trace.cache_misses = prefill.cache_hits, prefill.cache_misses

@@ -68,6 +68,9 @@ def test_answer_equals_in_process_engine(cluster, tiny_dir) -> None:
     assert list(response.token_ids) == _engine_answer(tiny_dir, question)
     assert response.trace.prefill_worker == cluster["prefill"].address  # the address the router used
     assert response.trace.decode_worker == cluster["decode"].address
+    # the phase that peaked names what the number measures (CPU: prefill RSS growth or decode KV pages)
+    assert response.trace.peak_memory_bytes > 0
+    assert response.trace.memory_kind in ("cpu-rss-delta", "kv-pages-plus-build")
 
 
 def test_second_question_on_same_document_skips_chunk_prefill(cluster, tiny_dir) -> None:
