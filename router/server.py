@@ -11,7 +11,8 @@ request, under the same request id (workers treat request ids idempotently).
 
 - UNAVAILABLE (the worker is gone or draining, or a decode worker died mid-stream): the worker is reported
   to its pool as failed and the phase is retried elsewhere. A decode retry after partial outputs were
-  relayed restarts the answer on the new worker (same request, same deterministic result).
+  relayed restarts the answer on the new worker; the client only sees the new worker's partials once they
+  unmask more than it was already shown, so its stream stays monotone.
 - RESOURCE_EXHAUSTED (the worker is up but full: its admission limit, decode queue or KV pool refused the
   request): the phase is retried elsewhere but the worker is *not* reported (busy is not dead). Decode
   retries only if that worker sent nothing yet (workers refuse at admission, before any output); one
@@ -20,6 +21,10 @@ request, under the same request id (workers treat request ids idempotently).
 When the tries run out (or no untried worker is left) the client gets RESOURCE_EXHAUSTED if any worker
 was busy ("retry later"), else the last error (UNAVAILABLE when none was reachable); any other worker
 status is passed on at once without a retry.
+
+These loops are hand-written rather than gRPC's retry policy (service config): a policy retries on the same
+channel, i.e. the same worker, while each retry here must go to another worker, and only before any
+output was relayed.
 """
 
 from __future__ import annotations
