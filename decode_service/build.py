@@ -9,9 +9,9 @@ the masked response. ``chunk-only``: no forward over the chunks at all; the step
 re-rotated from chunk-local to continuous positions (RoPE composes, so rotating by the start offset is
 exact up to rounding), the instruction is encoded alone. Retention scores follow ``shared/reference.py``:
 :class:`RetentionProbe` sums them during the build forward, ``chunk-only`` probes the first decode forward.
-``retention="triton"`` (not the default) sums them with :class:`KernelRetentionProbe` instead: same
-scores, from the flash attention's LSE and ``kernels/retention_scores`` (``benchmarks/prefill_kernels.py``
-times both).
+``retention="triton"`` sums them with :class:`KernelRetentionProbe` instead: same scores, from the flash
+attention's LSE and ``kernels/retention_scores``; the decode worker picks it on CUDA for bidirectional
+scores (``benchmarks/results/prefill_kernels.md``).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@
   (torch, any device) share one signature.
 - :mod:`.paged_kv`: ``PagedKVPool``, the page pool those kernels read (chunk writes, page tables).
 - :mod:`.chunk_prefill_attention`: block-diagonal varlen attention for chunked prefill / scoring (+ LSE);
-  no Triton (flash varlen / batched SDPA dispatch). Opt-in on the chunk prefill: ``kernel="varlen"``.
+  no Triton (flash varlen / batched SDPA dispatch). The decode worker uses it (``kernel="varlen"``) to
+  recompute bidirectional chunks on CUDA; the prefill worker keeps padded SDPA (faster at its shapes).
 - :mod:`.retention_scores`: top-B token-retention scores from the prefill's LSE (Triton + reference).
-  Opt-in on the decode build: ``build_static(..., retention="triton")``. Both against today's paths:
-  ``benchmarks/prefill_kernels.py``.
+  The decode worker sums bidirectional top-B scores with it on CUDA (``retention="triton"``). Both choices
+  measured in ``benchmarks/results/prefill_kernels.md``.
 - :mod:`.rms_norm`: RMSNorm, optionally fused with the residual add before it (Triton + reference).
 - :mod:`.rope`: RoPE of q and k in one launch from strided views (Triton + reference).
 - :mod:`.silu_mul`: SwiGLU ``silu(gate) * up``, separate or from one fused ``gate_up`` (Triton + reference).

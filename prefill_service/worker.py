@@ -125,7 +125,7 @@ class PrefillWorker:
     ) -> Selection:
         """Steps 3-5 of one request: chunk prefill, scoring, top-K selection."""
         out = self.prefill_many([self.job(context, question, gen, instruction, config)])[0]
-        if isinstance(out, ValueError):
+        if isinstance(out, Exception):
             raise out
         return out
 

@@ -10,8 +10,8 @@ and never forwarded, so a second question on the same document skips step 3 enti
 
 ``kernel`` picks the attention of those forwards: "sdpa" (the default: padded SDPA, masked when
 bidirectional) or "varlen" (:class:`~pdllm.shared.model.attention.VarlenAttention`: the packed chunks
-through ``kernels/chunk_prefill_attention``, no padding, no mask); same KV.
-``benchmarks/prefill_kernels.py`` times both.
+through ``kernels/chunk_prefill_attention``, no padding, no mask); same KV. The decode worker uses
+"varlen" for bidirectional chunks on CUDA; ``benchmarks/results/prefill_kernels.md`` has both timed.
 """
 
 from __future__ import annotations
