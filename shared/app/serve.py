@@ -265,9 +265,12 @@ def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
     return EagerRoundForward(model, pool, kernel)
 
 
-def start_decode(args: argparse.Namespace, config: ServerConfig, worker: Any) -> tuple[RpcServer, Any]:
-    """``worker``: the engine's :class:`~pdllm.decode_service.worker.DecodeWorker`. Returns the server and
-    its :class:`~pdllm.decode_service.scheduler.DecodeScheduler` (``close`` stops it)."""
+def start_decode(
+    args: argparse.Namespace, config: ServerConfig, worker: Any, kv_metrics: bool = True
+) -> tuple[RpcServer, Any]:
+    """``worker``: the engine's :class:`~pdllm.decode_service.worker.DecodeWorker`; ``kv_metrics``: export
+    its KV tier's metrics (False when another server of the process exports the same tier). Returns the
+    server and its :class:`~pdllm.decode_service.scheduler.DecodeScheduler` (``close`` stops it)."""
     from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
     from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
     from pdllm.decode_service.server import DecodeServicer
@@ -279,7 +282,8 @@ def start_decode(args: argparse.Namespace, config: ServerConfig, worker: Any) ->
     scheduling = SchedulerConfig(args.max_active, args.max_waiting, args.overlap_pieces, args.build_pieces)
     scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
     servicer = DecodeServicer(worker, scheduler, f"decode@{_hostname()}", args.max_vanilla_tokens)
-    _register_kv_metrics(worker.store, registry)
+    if kv_metrics:
+        _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
     return build_server(config, [spec], registry).start(), scheduler
 
@@ -353,7 +357,8 @@ def start(args: argparse.Namespace) -> Deployment:
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
     prefill_config, decode_config = replace(internal, role="prefill"), replace(internal, role="decode")
-    decode, scheduler = start_decode(args, decode_config, engine.decode_worker)
+    # the prefill server exports the KV tier both workers share
+    decode, scheduler = start_decode(args, decode_config, engine.decode_worker, kv_metrics=False)
     # One device thread: the prefill worker's batches run on the decode scheduler's thread, in pieces of
     # at most --prefill-piece-tokens between decode rounds (no other thread launches work during a capture).
     steps = engine.prefill_worker.prefill_many_steps

@@ -108,25 +108,19 @@ class RpcMetrics:
 class MergedRegistries:
     """A collector over several registries whose metrics share names (each server's ``pdllm_rpc_*``, told
     apart by their ``role`` label): same-named families are merged into one, so a single endpoint can
-    serve all of them (``serve --role all``: router, prefill and decode in one process). A series present
-    in several registries (the KV tier both workers share and both export) is kept once."""
+    serve all of them (``serve --role all``: router, prefill and decode in one process)."""
 
     def __init__(self, registries: list[CollectorRegistry]) -> None:
         self._registries = list(registries)
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
-        seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         for registry in self._registries:
             for family in registry.collect():
                 into = merged.get(family.name)
                 if into is None:
                     into = merged[family.name] = Metric(family.name, family.documentation, family.type)
-                for sample in family.samples:
-                    series = (sample.name, tuple(sorted(sample.labels.items())))
-                    if series not in seen:
-                        seen.add(series)
-                        into.samples.append(sample)
+                into.samples.extend(family.samples)
         yield from merged.values()
 
 

@@ -103,4 +103,4 @@ def test_one_metrics_endpoint_exports_router_workers_and_kv_tier(tiny_dir) -> No
     roles = {s.labels["role"] for s in families["pdllm_rpc_requests"].samples if s.name.endswith("_total")}
     assert roles == {"router", "prefill", "decode"}
     series = [(s.name, tuple(sorted(s.labels.items()))) for f in families.values() for s in f.samples]
-    assert len(series) == len(set(series))  # the KV tier both workers export appears once
+    assert len(series) == len(set(series))  # the KV tier both workers share is exported once
