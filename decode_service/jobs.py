@@ -13,6 +13,7 @@ import torch
 
 from pdllm.decode_service.rounds import BatchSession
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
+from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps
 
@@ -40,6 +41,7 @@ class StaticDecode:
     static: StaticKV
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
+    kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
 
 
 Session = BatchSession | DenoiseSession
@@ -70,6 +72,12 @@ class DecodeJob:
     built: StaticDecode | DenoiseSession | None = None  # launched build, until it joins the rounds
     built_event: torch.cuda.Event | None = None  # its device work is done (CUDA)
     build_started: float = 0.0
+    # Starts pulling the request's KV from a prefill worker (a handoff); the scheduler runs the build only
+    # once the pull has finished, and ``start`` / ``start_steps`` then use the pulled KV or rebuild it.
+    fetch: Callable[[], Transfer] | None = None
+    transfer: Transfer | None = None  # the pull, from launch until it finished
+    received: Transfer | None = None  # the finished pull
+    kv_source: str = "built"
 
     def stream(self, poll_s: float = 0.5) -> Iterator[Partial | Final]:
         """Events until the final result; re-raises a failure; stops early if the call was cancelled."""

@@ -181,6 +181,7 @@ class DecodeScheduler:
             self._retire([j for j in self.active if j.cancelled.is_set()])
             for job in self._take_admissible():
                 self._launch_build(job)
+            self._advance_transfers()
             self._advance_build_pieces()
             self._join_built()
             with self._on(self.round_stream):
@@ -245,9 +246,16 @@ class DecodeScheduler:
         return admitted
 
     def _launch_build(self, job: DecodeJob) -> None:
-        """Run a job's build on the build stream (CUDA: queued behind nothing the rounds wait for)."""
-        job.build_started = time.perf_counter()
-        job.queue_s = job.build_started - job.submitted
+        """Run a job's build on the build stream (CUDA: queued behind nothing the rounds wait for); a job
+        with a KV handoff first pulls it (its pages are already reserved) and builds once that finished."""
+        if not job.build_started:
+            job.build_started = time.perf_counter()
+            job.queue_s = job.build_started - job.submitted
+        if job.fetch is not None:
+            job.transfer, job.fetch = job.fetch(), None
+            with self._cv:
+                self._building.append(job)
+            return
         if self.config.build_pieces and job.start_steps is not None:
             job.build_steps = job.start_steps(self.config.build_pieces)
             with self._cv:
@@ -274,6 +282,24 @@ class DecodeScheduler:
         job.built = built
         with self._cv:
             self._building.append(job)
+
+    def _advance_transfers(self) -> None:
+        """Jobs whose KV pull finished (done or failed) go on to their build; with nothing else to do,
+        wait a little for one instead of spinning."""
+        with self._cv:
+            pulling = [j for j in self._building if j.transfer is not None]
+            idle = len(pulling) == len(self._building) and not self._active and not self._foreign
+        if pulling and idle and not any(j.transfer.finished for j in pulling):  # type: ignore[union-attr]
+            pulling[0].transfer.wait(0.05)  # type: ignore[union-attr]
+        for job in pulling:
+            if job.transfer.finished or job.cancelled.is_set():  # type: ignore[union-attr]
+                with self._cv:
+                    self._building.remove(job)
+                job.received, job.transfer = job.transfer, None
+                if job.cancelled.is_set():
+                    self._retire([job])
+                else:
+                    self._launch_build(job)
 
     def _advance_build_pieces(self) -> None:
         """Pieces mode: one piece of the oldest unfinished build while sessions decode, all of them when
@@ -306,7 +332,7 @@ class DecodeScheduler:
     def _join_built(self) -> None:
         """Builds whose device work has finished join the rounds (with nothing to decode, wait for one)."""
         with self._cv:
-            building = [j for j in self._building if j.build_steps is None]
+            building = [j for j in self._building if j.build_steps is None and j.transfer is None]
             idle = not self._active and not self._foreign
         if not building:
             return
@@ -318,7 +344,7 @@ class DecodeScheduler:
         for job in ready:
             built = job.built
             if isinstance(built, StaticDecode):
-                static, job.cache_stats = built.static, built.cache_stats
+                static, job.cache_stats, job.kv_source = built.static, built.cache_stats, built.kv_source
                 job.session = BatchSession.start(
                     self.model, built.query, static.query_start, static.num_tokens, job.pages, built.gen
                 )

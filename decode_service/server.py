@@ -11,6 +11,7 @@ stepped alone without any cache (the baseline). Partial outputs stream after eve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import grpc
@@ -22,15 +23,28 @@ from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
+from pdllm.shared.kv_transfer.payload import (
+    CHUNK_KV,
+    DECODE_KV,
+    check_kv_spec,
+    decode_kv_scheme,
+    model_kv_spec,
+    unpack_segments,
+    unpack_static,
+)
+from pdllm.shared.kv_transfer.receiver import KvReceiver, TransferState
 from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
 from pdllm.shared.stepwise import Steps, drain
+
+_log = logging.getLogger("pdllm.decode.server")
 
 # A decode result's peak memory: its KV pages in the pool plus its build's transient growth (scheduler).
 DECODE_MEMORY_KIND = "kv-pages-plus-build"
@@ -43,14 +57,17 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         scheduler: DecodeScheduler,
         worker_name: str = "",
         max_vanilla_tokens: int = 0,
+        receiver: KvReceiver | None = None,
     ) -> None:
         """``max_vanilla_tokens``: longest prompt a vanilla request may have (0: no limit). Vanilla forwards
         the whole prompt every step, and one step cannot be stopped halfway: beyond some length a
-        cancelled or timed-out request would hold the device for minutes."""
+        cancelled or timed-out request would hold the device for minutes. ``receiver``: pulls KV handed
+        off by prefill workers (None: a request's handoff is ignored and its KV built here)."""
         self.worker = worker
         self.scheduler = scheduler
         self.worker_name = worker_name
         self.max_vanilla_tokens = max_vanilla_tokens
+        self.receiver = receiver
 
     def Decode(
         self, request: wpb.DecodeRequest, context: grpc.ServicerContext
@@ -81,8 +98,9 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                     raise PdllmError(
                         "pdllm decode needs at least one chunk", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
-                start = lambda: drain(self._pdllm_steps(request, gen, cfg))  # noqa: E731
-                start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, layers)  # noqa: E731
+                self._check_identity(request, cfg)
+                start = lambda: drain(self._pdllm_steps(request, gen, cfg, job))  # noqa: E731
+                start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, job, layers)  # noqa: E731
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
             job = DecodeJob(
                 request.request_id,
@@ -92,6 +110,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 kv_tokens,
                 start_steps=start_steps,
             )
+            if self.receiver is not None and start_steps is not None and request.HasField("handoff"):
+                job.fetch = lambda: self.receiver.start(request.handoff)  # type: ignore[union-attr]
             self.scheduler.submit(job)
             for event in job.stream():
                 if isinstance(event, Partial):
@@ -108,26 +128,62 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         fn = vanilla_logits_fn(model, prompt, gen.gen_length)
         return DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, prompt.device)
 
+    def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
+        """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""
+        rid = request.request_id
+        model = self.worker.model
+        if request.HasField("kv_spec"):  # handles carry token ids; only the model must be the same
+            ours = model_kv_spec(model, request.kv_spec.position_scheme, cfg.chunk_size)
+            ours.dtype = request.kv_spec.dtype
+            check_kv_spec(request.kv_spec, ours, "the chunk handles", rid)
+        if request.HasField("handoff"):
+            payload = request.handoff.payload
+            if payload == DECODE_KV and cfg.kv_mode != "chunk-only":
+                scheme = decode_kv_scheme(cfg.kv_mode)
+            elif payload == CHUNK_KV and cfg.kv_mode == "chunk-only":
+                scheme = position_scheme(cfg.prefill_attention)
+            else:
+                raise PdllmError(
+                    f"a {payload!r} handoff does not fit kv_mode {cfg.kv_mode!r}",
+                    code=grpc.StatusCode.FAILED_PRECONDITION,
+                )
+            ours = model_kv_spec(model, scheme, cfg.chunk_size)
+            check_kv_spec(request.handoff.kv_spec, ours, "the handed-off KV", rid)
+
     def _pdllm_steps(
         self,
         request: wpb.DecodeRequest,
         gen: GenerationConfig,
         cfg: EngineConfig,
+        job: DecodeJob,
         layers_per_step: int | None = None,
     ) -> Steps[StaticDecode]:
-        """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece)."""
+        """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
+        from the job's pulled KV when its handoff arrived (decode-kv: no build at all)."""
         chunks = [list(h.token_ids) for h in request.chunks]
         req = Request(
             instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
         )
         layout = decode_layout(req, list(range(len(chunks))), gen.gen_length)
+        pulled = job.received
+        source = "built" if pulled is None else "handoff-failed-rebuilt"
+        if pulled is not None and pulled.state is TransferState.DONE and pulled.kv is not None:
+            source = "handoff"
+            if pulled.handoff.payload == DECODE_KV:
+                static = unpack_static(pulled.kv, pulled.handoff)
+                if static.num_tokens <= job.kv_tokens and static.query_start == layout.static_len:
+                    return StaticDecode(req.query, static, gen, kv_source=source)
+                _log.warning("handed-off decode KV does not fit the request's chunks; rebuilding it")
+                source = "handoff-failed-rebuilt"
         local: list[torch.Tensor] = []
         stats = (0, 0)
-        if cfg.kv_mode == "chunk-only":
+        if source == "handoff":
+            local = unpack_segments(pulled.kv, pulled.handoff.segment_lens)  # type: ignore[union-attr]
+        elif cfg.kv_mode == "chunk-only":
             local, hits = self.worker.chunk_kv(chunks, cfg)
             stats = (hits, len(chunks) - hits)
         static = yield from self.worker.build_steps(req, layout, cfg, local, layers_per_step)
-        return StaticDecode(req.query, static, gen, stats)
+        return StaticDecode(req.query, static, gen, stats, source)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:
@@ -158,4 +214,6 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             peak_memory_bytes=event.peak_bytes,
             memory_kind=DECODE_MEMORY_KIND,
             worker=self.worker_name,
+            kv_source=job.kv_source,
+            handoff_s=job.received.seconds if job.received is not None else 0.0,
         )

@@ -12,6 +12,7 @@ meet in the :class:`PrefillBatcher` queue and share batched chunk prefill forwar
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import CancelledError
 
 import grpc
@@ -23,6 +24,8 @@ from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.kv_transfer.payload import model_kv_spec
+from pdllm.shared.kv_transfer.sender import KvSender
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
@@ -37,10 +40,13 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         registry: CollectorRegistry | None = None,
         batching: BatchingConfig | None = None,
         run_batch: PrefillMany | None = None,
+        sender: KvSender | None = None,
     ) -> None:
         """``run_batch``: how a batch of jobs runs (default: ``worker.prefill_many`` on the batching thread;
-        ``serve --role all`` interleaves it with the decode rounds)."""
+        ``serve --role all`` interleaves it with the decode rounds). ``sender``: holds handed-off KV for
+        decode workers to pull (None: ``offer_handoff`` is ignored)."""
         self.worker = worker
+        self.sender = sender
         self.worker_name = worker_name
         self.batch_requests = Histogram(
             "pdllm_prefill_batch_requests",
@@ -75,6 +81,8 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
                 )
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+            if request.offer_handoff and self.sender is not None:
+                job = dataclasses.replace(job, offer_handoff=True)
             try:
                 sel, queue_s = self.batcher.submit(job, cancelled)
             except CancelledError as exc:
@@ -89,15 +97,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
     def _response(
         self, request: wpb.PrefillRequest, sel: Selection, cfg: EngineConfig, queue_s: float
     ) -> wpb.PrefillResponse:
-        model_cfg = self.worker.model.config
-        spec = wpb.KvSpec(
-            model_id=model_cfg.model_id,
-            dtype=str(next(self.worker.model.parameters()).dtype).removeprefix("torch."),
-            num_layers=model_cfg.num_layers,
-            num_kv_heads=model_cfg.num_kv_heads,
-            head_dim=model_cfg.head_dim,
-            position_scheme=sel.position_scheme,
-        )
+        spec = model_kv_spec(self.worker.model, sel.position_scheme, cfg.chunk_size)
         chosen = set(sel.selected)
         scores = []
         for s in sel.scores:
@@ -129,9 +129,12 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             prefill_s=t.get("prefill", 0.0),
             score_s=t.get("score", 0.0),
             select_s=t.get("select", 0.0),
+            build_s=t.get("handoff_build", 0.0),
         )
         peak, kind = sel.meter.peak()
+        handoff = self._offer(sel, cfg)
         return wpb.PrefillResponse(
+            handoff=handoff,
             request_id=request.request_id,
             kv_spec=spec,
             selected=handles,
@@ -143,3 +146,18 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             worker=self.worker_name,
             memory_kind=kind,
         )
+
+    def _offer(self, sel: Selection, cfg: EngineConfig) -> wpb.KvHandoff | None:
+        """Hold the selection's handoff KV for a pull (None: none was made, or the sender is full)."""
+        h = sel.handoff
+        if h is None or self.sender is None:
+            return None
+        template = wpb.KvHandoff(
+            payload=h.payload,
+            segment_lens=h.segment_lens,
+            instruction_len=h.instruction_len,
+            query_start=h.query_start,
+            kv_spec=model_kv_spec(self.worker.model, h.position_scheme, cfg.chunk_size),
+        )
+        sel.handoff = None  # the sender owns the tensor now
+        return self.sender.offer(h.kv, template)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pdllm.prefill_service.handoff import DecodeKVBuild, HandoffKV, handoff_kv
 from pdllm.prefill_service.scoring import score_chunks
 from pdllm.prefill_service.trace import MemoryMeter, Trace
 from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped, chunk_prefill_steps
@@ -46,6 +47,7 @@ class Selection:
     keys: list[str]
     position_scheme: str
     config: EngineConfig
+    handoff: HandoffKV | None = None  # KV to hand to the decode worker (the job asked for it)
 
 
 class PrefillCancelled(CancelledError):
@@ -61,6 +63,7 @@ class PrefillJob:
     gen: GenerationConfig
     config: EngineConfig
     cancelled: threading.Event | None = field(default=None, compare=False)
+    offer_handoff: bool = False  # also make the KV a decode worker can pull (``handoff.py``)
 
     @property
     def is_cancelled(self) -> bool:
@@ -75,6 +78,8 @@ class PrefillWorker:
     """``config``: the default settings of a job (a job may carry its own). ``store``: where step-3 chunk KV
     is published and reused across requests (None: no reuse). ``sentence_ends``: token ids that end a
     sentence, for ``chunk_boundary="sentence"`` (None: computed once from the tokenizer when first needed).
+    ``decode_kv_build``: the decode worker's KV build, for jobs that offer a handoff (None: only chunk-only
+    jobs can offer one).
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class PrefillWorker:
         config: EngineConfig | None = None,
         store: ChunkKVStore | None = None,
         sentence_ends: Collection[int] | None = None,
+        decode_kv_build: DecodeKVBuild | None = None,
     ) -> None:
         self.model = model
+        self.decode_kv_build = decode_kv_build
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.config.validate()
@@ -219,4 +226,8 @@ class PrefillWorker:
             {"chunk": s.chunk, "s_i": s.s_i, "s_p": s.s_p, "total": s.total} for s in scores
         ]
         trace.selected = selected
-        return Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"), cfg)
+        sel = Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"), cfg)
+        if job.offer_handoff:
+            with trace.phase("handoff_build", device):
+                sel.handoff = handoff_kv(request, selected, bank.segment, job.gen, cfg, self.decode_kv_build)
+        return sel

@@ -4,6 +4,10 @@ A prefill worker that already prefilled a document holds its chunk KV in its in-
 same document (content hash of its context ids) goes back to it while it is healthy; otherwise the
 worker with the fewest outstanding prompt tokens wins. Decode goes to the worker with the fewest
 requests in flight. Ties break by address so routing is deterministic in tests.
+
+Where a pdllm request's decode KV is built (:func:`build_on_prefill`): on the decode worker (the KV never
+moves, but the build's forward stalls every stream that worker is decoding) or on the prefill worker, which
+then hands the KV off (``pdllm.shared.kv_transfer``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,19 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+BUILD_PLACEMENTS = ("auto", "decode", "prefill")
+
+
+def build_on_prefill(placement: str, prefill_queued_tokens: int, decode_in_flight: int) -> bool:
+    """Whether the prefill worker builds the decode KV. "auto": yes while the decode worker is decoding
+    other requests (its rounds would wait for the build) and the prefill worker has no other prompt in
+    flight (the build would delay it); otherwise the decode worker builds, which moves no KV."""
+    if placement not in BUILD_PLACEMENTS:
+        raise ValueError(f"build placement must be one of {BUILD_PLACEMENTS}, got {placement!r}")
+    if placement != "auto":
+        return placement == "prefill"
+    return decode_in_flight > 0 and prefill_queued_tokens == 0
 
 
 def document_key(context_ids: Sequence[int]) -> str:

@@ -55,7 +55,7 @@ from pdllm.shared.rpc.validation import (
     resolve_generate_request,
 )
 
-from .routing import LoadTracker, document_key
+from .routing import LoadTracker, build_on_prefill, document_key
 
 _log = logging.getLogger("pdllm.router")
 
@@ -73,6 +73,8 @@ class RouterConfig:
     # Traces name the workers by the address the router used; False (all-in-one: private loopback
     # workers) leaves the names empty, as generation.proto says.
     name_workers: bool = True
+    # Where the decode KV of a pdllm request is built: "decode", "prefill" (handed off), "auto" (routing.py).
+    build_on: str = "decode"
 
 
 class Pools:
@@ -153,6 +155,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             else:
                 decode_req.kv_spec.CopyFrom(prefill.kv_spec)
                 decode_req.chunks.extend(prefill.selected)
+                if prefill.HasField("handoff"):
+                    decode_req.handoff.CopyFrom(prefill.handoff)
             ttft: float | None = None
             shown = 0  # unmasked slots in the last partial relayed
             for event in self._decode(decode_req, deadline, context):
@@ -205,6 +209,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
         def call(address: str) -> wpb.PrefillResponse:
             stub = workers_pb2_grpc.PrefillStub(self.pools.channel(address))
+            decoding = min((self.decode_load.load(a) for a in self.pools.healthy("decode")), default=0)
+            req.offer_handoff = build_on_prefill(
+                self.config.build_on, self.prefill_load.load(address), decoding
+            )
             with self.prefill_load.outstanding(address, tokens):
                 future = stub.Prefill.future(req, timeout=self._remaining(deadline))
                 context.add_callback(future.cancel)
@@ -215,6 +223,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         "the client went away during prefill", code=grpc.StatusCode.CANCELLED
                     ) from None
             self.prefill_load.remember(doc, address)
+            if response.HasField("handoff"):  # decode workers pull from the address we reached it at
+                response.handoff.sender = address
             response.worker = address if self.config.name_workers else ""
             return response
 
@@ -330,9 +340,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             memory_kind=result.memory_kind,
             cache_hits=result.cache_hits,
             cache_misses=result.cache_misses,
+            kv_source=result.kv_source,
         )
         timings = trace.timings
         timings.CopyFrom(result.timings)
+        timings.handoff_s = result.handoff_s
         if prefill is not None:
             trace.num_chunks = len(prefill.chunk_scores)
             trace.selected_chunk_ids.extend(c.chunk_id for c in prefill.selected)

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from pdllm.shared.app.handoff import add_handoff_arguments, decode_kv_build, make_receiver, make_sender
 from pdllm.shared.rpc.channels import worker_channel_factory
 from pdllm.shared.rpc.metrics import MergedRegistries, start_metrics_endpoint
 from pdllm.shared.rpc.options import add_server_arguments, env_value, server_config_from_args
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay batched decode rounds as CUDA graphs, one per padded shape bucket (default: on for "
         "CUDA devices: 1.44 vs 1.25 req/s at 16 x 16K on an H100, benchmarks/results/serving_notes.md)",
     )
+    add_handoff_arguments(p, _env_default)
     add_server_arguments(p)
     return p
 
@@ -213,10 +215,15 @@ def _engine(args: argparse.Namespace) -> Any:
 
 
 def start_prefill(
-    args: argparse.Namespace, config: ServerConfig, worker: Any, run_batch: Callable | None = None
+    args: argparse.Namespace,
+    config: ServerConfig,
+    worker: Any,
+    run_batch: Callable | None = None,
+    decode_worker: Any = None,
 ) -> tuple[RpcServer, Callable]:
     """``worker``: the engine's :class:`~pdllm.prefill_service.worker.PrefillWorker`; ``run_batch``: how a
-    batch runs (default: on the prefill worker's own thread)."""
+    batch runs (default: on the prefill worker's own thread); ``decode_worker``: when given, the worker
+    also serves KV handoffs (``KvTransfer``), building decode KV with it."""
     from pdllm.prefill_service.batching import BatchingConfig
     from pdllm.prefill_service.server import PrefillServicer
     from pdllm.protos.pdllm.v1 import workers_pb2_grpc
@@ -225,10 +232,26 @@ def start_prefill(
     batching = BatchingConfig(
         max_requests=args.prefill_batch_requests, wait_s=args.prefill_batch_wait_ms / 1e3
     )
-    servicer = PrefillServicer(worker, f"prefill@{_hostname()}", registry, batching, run_batch)
+    sender = None
+    specs = []
+    if decode_worker is not None:
+        worker.decode_kv_build = decode_kv_build(decode_worker)
+        sender = make_sender(args, worker.device, registry)
+        specs.append(
+            service_spec(sender, workers_pb2_grpc.add_KvTransferServicer_to_server, "pdllm.v1.KvTransfer")
+        )
+    servicer = PrefillServicer(worker, f"prefill@{_hostname()}", registry, batching, run_batch, sender)
     _register_kv_metrics(worker.store, registry)
-    spec = service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
-    return build_server(config, [spec], registry).start(), servicer.batcher.close
+    specs.insert(
+        0, service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
+    )
+
+    def close() -> None:
+        servicer.batcher.close()
+        if sender is not None:
+            sender.close()
+
+    return build_server(config, specs, registry).start(), close
 
 
 def _register_kv_metrics(store: Any, registry: CollectorRegistry) -> None:
@@ -266,11 +289,12 @@ def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
 
 
 def start_decode(
-    args: argparse.Namespace, config: ServerConfig, worker: Any, kv_metrics: bool = True
-) -> tuple[RpcServer, Any]:
+    args: argparse.Namespace, config: ServerConfig, worker: Any, kv_metrics: bool = True, handoff: bool = True
+) -> tuple[RpcServer, Any, Callable[[], None]]:
     """``worker``: the engine's :class:`~pdllm.decode_service.worker.DecodeWorker`; ``kv_metrics``: export
-    its KV tier's metrics (False when another server of the process exports the same tier). Returns the
-    server and its :class:`~pdllm.decode_service.scheduler.DecodeScheduler` (``close`` stops it)."""
+    its KV tier's metrics (False when another server of the process exports the same tier); ``handoff``:
+    pull KV that prefill workers hand off. Returns the server, its
+    :class:`~pdllm.decode_service.scheduler.DecodeScheduler` and what stops them."""
     from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
     from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
     from pdllm.decode_service.server import DecodeServicer
@@ -281,11 +305,20 @@ def start_decode(
     forward = round_forward(args, worker.model, pool)
     scheduling = SchedulerConfig(args.max_active, args.max_waiting, args.overlap_pieces, args.build_pieces)
     scheduler = DecodeScheduler(worker.model, pool, forward, scheduling, registry)
-    servicer = DecodeServicer(worker, scheduler, f"decode@{_hostname()}", args.max_vanilla_tokens)
+    receiver = None
+    if handoff:
+        receiver = make_receiver(args, worker.device, worker_channel_factory(config), registry)
+    servicer = DecodeServicer(worker, scheduler, f"decode@{_hostname()}", args.max_vanilla_tokens, receiver)
     if kv_metrics:
         _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")
-    return build_server(config, [spec], registry).start(), scheduler
+
+    def close() -> None:
+        scheduler.close()
+        if receiver is not None:
+            receiver.close()
+
+    return build_server(config, [spec], registry).start(), scheduler, close
 
 
 def start_router(
@@ -316,7 +349,8 @@ def start_router(
     name = args.model_name or model_dir.name
     limits = ValidationLimits(models=(name,), max_prompt_bytes=args.max_prompt_bytes)
     defaults = RequestDefaults.for_engine(read_serving_defaults(model_dir).engine, model=name)
-    routing = RouterConfig(max_queue=args.max_queue, name_workers=workers is None)  # all-in-one: no names
+    # all-in-one: no worker names
+    routing = RouterConfig(max_queue=args.max_queue, name_workers=workers is None, build_on=args.build_on)
     servicer = RouterServicer(tokenizer, view, routing, limits, defaults)
     spec = service_spec(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
     server = build_server(config, [spec]).start()
@@ -349,16 +383,18 @@ def start(args: argparse.Namespace) -> Deployment:
     engine, loaded = _engine(args)
     close_store = engine.store.close  # last: writes the KV the workers queued before they stopped
     if args.role == "prefill":
-        server, close = start_prefill(args, config, engine.prefill_worker)
+        server, close = start_prefill(args, config, engine.prefill_worker, decode_worker=engine.decode_worker)
         return Deployment([server], [close, close_store])
     if args.role == "decode":
-        server, scheduler = start_decode(args, config, engine.decode_worker)
-        return Deployment([server], [scheduler.close, close_store])
+        server, _, close = start_decode(args, config, engine.decode_worker)
+        return Deployment([server], [close, close_store])
     # all: private workers on loopback, no metrics endpoints of their own
     internal = replace(config, host="127.0.0.1", port=0, metrics_port=None, tls=None)
     prefill_config, decode_config = replace(internal, role="prefill"), replace(internal, role="decode")
     # the prefill server exports the KV tier both workers share
-    decode, scheduler = start_decode(args, decode_config, engine.decode_worker, kv_metrics=False)
+    decode, scheduler, close_decode = start_decode(
+        args, decode_config, engine.decode_worker, kv_metrics=False, handoff=False
+    )
     # One device thread: the prefill worker's batches run on the decode scheduler's thread, in pieces of
     # at most --prefill-piece-tokens between decode rounds (no other thread launches work during a capture).
     steps = engine.prefill_worker.prefill_many_steps
@@ -371,6 +407,7 @@ def start(args: argparse.Namespace) -> Deployment:
             "discovery": "static",
             "prefill_workers": prefill.address,
             "decode_workers": decode.address,
+            "build_on": "decode",  # one device: nothing to hand off
         }
     )
     # One public metrics endpoint for the three servers (the workers' own have no port): router, prefill,
@@ -382,7 +419,7 @@ def start(args: argparse.Namespace) -> Deployment:
         merged = CollectorRegistry()
         merged.register(MergedRegistries([router.registry, prefill.registry, decode.registry]))
         router.metrics_endpoint = start_metrics_endpoint(merged, config.metrics_host, config.metrics_port)
-    return Deployment([router, prefill, decode], [close_router, close_prefill, scheduler.close, close_store])
+    return Deployment([router, prefill, decode], [close_router, close_prefill, close_decode, close_store])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,7 +127,7 @@ class ChunkScore(_message.Message):
     def __init__(self, chunk_id: _Optional[int] = ..., self_information: _Optional[float] = ..., pseudo_label: _Optional[float] = ..., total: _Optional[float] = ..., selected: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., kept_tokens: _Optional[int] = ...) -> None: ...
 
 class PhaseTimings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "score_s", "select_s", "build_s", "decode_s", "ttft_s", "total_s")
+    __slots__ = ("queue_s", "prefill_s", "score_s", "select_s", "build_s", "decode_s", "ttft_s", "total_s", "handoff_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     SCORE_S_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class PhaseTimings(_message.Message):
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     score_s: float
@@ -144,10 +145,11 @@ class PhaseTimings(_message.Message):
     decode_s: float
     ttft_s: float
     total_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    handoff_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class Trace(_message.Message):
-    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens")
+    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens", "kv_source")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
     SCORE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,7 @@ class Trace(_message.Message):
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SELECTED_KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     method: str
     kv_mode: str
     score_mode: str
@@ -186,4 +189,5 @@ class Trace(_message.Message):
     memory_kind: str
     prefill_skipped: bool
     selected_kept_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., selected_kept_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_source: str
+    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., selected_kept_tokens: _Optional[_Iterable[int]] = ..., kv_source: _Optional[str] = ...) -> None: ...

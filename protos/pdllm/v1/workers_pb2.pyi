@@ -8,20 +8,78 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvSpec(_message.Message):
-    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "position_scheme")
+    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "position_scheme", "chunk_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     POSITION_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     position_scheme: str
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., position_scheme: _Optional[str] = ...) -> None: ...
+    chunk_size: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., position_scheme: _Optional[str] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class KvHandoff(_message.Message):
+    __slots__ = ("transfer_id", "sender", "backend", "payload", "shape", "dtype", "nbytes", "segment_lens", "instruction_len", "kv_spec", "query_start")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_LENS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_SPEC_FIELD_NUMBER: _ClassVar[int]
+    QUERY_START_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    sender: str
+    backend: str
+    payload: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    nbytes: int
+    segment_lens: _containers.RepeatedScalarFieldContainer[int]
+    instruction_len: int
+    kv_spec: KvSpec
+    query_start: int
+    def __init__(self, transfer_id: _Optional[str] = ..., sender: _Optional[str] = ..., backend: _Optional[str] = ..., payload: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., segment_lens: _Optional[_Iterable[int]] = ..., instruction_len: _Optional[int] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., query_start: _Optional[int] = ...) -> None: ...
+
+class KvConnectRequest(_message.Message):
+    __slots__ = ("receiver_id",)
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    def __init__(self, receiver_id: _Optional[str] = ...) -> None: ...
+
+class KvConnectResponse(_message.Message):
+    __slots__ = ("store_port", "epoch", "backend")
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    store_port: int
+    epoch: int
+    backend: str
+    def __init__(self, store_port: _Optional[int] = ..., epoch: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class KvSendRequest(_message.Message):
+    __slots__ = ("transfer_id", "receiver_id", "epoch")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    receiver_id: str
+    epoch: int
+    def __init__(self, transfer_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class KvSendResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ChunkHandle(_message.Message):
     __slots__ = ("key", "chunk_id", "token_ids", "positions", "kept_indices", "nbytes")
@@ -40,7 +98,7 @@ class ChunkHandle(_message.Message):
     def __init__(self, key: _Optional[str] = ..., chunk_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., kept_indices: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "instruction_ids", "context_ids", "question_ids", "method", "generation")
+    __slots__ = ("request_id", "model", "instruction_ids", "context_ids", "question_ids", "method", "generation", "offer_handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +106,7 @@ class PrefillRequest(_message.Message):
     QUESTION_IDS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OFFER_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     instruction_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -55,10 +114,11 @@ class PrefillRequest(_message.Message):
     question_ids: _containers.RepeatedScalarFieldContainer[int]
     method: _generation_pb2.MethodParams
     generation: _generation_pb2.GenerationParams
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ...) -> None: ...
+    offer_handoff: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., offer_handoff: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "kv_spec", "selected", "chunk_scores", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker", "memory_kind")
+    __slots__ = ("request_id", "kv_spec", "selected", "chunk_scores", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker", "memory_kind", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +129,7 @@ class PrefillResponse(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_spec: KvSpec
     selected: _containers.RepeatedCompositeFieldContainer[ChunkHandle]
@@ -79,10 +140,11 @@ class PrefillResponse(_message.Message):
     peak_memory_bytes: int
     worker: str
     memory_kind: str
-    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ..., memory_kind: _Optional[str] = ...) -> None: ...
+    handoff: KvHandoff
+    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids")
+    __slots__ = ("request_id", "model", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +155,7 @@ class DecodeRequest(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     STREAM_PARTIALS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     kv_spec: KvSpec
@@ -103,10 +166,11 @@ class DecodeRequest(_message.Message):
     method: _generation_pb2.MethodParams
     stream_partials: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    handoff: KvHandoff
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker", "memory_kind")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker", "memory_kind", "kv_source", "handoff_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +181,8 @@ class DecodeResult(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -127,7 +193,9 @@ class DecodeResult(_message.Message):
     peak_memory_bytes: int
     worker: str
     memory_kind: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ..., memory_kind: _Optional[str] = ...) -> None: ...
+    kv_source: str
+    handoff_s: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., kv_source: _Optional[str] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("partial", "final")

@@ -98,6 +98,126 @@ class Prefill:
             _registered_method=True)
 
 
+class KvTransferStub:
+    """Served by a prefill worker that offers KV for handoff; called by decode workers (KvReceiver).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Connect = channel.unary_unary(
+                '/pdllm.v1.KvTransfer/Connect',
+                request_serializer=pdllm_dot_v1_dot_workers__pb2.KvConnectRequest.SerializeToString,
+                response_deserializer=pdllm_dot_v1_dot_workers__pb2.KvConnectResponse.FromString,
+                _registered_method=True)
+        self.Send = channel.unary_unary(
+                '/pdllm.v1.KvTransfer/Send',
+                request_serializer=pdllm_dot_v1_dot_workers__pb2.KvSendRequest.SerializeToString,
+                response_deserializer=pdllm_dot_v1_dot_workers__pb2.KvSendResponse.FromString,
+                _registered_method=True)
+
+
+class KvTransferServicer:
+    """Served by a prefill worker that offers KV for handoff; called by decode workers (KvReceiver).
+    """
+
+    def Connect(self, request, context):
+        """Opens a new point-to-point group between this sender (rank 0) and the calling receiver (rank 1).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Send(self, request, context):
+        """Posts the send of one offered KV over the receiver's open group; the receiver posts the matching recv.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=pdllm_dot_v1_dot_workers__pb2.KvConnectRequest.FromString,
+                    response_serializer=pdllm_dot_v1_dot_workers__pb2.KvConnectResponse.SerializeToString,
+            ),
+            'Send': grpc.unary_unary_rpc_method_handler(
+                    servicer.Send,
+                    request_deserializer=pdllm_dot_v1_dot_workers__pb2.KvSendRequest.FromString,
+                    response_serializer=pdllm_dot_v1_dot_workers__pb2.KvSendResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdllm.v1.KvTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdllm.v1.KvTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvTransfer:
+    """Served by a prefill worker that offers KV for handoff; called by decode workers (KvReceiver).
+    """
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdllm.v1.KvTransfer/Connect',
+            pdllm_dot_v1_dot_workers__pb2.KvConnectRequest.SerializeToString,
+            pdllm_dot_v1_dot_workers__pb2.KvConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Send(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdllm.v1.KvTransfer/Send',
+            pdllm_dot_v1_dot_workers__pb2.KvSendRequest.SerializeToString,
+            pdllm_dot_v1_dot_workers__pb2.KvSendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class DecodeStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -1,0 +1,179 @@
+"""The receiving side of a KV handoff: a decode worker pulls the KV a prefill worker holds for a request.
+
+:meth:`KvReceiver.start` returns a :class:`Transfer` at once and pulls on a thread of its own: open (or
+reuse) a two-rank group with the sender (``KvTransfer.Connect``, ``pairs.py``), ask it to send
+(``KvTransfer.Send``), receive into a tensor on this worker's device. The transfer goes WAITING ->
+TRANSFERRING -> DONE, or FAILED with the reason (sender gone, offer expired, timeout); the caller then builds
+the KV itself. A failure drops the group with that sender (the next pull opens a new one). Pulls from one
+sender run one at a time (its point-to-point ops are ordered); pulls from different senders in parallel.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+from pdllm.shared.kv_transfer.pairs import PairGroup, TransferConfig, connect_store
+
+_log = logging.getLogger("pdllm.kv_transfer.receiver")
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Transfer:
+    handoff: wpb.KvHandoff
+    state: TransferState = TransferState.WAITING
+    kv: torch.Tensor | None = None
+    error: str = ""
+    seconds: float = 0.0
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+@dataclass
+class _Peer:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    group: PairGroup | None = None
+    epoch: int = 0
+
+
+class KvReceiver:
+    """``channel``: makes a gRPC channel to a sender's address (the workers' token and TLS)."""
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        channel: Callable[[str], grpc.Channel],
+        device: torch.device,
+        registry: CollectorRegistry | None = None,
+        max_parallel: int = 4,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.receiver_id = f"decode-{uuid.uuid4().hex[:12]}"
+        self._channel = channel
+        self._stubs: dict[str, workers_pb2_grpc.KvTransferStub] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="kv-recv")
+        self.outcomes = Counter(
+            "pdllm_kv_handoff_pulls",
+            "KV handoff pulls by outcome (done, failed)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "pdllm_kv_handoff_seconds",
+            "Wall time of one KV handoff pull",
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+            registry=registry,
+        )
+
+    def start(self, handoff: wpb.KvHandoff) -> Transfer:
+        transfer = Transfer(handoff)
+        self._pool.submit(self._pull, transfer)
+        return transfer
+
+    def _pull(self, transfer: Transfer) -> None:
+        h = transfer.handoff
+        start = time.perf_counter()
+        try:
+            dtype = getattr(torch, h.dtype, None)
+            if not isinstance(dtype, torch.dtype) or len(h.shape) != 5 or not h.sender:
+                raise ValueError(f"malformed KV handoff (dtype {h.dtype!r}, shape {list(h.shape)})")
+            if h.backend != self.config.resolve_backend(self.device):
+                raise ValueError(f"sender uses backend {h.backend!r}, this worker {self.config.backend!r}")
+            peer = self._peer(h.sender)
+            with peer.lock:
+                group = self._connect(h.sender, peer)
+                try:
+                    self._stub(h.sender).Send(
+                        wpb.KvSendRequest(
+                            transfer_id=h.transfer_id, receiver_id=self.receiver_id, epoch=peer.epoch
+                        ),
+                        timeout=self.config.timeout_s,
+                    )
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:  # expired offers leave the group usable
+                        self._drop(peer)
+                    raise
+                transfer.state = TransferState.TRANSFERRING
+                try:
+                    transfer.kv = group.recv(tuple(h.shape), dtype, self.device)
+                except Exception:
+                    self._drop(peer)
+                    raise
+            transfer.state = TransferState.DONE
+            self.outcomes.labels("done").inc()
+        except Exception as exc:  # the caller rebuilds the KV; say why once
+            transfer.error = _describe(exc)
+            transfer.state = TransferState.FAILED
+            self.outcomes.labels("failed").inc()
+            _log.warning("KV handoff %s from %s failed: %s", h.transfer_id, h.sender, transfer.error)
+        finally:
+            transfer.seconds = time.perf_counter() - start
+            self.seconds.observe(transfer.seconds)
+            transfer._done.set()
+
+    def _peer(self, sender: str) -> _Peer:
+        with self._lock:
+            return self._peers.setdefault(sender, _Peer())
+
+    def _stub(self, sender: str) -> workers_pb2_grpc.KvTransferStub:
+        with self._lock:
+            if sender not in self._stubs:
+                self._stubs[sender] = workers_pb2_grpc.KvTransferStub(self._channel(sender))
+            return self._stubs[sender]
+
+    def _connect(self, sender: str, peer: _Peer) -> PairGroup:
+        if peer.group is not None:
+            return peer.group
+        reply = self._stub(sender).Connect(
+            wpb.KvConnectRequest(receiver_id=self.receiver_id), timeout=self.config.timeout_s
+        )
+        host = sender.rsplit(":", 1)[0].strip("[]")
+        store = connect_store(host, reply.store_port, self.config)
+        peer.group = PairGroup(store, f"{self.receiver_id}/{reply.epoch}", 1, reply.backend, self.config)
+        peer.epoch = reply.epoch
+        return peer.group
+
+    def _drop(self, peer: _Peer) -> None:
+        if peer.group is not None:
+            peer.group.close()
+        peer.group, peer.epoch = None, 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for peer in self._peers.values():
+                self._drop(peer)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {exc}"
