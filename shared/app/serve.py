@@ -257,6 +257,8 @@ def start_prefill(
 def _register_kv_metrics(store: Any, registry: CollectorRegistry) -> None:
     from pdllm.shared.kv_tier.stats import register_kv_metrics
 
+    if store is None:  # a worker without a KV tier
+        return
     tiers = getattr(store, "tiers", None) or [store]
     if store not in tiers:  # a background writer in front of the tiers: its drops and queue too
         tiers = [*tiers, store]

@@ -212,3 +212,34 @@ def test_builds_in_pieces_run_one_piece_per_round_and_answer_exactly() -> None:
     assert finals[first.request_id].result.raw_tokens == alone(m, CASES[1], 1)
     assert finals[second.request_id].result.raw_tokens == alone(m, CASES[0], 0)
     assert sched.pool.num_free == sched.pool.num_pages
+
+
+def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() -> None:
+    from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+    from pdllm.shared.kv_transfer.receiver import Transfer, TransferState
+
+    m = model("dream")
+    sched = _scheduler(m)
+    other = sched.submit(_job(m, 0))
+    pulls: list[Transfer] = []
+    started: list[Transfer | None] = []
+
+    def job_with_pull(seed: int) -> DecodeJob:
+        job = _job(m, seed)
+        build = job.start
+        job.start = lambda: (started.append(job.received), build())[1]  # type: ignore[assignment]
+        job.fetch = lambda: pulls.append(Transfer(wpb.KvHandoff())) or pulls[-1]  # type: ignore[assignment]
+        return sched.submit(job)
+
+    pulled, dropped = job_with_pull(1), job_with_pull(2)
+    for _ in range(2):  # the other request decodes meanwhile; nothing is built while the pulls run
+        sched.run_once()
+    assert started == [] and len(pulls) == 2 and pulled.pages and dropped.pages
+    assert [j.request_id for j in sched.active] == [other.request_id]
+    assert other.session.state.steps_taken == 2  # type: ignore[union-attr]
+    pulls[0].state = TransferState.FAILED
+    dropped.cancelled.set()
+    sched.run_once()
+    assert started == [pulls[0]]  # built once the pull finished, seeing the finished pull
+    assert pulled in sched.active and not dropped.pages  # the cancelled one gave its pages back at once
+    assert sched.pool.num_pages - sched.pool.num_free == len(other.pages) + len(pulled.pages)
