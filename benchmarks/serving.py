@@ -15,6 +15,9 @@ Layouts (processes started once per layout, reused for all its cells, killed at 
                         ``--role router`` (gpus=2).
   1p1d-build-on-decode  router + one ``--role prefill`` on GPU 0 + one ``--role decode`` on GPU 1; the
                         prefill worker sends chunk handles, the decode worker builds their KV (gpus=2).
+  1p1d-build-on-prefill the same processes; the prefill worker builds the decode KV and hands it off
+                        (NCCL, GPU 0 -> GPU 1), the decode worker only decodes (gpus=2).
+  1p1d-auto             the same; the router picks the side per request (``--build-on auto``).
 2-GPU layouts are skipped (meta.skipped) when fewer than 2 GPUs are visible (always on CPU).
 
 Cells: for each layout, each ``--context-tokens`` and each ``--concurrency`` c. Every request has its own
@@ -62,7 +65,14 @@ from pdllm.shared.model.loader import load_tokenizer  # noqa: E402
 from pdllm.shared.rpc.client import PdllmClient  # noqa: E402
 from tests.services.cluster import ServeProcess  # noqa: E402
 
-LAYOUT_GPUS = {"all-in-one": 1, "replicas": 2, "1p1d-build-on-decode": 2}
+LAYOUT_GPUS = {
+    "all-in-one": 1,
+    "replicas": 2,
+    "1p1d-build-on-decode": 2,
+    "1p1d-build-on-prefill": 2,
+    "1p1d-auto": 2,
+}
+BUILD_ON = {"1p1d-build-on-prefill": "prefill", "1p1d-auto": "auto"}  # others: the decode worker builds
 ROW_KEYS = ("layout", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
             "gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms", "step_p99_ms", "unloaded_step_ms",
             "peak_gib")  # fmt: skip
@@ -137,14 +147,14 @@ def start_layout(
         procs.append(ServeProcess("all", model_args, env=env("0")))
         start_all(procs[-1:], limit)
         return procs[-1].address
-    gpus = ("0", "1") if layout == "replicas" else ("0",)
+    gpus = ("0", "1") if layout == "replicas" else ("0",)  # replicas: no handoff (a pair may share a GPU)
     pre = [ServeProcess("prefill", model_args, env=env(g)) for g in gpus]
     dec = [ServeProcess("decode", model_args, env=env(g)) for g in (gpus if layout == "replicas" else ("1",))]
     procs += pre + dec
     start_all(pre + dec, limit)
     addrs = lambda ps: ",".join(p.address for p in ps)  # noqa: E731
     router = ServeProcess("router", [*router_args, "--prefill-workers", addrs(pre), "--decode-workers",
-                                     addrs(dec)], env=env(""))  # fmt: skip
+                                     addrs(dec), "--build-on", BUILD_ON.get(layout, "decode")], env=env(""))  # fmt: skip
     procs.append(router)
     start_all([router], min(limit, 120.0))
     return router.address
