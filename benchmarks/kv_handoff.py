@@ -1,14 +1,15 @@
 """Handoff of a decode KV through pdllm's own path: ``KvSender`` (a prefill worker's gRPC ``KvTransfer``
 service) in one process, ``KvReceiver`` (a decode worker's) in another, as serving runs it.
 
-    python benchmarks/kv_handoff.py --tokens 4100,16400 --backends nccl,gloo --out benchmarks/results
+    python benchmarks/kv_handoff.py --tokens 4100,16400 --backends cuda-ipc,nccl,gloo --out benchmarks/results
 
 The sender process offers a ``[layers, 2, kv_heads, tokens, head_dim]`` bf16 tensor on its GPU (Dream-7B
 defaults: 4100 tokens = the K=4 full-mask decode KV, 235 MB); the receiver pulls it onto its GPU. One
 row per (backend, tokens): median wall time of ``--repeat`` pulls after one warm-up, from ``start`` to
 the tensor being on the receiver's device (the gRPC ``Send`` call included), checked equal to the sent
 bytes. With 2 GPUs the sender is on GPU 0 and the receiver on GPU 1; with one, both share GPU 0 (NCCL
-cannot run there: only Gloo, staged through host memory, for correctness). Writes ``kv_handoff.json``
+cannot run there). Backends: ``cuda-ipc`` (the receiver maps the sender's memory, one host), ``nccl``,
+``gloo`` (staged through host memory). Writes ``kv_handoff.json``
 (``handoff`` rows ``{"tokens", "bytes", "transport", "ms", "gb_per_s"}``) and ``kv_handoff.md``.
 """
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--role", choices=["bench", "sender"], default="bench", help=argparse.SUPPRESS)
     p.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
-    p.add_argument("--backends", default="nccl,gloo", help="comma list of gloo, nccl")
+    p.add_argument("--backends", default="cuda-ipc,nccl,gloo", help="comma list of cuda-ipc, nccl, gloo")
     p.add_argument("--tokens", default="4100,16400", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -120,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count()
     rows, skipped = [], []
     for backend in args.backends.split(","):
-        if backend not in ("gloo", "nccl"):
-            p.error(f"unknown backend {backend!r}; choose from gloo, nccl")
+        if backend not in ("gloo", "nccl", "cuda-ipc"):
+            p.error(f"unknown backend {backend!r}; choose from cuda-ipc, nccl, gloo")
+        if backend == "cuda-ipc" and not gpus:
+            skipped.append({"transport": "pdllm-cuda-ipc", "reason": "no CUDA device"})
+            continue
         if backend == "nccl" and gpus < 2:
             skipped.append({"transport": "pdllm-nccl", "reason": f"needs 2 GPUs, {gpus} visible"})
             continue

@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ckpt-dir", type=Path, default=None, help="default: serve_load.py's checkpoint dir")
     ap.add_argument("--decode-round-json", type=Path, default=None, help="decode_rounds.py's JSON")
+    ap.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="with one GPU, run 2-GPU layouts with every process on GPU 0 (meta.shared_gpu; correctness, "
+        "and the handoff over CUDA IPC, not a two-GPU measurement)",
+    )
     ap.add_argument("--warm-burst", type=int, default=None, help="warm-up streams per cell (default: its c)")
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         env = lambda g: {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # noqa: E731
     else:
-        env = lambda g: {"CUDA_VISIBLE_DEVICES": g}  # noqa: E731
+        one = args.share_gpu and gpus < 2
+        env = lambda g: {"CUDA_VISIBLE_DEVICES": "0" if one and g else g}  # noqa: E731
     mcfg = smoke_config() if smoke else dream7b()
     engine = {"chunk_size": 256, "top_k": 3} if smoke else {"chunk_size": 1024, "top_k": 4}
     ckpt = args.ckpt_dir or Path(tempfile.gettempdir()) / "pdllm_serve_load" / f"{mcfg.model_id}-{dtype}"
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_cell": f"max(concurrency, {MIN_REQUESTS}), at most concurrency in flight",
             "replicas_note": "2x(--role prefill + --role decode), pair i on GPU i, one router: --role all "
                              "does not expose its internal workers' addresses",
-            "skipped": [], "errors": [], "cells": [], "documents_tokens": {}}  # fmt: skip
+            "skipped": [], "errors": [], "cells": [], "documents_tokens": {},
+            "shared_gpu": bool(args.share_gpu and gpus < 2)}  # fmt: skip
     report = {"device": torch.cuda.get_device_name(0) if gpus else "cpu",
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": "python benchmarks/serving.py " + shlex.join(sys.argv[1:] if argv is None else argv),
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     router_args = ["--model", str(ckpt), "--port", "0", "--metrics-port", "0", *serve_flags]
     for layout in layouts:
         need = LAYOUT_GPUS[layout]
-        if need > 1 and gpus < need:
+        if need > 1 and gpus < need and not args.share_gpu:
             meta["skipped"].append({"layout": layout, "reason": f"needs {need} GPUs, {gpus} visible"})
             continue
         procs: list[ServeProcess] = []

@@ -27,7 +27,9 @@ def add_handoff_arguments(p: argparse.ArgumentParser, env: Callable[..., Any]) -
     )
     h.add_argument(
         "--kv-transfer-backend",
-        choices=["auto", "gloo", "nccl"],
+        choices=["auto", "gloo", "nccl", "cuda-ipc"],
+        help="how decode workers pull handed-off KV: 'auto' = CUDA IPC from a prefill worker on the same host "
+        "(one container or pod), NCCL from another, Gloo without CUDA",
         default=env("--kv-transfer-backend", "auto"),
     )
     h.add_argument(

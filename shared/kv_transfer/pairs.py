@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 Backend = Literal["gloo", "nccl"]
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "cuda-ipc")
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """``backend``: "auto" (NCCL for CUDA tensors, else Gloo), "gloo" or "nccl". ``host``: the address this
+    """``backend``: "auto" (CUDA IPC from a sender on the same host, NCCL from another, Gloo without CUDA),
+    "gloo", "nccl" or "cuda-ipc" (same host only; NCCL groups for other senders). ``host``: the address this
     side binds and advertises (the sender's TCPStore; Gloo's pair sockets on both sides). ``store_port``: the
     sender's TCPStore port (0: any free one). ``timeout_s``: how long a group setup or one transfer may take
     before it fails (the receiver then rebuilds the KV itself)."""
@@ -49,11 +50,16 @@ class TransferConfig:
         return datetime.timedelta(seconds=self.timeout_s)
 
     def resolve_backend(self, device: torch.device) -> Backend:
-        if self.backend == "auto":
+        """The backend of this side's pair groups (CUDA IPC needs none)."""
+        if self.backend in ("nccl", "cuda-ipc") and device.type != "cuda":
+            raise ValueError(f"KV transfer backend {self.backend!r} needs a CUDA device")
+        if self.backend in ("auto", "cuda-ipc"):
             return "nccl" if device.type == "cuda" else "gloo"
-        if self.backend == "nccl" and device.type != "cuda":
-            raise ValueError("KV transfer backend 'nccl' needs a CUDA device")
         return self.backend  # type: ignore[return-value]
+
+    def cuda_ipc(self, device: torch.device) -> bool:
+        """Whether this side uses CUDA IPC with senders on its host."""
+        return device.type == "cuda" and self.backend in ("auto", "cuda-ipc")
 
 
 def serve_store(config: TransferConfig) -> tuple[dist.TCPStore, int]:

@@ -6,6 +6,8 @@ reuse) a two-rank group with the sender (``KvTransfer.Connect``, ``pairs.py``), 
 TRANSFERRING -> DONE, or FAILED with the reason (sender gone, offer expired, timeout); the caller then builds
 the KV itself. A failure drops the group with that sender (the next pull opens a new one). Pulls from one
 sender run one at a time (its point-to-point ops are ordered); pulls from different senders in parallel.
+From a sender on the same host, a CUDA receiver skips the group: it maps the sender's KV through CUDA IPC
+(``cuda_ipc.py``), copies it and tells the sender to ``Release`` it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+from pdllm.shared.kv_transfer import cuda_ipc
 from pdllm.shared.kv_transfer.pairs import PairGroup, TransferConfig, connect_store
 
 _log = logging.getLogger("pdllm.kv_transfer.receiver")
@@ -75,6 +78,7 @@ class KvReceiver:
         self.config = config
         self.device = device
         self.receiver_id = f"decode-{uuid.uuid4().hex[:12]}"
+        self.host_id = cuda_ipc.host_id()
         self._channel = channel
         self._stubs: dict[str, workers_pb2_grpc.KvTransferStub] = {}
         self._peers: dict[str, _Peer] = {}
@@ -105,6 +109,12 @@ class KvReceiver:
             dtype = getattr(torch, h.dtype, None)
             if not isinstance(dtype, torch.dtype) or len(h.shape) != 5 or not h.sender:
                 raise ValueError(f"malformed KV handoff (dtype {h.dtype!r}, shape {list(h.shape)})")
+            if self.config.cuda_ipc(self.device) and h.host_id == self.host_id:
+                transfer.state = TransferState.TRANSFERRING
+                transfer.kv = self._map(h, dtype)
+                transfer.state = TransferState.DONE
+                self.outcomes.labels("done").inc()
+                return
             if h.backend != self.config.resolve_backend(self.device):
                 raise ValueError(f"sender uses backend {h.backend!r}, this worker {self.config.backend!r}")
             peer = self._peer(h.sender)
@@ -138,6 +148,15 @@ class KvReceiver:
             transfer.seconds = time.perf_counter() - start
             self.seconds.observe(transfer.seconds)
             transfer._done.set()
+
+    def _map(self, h: wpb.KvHandoff, dtype: torch.dtype) -> torch.Tensor:
+        stub = self._stub(h.sender)
+        timeout = self.config.timeout_s
+        reply = stub.Send(wpb.KvSendRequest(transfer_id=h.transfer_id, cuda_ipc=True), timeout=timeout)
+        try:
+            return cuda_ipc.open_copy(reply.cuda_ipc, tuple(h.shape), dtype, self.device)
+        finally:
+            stub.Release(wpb.KvReleaseRequest(transfer_id=h.transfer_id), timeout=timeout)
 
     def _peer(self, sender: str) -> _Peer:
         with self._lock:

@@ -5,7 +5,9 @@
 prefill response carries. The sender serves ``pdllm.v1.KvTransfer`` on the prefill worker's gRPC port:
 ``Connect`` opens a two-rank group with the calling receiver (``pairs.py``), ``Send`` posts the send of one
 offer over it. Each pair has one thread, so sends to one receiver go out in the order they were asked for;
-an offer is sent at most once and dropped as soon as its send was posted.
+an offer is sent at most once and dropped as soon as its send was posted. A receiver on the same host may
+ask for a CUDA IPC handle instead (``cuda_ipc.py``): the offer is then lent until the receiver's
+``Release`` (or its TTL), since the receiver copies straight out of this process's memory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
+from pdllm.shared.kv_transfer import cuda_ipc
 from pdllm.shared.kv_transfer.pairs import PairGroup, TransferConfig, serve_store
 from pdllm.shared.kv_transfer.payload import dtype_name
 from pdllm.shared.rpc.errors import PdllmError
@@ -64,15 +67,17 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
         self.config = config
         self.backend = config.transfer.resolve_backend(device)
         self._offers: dict[str, _Offer] = {}
+        self._lent: dict[str, _Offer] = {}  # shared through CUDA IPC, until Release
         self._held = 0
         self._pairs: dict[str, _Pair] = {}
         self._ids = itertools.count(1)
         self._epochs = itertools.count(1)
         self._lock = threading.Lock()
         self._store, self.store_port = serve_store(config.transfer)
+        self.host_id = cuda_ipc.host_id()
         self.outcomes = Counter(
             "pdllm_kv_handoff_offers",
-            "KV handoff offers by outcome (sent, declined over budget, expired unpulled, failed)",
+            "KV handoff offers by outcome (sent, lent through CUDA IPC, declined over budget, expired, failed)",
             ["outcome"],
             registry=registry,
         )
@@ -97,6 +102,7 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
         out.transfer_id, out.backend, out.nbytes = transfer_id, self.backend, nbytes
         out.shape[:] = list(kv.shape)
         out.dtype = dtype_name(kv.dtype)
+        out.host_id = self.host_id
         return out
 
     def withdraw(self, transfer_id: str) -> None:
@@ -107,16 +113,17 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
     def held_bytes(self) -> int:
         return self._held
 
-    def _take(self, transfer_id: str) -> _Offer | None:
-        offer = self._offers.pop(transfer_id, None)
+    def _take(self, transfer_id: str, table: dict[str, _Offer] | None = None) -> _Offer | None:
+        offer = (self._offers if table is None else table).pop(transfer_id, None)
         if offer is not None:
             self._held -= offer.kv.numel() * offer.kv.element_size()
         return offer
 
     def _expire(self, now: float) -> None:
-        for tid in [t for t, o in self._offers.items() if o.expires <= now]:
-            self._take(tid)
-            self.outcomes.labels("expired").inc()
+        for table in (self._offers, self._lent):
+            for tid in [t for t, o in table.items() if o.expires <= now]:
+                self._take(tid, table)
+                self.outcomes.labels("expired").inc()
 
     # ------------------------------------------------------------------ KvTransfer service
     def Connect(self, request: wpb.KvConnectRequest, context: grpc.ServicerContext) -> wpb.KvConnectResponse:
@@ -134,6 +141,8 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
         return wpb.KvConnectResponse(store_port=self.store_port, epoch=epoch, backend=self.backend)
 
     def Send(self, request: wpb.KvSendRequest, context: grpc.ServicerContext) -> wpb.KvSendResponse:
+        if request.cuda_ipc:
+            return self._lend(request.transfer_id)
         with self._lock:
             self._expire(time.monotonic())
             pair = self._pairs.get(request.receiver_id)
@@ -150,6 +159,28 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
             )
         pair.thread.submit(self._send, pair, offer, request.receiver_id)
         return wpb.KvSendResponse()
+
+    def _lend(self, transfer_id: str) -> wpb.KvSendResponse:
+        with self._lock:
+            self._expire(time.monotonic())
+            offer = self._offers.pop(transfer_id, None)
+            if offer is not None and offer.kv.is_cuda:
+                self._lent[transfer_id] = offer  # still held: the receiver reads our memory
+        if offer is None:
+            raise PdllmError(
+                f"KV handoff {transfer_id!r} is not held here (expired or already pulled)",
+                code=grpc.StatusCode.NOT_FOUND,
+            )
+        if not offer.kv.is_cuda:
+            self._held -= offer.kv.numel() * offer.kv.element_size()
+            raise PdllmError("CUDA IPC needs KV on a CUDA device", code=grpc.StatusCode.FAILED_PRECONDITION)
+        self.outcomes.labels("lent").inc()
+        return wpb.KvSendResponse(cuda_ipc=cuda_ipc.share(offer.kv))
+
+    def Release(self, request: wpb.KvReleaseRequest, context: grpc.ServicerContext) -> wpb.KvReleaseResponse:
+        with self._lock:
+            self._take(request.transfer_id, self._lent)
+        return wpb.KvReleaseResponse()
 
     def _send(self, pair: _Pair, offer: _Offer, receiver_id: str) -> None:
         try:
@@ -175,6 +206,7 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
             self._offers.clear()
+            self._lent.clear()
             self._held = 0
         for pair in pairs:
             self._close_pair(pair)

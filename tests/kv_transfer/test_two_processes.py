@@ -113,3 +113,13 @@ def test_offers_expire_and_the_budget_declines(local_sender) -> None:
         assert sender.held_bytes == 0 and sender.outcomes.labels("expired")._value.get() == 1
     finally:
         receiver.close()
+
+
+def test_cuda_ipc_of_kv_not_on_a_gpu_is_refused_and_the_offer_freed(local_sender) -> None:
+    sender, address = local_sender
+    handoff = _offer(sender, address, torch.zeros(1, 2, 1, 10, 8))
+    stub = workers_pb2_grpc.KvTransferStub(grpc.insecure_channel(address))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Send(wpb.KvSendRequest(transfer_id=handoff.transfer_id, cuda_ipc=True), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert sender.held_bytes == 0

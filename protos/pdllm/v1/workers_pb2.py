@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import generation_pb2 as pdllm_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdllm/v1/workers.proto\x12\x08pdllm.v1\x1a\x19pdllm/v1/generation.proto\"\x92\x01\n\x06KvSpec\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x17\n\x0fposition_scheme\x18\x06 \x01(\t\x12\x12\n\nchunk_size\x18\x07 \x01(\x05\"\xe7\x01\n\tKvHandoff\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06nbytes\x18\x07 \x01(\x03\x12\x14\n\x0csegment_lens\x18\x08 \x03(\x05\x12\x17\n\x0finstruction_len\x18\t \x01(\x05\x12!\n\x07kv_spec\x18\n \x01(\x0b\x32\x10.pdllm.v1.KvSpec\x12\x13\n\x0bquery_start\x18\x0b \x01(\x05\"\'\n\x10KvConnectRequest\x12\x13\n\x0breceiver_id\x18\x01 \x01(\t\"G\n\x11KvConnectResponse\x12\x12\n\nstore_port\x18\x01 \x01(\x05\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"H\n\rKvSendRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"\x10\n\x0eKvSendResponse\"x\n\x0b\x43hunkHandle\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x11\n\tpositions\x18\x04 \x03(\x05\x12\x14\n\x0ckept_indices\x18\x05 \x03(\x05\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"\xe6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0finstruction_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x63ontext_ids\x18\x04 \x03(\x05\x12\x14\n\x0cquestion_ids\x18\x05 \x03(\x05\x12&\n\x06method\x18\x06 \x01(\x0b\x32\x16.pdllm.v1.MethodParams\x12.\n\ngeneration\x18\x07 \x01(\x0b\x32\x1a.pdllm.v1.GenerationParams\x12\x15\n\roffer_handoff\x18\x08 \x01(\x08\"\xd6\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07kv_spec\x18\x02 \x01(\x0b\x32\x10.pdllm.v1.KvSpec\x12\'\n\x08selected\x18\x03 \x03(\x0b\x32\x15.pdllm.v1.ChunkHandle\x12*\n\x0c\x63hunk_scores\x18\x04 \x03(\x0b\x32\x14.pdllm.v1.ChunkScore\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pdllm.v1.PhaseTimings\x12\x12\n\ncache_hits\x18\x06 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x07 \x01(\x05\x12\x19\n\x11peak_memory_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x13\n\x0bmemory_kind\x18\n \x01(\t\x12$\n\x07handoff\x18\x0b \x01(\x0b\x32\x13.pdllm.v1.KvHandoff\"\xd7\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12!\n\x07kv_spec\x18\x03 \x01(\x0b\x32\x10.pdllm.v1.KvSpec\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.pdllm.v1.ChunkHandle\x12\x17\n\x0finstruction_ids\x18\x05 \x03(\x05\x12\x14\n\x0cquestion_ids\x18\x06 \x03(\x05\x12.\n\ngeneration\x18\x07 \x01(\x0b\x32\x1a.pdllm.v1.GenerationParams\x12&\n\x06method\x18\x08 \x01(\x0b\x32\x16.pdllm.v1.MethodParams\x12\x17\n\x0fstream_partials\x18\t \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\n \x03(\x05\x12$\n\x07handoff\x18\x0b \x01(\x0b\x32\x13.pdllm.v1.KvHandoff\"\x94\x02\n\x0c\x44\x65\x63odeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pdllm.v1.PhaseTimings\x12\x12\n\ncache_hits\x18\x06 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x07 \x01(\x05\x12\x19\n\x11peak_memory_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x13\n\x0bmemory_kind\x18\n \x01(\t\x12\x11\n\tkv_source\x18\x0b \x01(\t\x12\x11\n\thandoff_s\x18\x0c \x01(\x01\"n\n\x0e\x44\x65\x63odeResponse\x12*\n\x07partial\x18\x01 \x01(\x0b\x32\x17.pdllm.v1.PartialOutputH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdllm.v1.DecodeResultH\x00\x42\x07\n\x05\x65vent2I\n\x07Prefill\x12>\n\x07Prefill\x12\x18.pdllm.v1.PrefillRequest\x1a\x19.pdllm.v1.PrefillResponse2\x8b\x01\n\nKvTransfer\x12\x42\n\x07\x43onnect\x12\x1a.pdllm.v1.KvConnectRequest\x1a\x1b.pdllm.v1.KvConnectResponse\x12\x39\n\x04Send\x12\x17.pdllm.v1.KvSendRequest\x1a\x18.pdllm.v1.KvSendResponse2G\n\x06\x44\x65\x63ode\x12=\n\x06\x44\x65\x63ode\x12\x17.pdllm.v1.DecodeRequest\x1a\x18.pdllm.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdllm/v1/workers.proto\x12\x08pdllm.v1\x1a\x19pdllm/v1/generation.proto\"\x92\x01\n\x06KvSpec\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x17\n\x0fposition_scheme\x18\x06 \x01(\t\x12\x12\n\nchunk_size\x18\x07 \x01(\x05\"\xf8\x01\n\tKvHandoff\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06nbytes\x18\x07 \x01(\x03\x12\x14\n\x0csegment_lens\x18\x08 \x03(\x05\x12\x17\n\x0finstruction_len\x18\t \x01(\x05\x12!\n\x07kv_spec\x18\n \x01(\x0b\x32\x10.pdllm.v1.KvSpec\x12\x13\n\x0bquery_start\x18\x0b \x01(\x05\x12\x0f\n\x07host_id\x18\x0c \x01(\t\"\'\n\x10KvConnectRequest\x12\x13\n\x0breceiver_id\x18\x01 \x01(\t\"G\n\x11KvConnectResponse\x12\x12\n\nstore_port\x18\x01 \x01(\x05\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"Z\n\rKvSendRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x10\n\x08\x63uda_ipc\x18\x04 \x01(\x08\"\xd6\x01\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x02 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\x12\x15\n\rtensor_offset\x18\x08 \x01(\x03\";\n\x0eKvSendResponse\x12)\n\x08\x63uda_ipc\x18\x01 \x01(\x0b\x32\x17.pdllm.v1.CudaIpcHandle\"\'\n\x10KvReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x13\n\x11KvReleaseResponse\"x\n\x0b\x43hunkHandle\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x11\n\tpositions\x18\x04 \x03(\x05\x12\x14\n\x0ckept_indices\x18\x05 \x03(\x05\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"\xe6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0finstruction_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x63ontext_ids\x18\x04 \x03(\x05\x12\x14\n\x0cquestion_ids\x18\x05 \x03(\x05\x12&\n\x06method\x18\x06 \x01(\x0b\x32\x16.pdllm.v1.MethodParams\x12.\n\ngeneration\x18\x07 \x01(\x0b\x32\x1a.pdllm.v1.GenerationParams\x12\x15\n\roffer_handoff\x18\x08 \x01(\x08\"\xd6\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07kv_spec\x18\x02 \x01(\x0b\x32\x10.pdllm.v1.KvSpec\x12\'\n\x08selected\x18\x03 \x03(\x0b\x32\x15.pdllm.v1.ChunkHandle\x12*\n\x0c\x63hunk_scores\x18\x04 \x03(\x0b\x32\x14.pdllm.v1.ChunkScore\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pdllm.v1.PhaseTimings\x12\x12\n\ncache_hits\x18\x06 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x07 \x01(\x05\x12\x19\n\x11peak_memory_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x13\n\x0bmemory_kind\x18\n \x01(\t\x12$\n\x07handoff\x18\x0b \x01(\x0b\x32\x13.pdllm.v1.KvHandoff\"\xd7\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12!\n\x07kv_spec\x18\x03 \x01(\x0b\x32\x10.pdllm.v1.KvSpec\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.pdllm.v1.ChunkHandle\x12\x17\n\x0finstruction_ids\x18\x05 \x03(\x05\x12\x14\n\x0cquestion_ids\x18\x06 \x03(\x05\x12.\n\ngeneration\x18\x07 \x01(\x0b\x32\x1a.pdllm.v1.GenerationParams\x12&\n\x06method\x18\x08 \x01(\x0b\x32\x16.pdllm.v1.MethodParams\x12\x17\n\x0fstream_partials\x18\t \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\n \x03(\x05\x12$\n\x07handoff\x18\x0b \x01(\x0b\x32\x13.pdllm.v1.KvHandoff\"\x94\x02\n\x0c\x44\x65\x63odeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pdllm.v1.PhaseTimings\x12\x12\n\ncache_hits\x18\x06 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x07 \x01(\x05\x12\x19\n\x11peak_memory_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x13\n\x0bmemory_kind\x18\n \x01(\t\x12\x11\n\tkv_source\x18\x0b \x01(\t\x12\x11\n\thandoff_s\x18\x0c \x01(\x01\"n\n\x0e\x44\x65\x63odeResponse\x12*\n\x07partial\x18\x01 \x01(\x0b\x32\x17.pdllm.v1.PartialOutputH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdllm.v1.DecodeResultH\x00\x42\x07\n\x05\x65vent2I\n\x07Prefill\x12>\n\x07Prefill\x12\x18.pdllm.v1.PrefillRequest\x1a\x19.pdllm.v1.PrefillResponse2\xcf\x01\n\nKvTransfer\x12\x42\n\x07\x43onnect\x12\x1a.pdllm.v1.KvConnectRequest\x1a\x1b.pdllm.v1.KvConnectResponse\x12\x39\n\x04Send\x12\x17.pdllm.v1.KvSendRequest\x1a\x18.pdllm.v1.KvSendResponse\x12\x42\n\x07Release\x12\x1a.pdllm.v1.KvReleaseRequest\x1a\x1b.pdllm.v1.KvReleaseResponse2G\n\x06\x44\x65\x63ode\x12=\n\x06\x44\x65\x63ode\x12\x17.pdllm.v1.DecodeRequest\x1a\x18.pdllm.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVSPEC']._serialized_start=64
   _globals['_KVSPEC']._serialized_end=210
   _globals['_KVHANDOFF']._serialized_start=213
-  _globals['_KVHANDOFF']._serialized_end=444
-  _globals['_KVCONNECTREQUEST']._serialized_start=446
-  _globals['_KVCONNECTREQUEST']._serialized_end=485
-  _globals['_KVCONNECTRESPONSE']._serialized_start=487
-  _globals['_KVCONNECTRESPONSE']._serialized_end=558
-  _globals['_KVSENDREQUEST']._serialized_start=560
-  _globals['_KVSENDREQUEST']._serialized_end=632
-  _globals['_KVSENDRESPONSE']._serialized_start=634
-  _globals['_KVSENDRESPONSE']._serialized_end=650
-  _globals['_CHUNKHANDLE']._serialized_start=652
-  _globals['_CHUNKHANDLE']._serialized_end=772
-  _globals['_PREFILLREQUEST']._serialized_start=775
-  _globals['_PREFILLREQUEST']._serialized_end=1005
-  _globals['_PREFILLRESPONSE']._serialized_start=1008
-  _globals['_PREFILLRESPONSE']._serialized_end=1350
-  _globals['_DECODEREQUEST']._serialized_start=1353
-  _globals['_DECODEREQUEST']._serialized_end=1696
-  _globals['_DECODERESULT']._serialized_start=1699
-  _globals['_DECODERESULT']._serialized_end=1975
-  _globals['_DECODERESPONSE']._serialized_start=1977
-  _globals['_DECODERESPONSE']._serialized_end=2087
-  _globals['_PREFILL']._serialized_start=2089
-  _globals['_PREFILL']._serialized_end=2162
-  _globals['_KVTRANSFER']._serialized_start=2165
-  _globals['_KVTRANSFER']._serialized_end=2304
-  _globals['_DECODE']._serialized_start=2306
-  _globals['_DECODE']._serialized_end=2377
+  _globals['_KVHANDOFF']._serialized_end=461
+  _globals['_KVCONNECTREQUEST']._serialized_start=463
+  _globals['_KVCONNECTREQUEST']._serialized_end=502
+  _globals['_KVCONNECTRESPONSE']._serialized_start=504
+  _globals['_KVCONNECTRESPONSE']._serialized_end=575
+  _globals['_KVSENDREQUEST']._serialized_start=577
+  _globals['_KVSENDREQUEST']._serialized_end=667
+  _globals['_CUDAIPCHANDLE']._serialized_start=670
+  _globals['_CUDAIPCHANDLE']._serialized_end=884
+  _globals['_KVSENDRESPONSE']._serialized_start=886
+  _globals['_KVSENDRESPONSE']._serialized_end=945
+  _globals['_KVRELEASEREQUEST']._serialized_start=947
+  _globals['_KVRELEASEREQUEST']._serialized_end=986
+  _globals['_KVRELEASERESPONSE']._serialized_start=988
+  _globals['_KVRELEASERESPONSE']._serialized_end=1007
+  _globals['_CHUNKHANDLE']._serialized_start=1009
+  _globals['_CHUNKHANDLE']._serialized_end=1129
+  _globals['_PREFILLREQUEST']._serialized_start=1132
+  _globals['_PREFILLREQUEST']._serialized_end=1362
+  _globals['_PREFILLRESPONSE']._serialized_start=1365
+  _globals['_PREFILLRESPONSE']._serialized_end=1707
+  _globals['_DECODEREQUEST']._serialized_start=1710
+  _globals['_DECODEREQUEST']._serialized_end=2053
+  _globals['_DECODERESULT']._serialized_start=2056
+  _globals['_DECODERESULT']._serialized_end=2332
+  _globals['_DECODERESPONSE']._serialized_start=2334
+  _globals['_DECODERESPONSE']._serialized_end=2444
+  _globals['_PREFILL']._serialized_start=2446
+  _globals['_PREFILL']._serialized_end=2519
+  _globals['_KVTRANSFER']._serialized_start=2522
+  _globals['_KVTRANSFER']._serialized_end=2729
+  _globals['_DECODE']._serialized_start=2731
+  _globals['_DECODE']._serialized_end=2802
 # @@protoc_insertion_point(module_scope)

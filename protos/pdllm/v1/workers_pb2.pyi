@@ -26,7 +26,7 @@ class KvSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., position_scheme: _Optional[str] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class KvHandoff(_message.Message):
-    __slots__ = ("transfer_id", "sender", "backend", "payload", "shape", "dtype", "nbytes", "segment_lens", "instruction_len", "kv_spec", "query_start")
+    __slots__ = ("transfer_id", "sender", "backend", "payload", "shape", "dtype", "nbytes", "segment_lens", "instruction_len", "kv_spec", "query_start", "host_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class KvHandoff(_message.Message):
     INSTRUCTION_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     QUERY_START_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender: str
     backend: str
@@ -49,7 +50,8 @@ class KvHandoff(_message.Message):
     instruction_len: int
     kv_spec: KvSpec
     query_start: int
-    def __init__(self, transfer_id: _Optional[str] = ..., sender: _Optional[str] = ..., backend: _Optional[str] = ..., payload: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., segment_lens: _Optional[_Iterable[int]] = ..., instruction_len: _Optional[int] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., query_start: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., sender: _Optional[str] = ..., backend: _Optional[str] = ..., payload: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., segment_lens: _Optional[_Iterable[int]] = ..., instruction_len: _Optional[int] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., query_start: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class KvConnectRequest(_message.Message):
     __slots__ = ("receiver_id",)
@@ -68,16 +70,50 @@ class KvConnectResponse(_message.Message):
     def __init__(self, store_port: _Optional[int] = ..., epoch: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class KvSendRequest(_message.Message):
-    __slots__ = ("transfer_id", "receiver_id", "epoch")
+    __slots__ = ("transfer_id", "receiver_id", "epoch", "cuda_ipc")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     receiver_id: str
     epoch: int
-    def __init__(self, transfer_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    cuda_ipc: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., epoch: _Optional[int] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("handle", "storage_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    def __init__(self, handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class KvSendResponse(_message.Message):
+    __slots__ = ("cuda_ipc",)
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class KvReleaseRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class KvReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

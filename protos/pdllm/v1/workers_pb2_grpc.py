@@ -118,6 +118,11 @@ class KvTransferStub:
                 request_serializer=pdllm_dot_v1_dot_workers__pb2.KvSendRequest.SerializeToString,
                 response_deserializer=pdllm_dot_v1_dot_workers__pb2.KvSendResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/pdllm.v1.KvTransfer/Release',
+                request_serializer=pdllm_dot_v1_dot_workers__pb2.KvReleaseRequest.SerializeToString,
+                response_deserializer=pdllm_dot_v1_dot_workers__pb2.KvReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -133,6 +138,15 @@ class KvTransferServicer:
 
     def Send(self, request, context):
         """Posts the send of one offered KV over the receiver's open group; the receiver posts the matching recv.
+        With `cuda_ipc` (a receiver on the same host) nothing is sent: the reply carries a CUDA IPC handle to the
+        KV, which the sender keeps until Release (or its TTL).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """The receiver has copied the KV it opened through a CUDA IPC handle.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +164,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.Send,
                     request_deserializer=pdllm_dot_v1_dot_workers__pb2.KvSendRequest.FromString,
                     response_serializer=pdllm_dot_v1_dot_workers__pb2.KvSendResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=pdllm_dot_v1_dot_workers__pb2.KvReleaseRequest.FromString,
+                    response_serializer=pdllm_dot_v1_dot_workers__pb2.KvReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -207,6 +226,33 @@ class KvTransfer:
             '/pdllm.v1.KvTransfer/Send',
             pdllm_dot_v1_dot_workers__pb2.KvSendRequest.SerializeToString,
             pdllm_dot_v1_dot_workers__pb2.KvSendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdllm.v1.KvTransfer/Release',
+            pdllm_dot_v1_dot_workers__pb2.KvReleaseRequest.SerializeToString,
+            pdllm_dot_v1_dot_workers__pb2.KvReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
