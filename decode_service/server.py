@@ -5,7 +5,9 @@ For a pdllm request the worker rebuilds the decode KV of the selected chunks fro
 (full-mask / chunk-query: one forward over K chunks + query) or reads their step-3 KV from the KV tier
 (chunk-only: looked up by content key, the chunk's token ids under the request's prefill attention, so
 the prefill worker's entries for causal prefill; recomputed when the tier misses); the session then joins
-the batched denoising rounds of all active requests. A vanilla request carries the whole context and is
+the batched denoising rounds of all active requests. A request with a ``handoff`` instead pulls the KV a
+prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are checked against this worker's
+model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request carries the whole context and is
 stepped alone without any cache (the baseline). Partial outputs stream after every step when asked for.
 """
 

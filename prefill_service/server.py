@@ -2,9 +2,10 @@
 
 Chunk prefill writes every chunk's step-3 KV into the KV tier (which is also where a second question on
 the same document finds it), then the chunks are scored and the top-K selected. The worker answers
-with handles (tier keys + token ids) rather than KV: the decode worker rebuilds the decode KV from
-token ids for the full-mask and chunk-query modes (one forward over K chunks, cheaper than moving the
-KV; see ``benchmarks/``) and reads step-3 KV from the KV tier only for chunk-only. Concurrent requests
+with handles (tier keys + token ids); the decode worker builds the decode KV from them. When the request
+asks for a handoff (``offer_handoff``, the router's ``--build-on``), the worker also builds the decode KV
+(chunk-only: keeps the selected chunks' KV) and its :class:`KvSender` holds it for the decode worker to
+pull; the response's ``handoff`` says where (``handoff.py``, ``pdllm.shared.kv_transfer``). Concurrent requests
 meet in the :class:`PrefillBatcher` queue and share batched chunk prefill forwards
 (``--prefill-batch-requests``), in arrival order; one thread drives the device (the batcher's own, or in
 ``serve --role all`` the decode scheduler's, between decode rounds).
