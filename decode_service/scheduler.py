@@ -2,21 +2,18 @@
 
 One scheduler thread owns the model. Each iteration (:meth:`DecodeScheduler.run_once`) it drops cancelled
 requests (their KV pages go back to the pool at once), admits waiting requests while ``max_active`` and the
-KV pool allow (reserving their pages), launches the new sessions' decode-KV builds, lets the builds whose
-device work has finished join, then runs **one** batched forward that advances every pdllm session by one
+KV pool allow (reserving their pages), starts their KV pulls (a handoff) or launches their decode-KV builds,
+lets finished builds join, then runs **one** batched forward that advances every pdllm session by one
 denoising step (:func:`~.rounds.decode_round`) and publishes partial outputs; finished requests leave
 before the next round. On CUDA builds run on their own stream and rounds on a high-priority one, so a
-build (a forward over K chunks + query, ~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling
-them; on CPU a build finishes before the round. Sessions that cannot share a round (vanilla: full attention
-over the whole prompt) are stepped alone in the same iteration. The gRPC handler threads only wait on their
-job's event queue.
+build (~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes
+before the round. Sessions that cannot share a round (vanilla: full attention over the whole prompt) are
+stepped alone in the same iteration. gRPC handler threads only wait on their job's event queue.
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
 batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
-per iteration while requests are decoding (the method's chunks are independent, which makes the pieces
-natural). With ``overlap_pieces`` (CUDA) a piece runs on its own low-priority stream and the thread does
-not wait for it: the piece's GPU work overlaps the following rounds, whose blocks the GPU schedules
-first, and the next piece is launched once the previous one has finished on the device.
+per iteration while requests are decoding; with ``overlap_pieces`` (CUDA) a piece runs on a low-priority
+stream whose work overlaps the following rounds, the next piece launched once the previous one finished.
 
 Admission: at most ``max_waiting`` requests wait; beyond that, and for a request larger than the whole KV
 pool, ``submit`` answers RESOURCE_EXHAUSTED (the router retries another worker).
@@ -53,14 +50,10 @@ _log = logging.getLogger("pdllm.decode.scheduler")
 class SchedulerConfig:
     max_active: int = 64
     max_waiting: int = 256
-    # CUDA: pieces of foreign work (run_between_rounds) run on their own low-priority stream and the thread
-    # does not wait for them, so a piece's GPU work overlaps the next rounds; False: each piece on the
-    # thread's current stream, in turn with the rounds. Off by default: on an H100 at 16 x 16K it did not
-    # beat taking turns beyond run-to-run noise (benchmarks/results/serving_notes.md).
+    # CUDA: foreign pieces (run_between_rounds) overlap the next rounds on a low-priority stream; off by
+    # default: no gain beyond noise at 16 x 16K on an H100 (benchmarks/results/serving_notes.md).
     overlap_pieces: bool = False
-    # > 0: builds run on the round stream in pieces of this many layers, one piece per iteration while
-    # sessions decode (each round waits for at most one piece); 0: each build runs whole on its own stream,
-    # overlapping the rounds (CUDA), or before the round (CPU).
+    # > 0: builds run between rounds in pieces of this many layers; 0: whole, on their own stream (CUDA).
     build_pieces: int = 0
 
     def __post_init__(self) -> None:
@@ -291,15 +284,11 @@ class DecodeScheduler:
             idle = len(pulling) == len(self._building) and not self._active and not self._foreign
         if pulling and idle and not any(j.transfer.finished for j in pulling):  # type: ignore[union-attr]
             pulling[0].transfer.wait(0.05)  # type: ignore[union-attr]
-        for job in pulling:
-            if job.transfer.finished or job.cancelled.is_set():  # type: ignore[union-attr]
-                with self._cv:
-                    self._building.remove(job)
-                job.received, job.transfer = job.transfer, None
-                if job.cancelled.is_set():
-                    self._retire([job])
-                else:
-                    self._launch_build(job)
+        for job in [j for j in pulling if j.transfer.finished or j.cancelled.is_set()]:  # type: ignore[union-attr]
+            with self._cv:
+                self._building.remove(job)
+            job.received, job.transfer = job.transfer, None
+            self._retire([job]) if job.cancelled.is_set() else self._launch_build(job)
 
     def _advance_build_pieces(self) -> None:
         """Pieces mode: one piece of the oldest unfinished build while sessions decode, all of them when

@@ -56,6 +56,7 @@ from pdllm.shared.rpc.validation import (
 )
 
 from .routing import LoadTracker, build_on_prefill, document_key
+from .trace import request_trace
 
 _log = logging.getLogger("pdllm.router")
 
@@ -328,40 +329,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         """The client's response. ``ttft`` is the time to the first relayed partial output; with none (unary
         Generate asks for none, or the worker sent none) it is the time to this final result, equal to
         ``total_s``."""
-        trace = pb.Trace(
-            method=resolved.method,
-            kv_mode=resolved.kv_mode if prefill is not None else "",
-            score_mode=resolved.score_mode if prefill is not None else "",
-            prompt_tokens=len(ids.instruction) + len(ids.context) + len(ids.query),
-            context_tokens=len(ids.context),
-            steps=result.steps,
-            decode_worker=result.worker,
-            peak_memory_bytes=result.peak_memory_bytes,
-            memory_kind=result.memory_kind,
-            cache_hits=result.cache_hits,
-            cache_misses=result.cache_misses,
-            kv_source=result.kv_source,
-        )
+        trace = request_trace(resolved, ids, prefill, result)
         timings = trace.timings
-        timings.CopyFrom(result.timings)
-        timings.handoff_s = result.handoff_s
-        if prefill is not None:
-            trace.num_chunks = len(prefill.chunk_scores)
-            trace.selected_chunk_ids.extend(c.chunk_id for c in prefill.selected)
-            trace.chunk_scores.extend(prefill.chunk_scores)
-            trace.kept_tokens = sum(s.kept_tokens for s in prefill.chunk_scores)
-            kept = {s.chunk_id: s.kept_tokens for s in prefill.chunk_scores}
-            trace.selected_kept_tokens.extend(kept.get(c.chunk_id, 0) for c in prefill.selected)
-            trace.prefill_worker = prefill.worker
-            if prefill.peak_memory_bytes > trace.peak_memory_bytes:  # the phase that peaked names the kind
-                trace.peak_memory_bytes, trace.memory_kind = prefill.peak_memory_bytes, prefill.memory_kind
-            # One count per chunk: the prefill looked every chunk up; a chunk-only decode worker's second
-            # lookup of the selected ones is not another chunk.
-            trace.cache_hits, trace.cache_misses = prefill.cache_hits, prefill.cache_misses
-            trace.prefill_skipped = prefill.cache_hits > 0 and prefill.cache_misses == 0
-            for name in ("queue_s", "prefill_s", "score_s", "select_s"):
-                setattr(timings, name, getattr(prefill.timings, name))
-            timings.build_s += prefill.timings.build_s
         total = time.perf_counter() - started
         timings.ttft_s = ttft if ttft is not None else total
         timings.total_s = total
