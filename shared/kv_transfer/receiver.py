@@ -112,31 +112,8 @@ class KvReceiver:
             if self.config.cuda_ipc(self.device) and h.host_id == self.host_id:
                 transfer.state = TransferState.TRANSFERRING
                 transfer.kv = self._map(h, dtype)
-                transfer.state = TransferState.DONE
-                self.outcomes.labels("done").inc()
-                return
-            if h.backend != self.config.resolve_backend(self.device):
-                raise ValueError(f"sender uses backend {h.backend!r}, this worker {self.config.backend!r}")
-            peer = self._peer(h.sender)
-            with peer.lock:
-                group = self._connect(h.sender, peer)
-                try:
-                    self._stub(h.sender).Send(
-                        wpb.KvSendRequest(
-                            transfer_id=h.transfer_id, receiver_id=self.receiver_id, epoch=peer.epoch
-                        ),
-                        timeout=self.config.timeout_s,
-                    )
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.NOT_FOUND:  # expired offers leave the group usable
-                        self._drop(peer)
-                    raise
-                transfer.state = TransferState.TRANSFERRING
-                try:
-                    transfer.kv = group.recv(tuple(h.shape), dtype, self.device)
-                except Exception:
-                    self._drop(peer)
-                    raise
+            else:
+                transfer.kv = self._receive(h, dtype, transfer)
             transfer.state = TransferState.DONE
             self.outcomes.labels("done").inc()
         except Exception as exc:  # the caller rebuilds the KV; say why once
@@ -149,7 +126,31 @@ class KvReceiver:
             self.seconds.observe(transfer.seconds)
             transfer._done.set()
 
+    def _receive(self, h: wpb.KvHandoff, dtype: torch.dtype, transfer: Transfer) -> torch.Tensor:
+        """Over the pair group with the sender (opened on first use, dropped when a pull fails)."""
+        if h.backend != self.config.resolve_backend(self.device):
+            raise ValueError(f"sender uses backend {h.backend!r}, this worker {self.config.backend!r}")
+        peer = self._peer(h.sender)
+        with peer.lock:
+            group = self._connect(h.sender, peer)
+            request = wpb.KvSendRequest(
+                transfer_id=h.transfer_id, receiver_id=self.receiver_id, epoch=peer.epoch
+            )
+            try:
+                self._stub(h.sender).Send(request, timeout=self.config.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # expired offers leave the group usable
+                    self._drop(peer)
+                raise
+            transfer.state = TransferState.TRANSFERRING
+            try:
+                return group.recv(tuple(h.shape), dtype, self.device)
+            except Exception:
+                self._drop(peer)
+                raise
+
     def _map(self, h: wpb.KvHandoff, dtype: torch.dtype) -> torch.Tensor:
+        """Through CUDA IPC: the sender lends its memory, this side copies out of it and releases it."""
         stub = self._stub(h.sender)
         timeout = self.config.timeout_s
         reply = stub.Send(wpb.KvSendRequest(transfer_id=h.transfer_id, cuda_ipc=True), timeout=timeout)

@@ -153,27 +153,24 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
                 )
             offer = self._take(request.transfer_id)
         if offer is None:
-            raise PdllmError(
-                f"KV handoff {request.transfer_id!r} is not held here (expired or already pulled)",
-                code=grpc.StatusCode.NOT_FOUND,
-            )
+            raise _not_held(request.transfer_id)
         pair.thread.submit(self._send, pair, offer, request.receiver_id)
         return wpb.KvSendResponse()
 
     def _lend(self, transfer_id: str) -> wpb.KvSendResponse:
         with self._lock:
             self._expire(time.monotonic())
-            offer = self._offers.pop(transfer_id, None)
-            if offer is not None and offer.kv.is_cuda:
-                self._lent[transfer_id] = offer  # still held: the receiver reads our memory
-        if offer is None:
-            raise PdllmError(
-                f"KV handoff {transfer_id!r} is not held here (expired or already pulled)",
-                code=grpc.StatusCode.NOT_FOUND,
-            )
-        if not offer.kv.is_cuda:
-            self._held -= offer.kv.numel() * offer.kv.element_size()
-            raise PdllmError("CUDA IPC needs KV on a CUDA device", code=grpc.StatusCode.FAILED_PRECONDITION)
+            offer = self._offers.get(transfer_id)
+            if offer is None:
+                raise _not_held(transfer_id)
+            if not offer.kv.is_cuda:
+                self._take(transfer_id)
+                raise PdllmError(
+                    "CUDA IPC needs KV on a CUDA device", code=grpc.StatusCode.FAILED_PRECONDITION
+                )
+            self._lent[transfer_id] = self._offers.pop(
+                transfer_id
+            )  # still held: the receiver reads our memory
         self.outcomes.labels("lent").inc()
         return wpb.KvSendResponse(cuda_ipc=cuda_ipc.share(offer.kv))
 
@@ -210,3 +207,10 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
             self._held = 0
         for pair in pairs:
             self._close_pair(pair)
+
+
+def _not_held(transfer_id: str) -> PdllmError:
+    return PdllmError(
+        f"KV handoff {transfer_id!r} is not held here (expired or already pulled)",
+        code=grpc.StatusCode.NOT_FOUND,
+    )
