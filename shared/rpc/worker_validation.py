@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
-from pdllm.shared.rpc.errors import InvalidRequestError, PdllmError
+from pdllm.shared.kv_transfer.payload import check_kv_spec
+from pdllm.shared.rpc.errors import InvalidRequestError
 from pdllm.shared.rpc.validation import (
     REQUEST_ID_PATTERN,
     GenerationSettings,
@@ -116,14 +115,7 @@ def resolve_prefill_request(
 
 
 def _check_spec(got: wpb.KvSpec, expected: wpb.KvSpec, rid: str) -> None:
-    for field in ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "position_scheme"):
-        theirs, ours = getattr(got, field), getattr(expected, field)
-        if theirs != ours:
-            raise PdllmError(
-                f"chunk KV was made with {field}={theirs!r} but this worker has {field}={ours!r}",
-                code=grpc.StatusCode.FAILED_PRECONDITION,
-                request_id=rid or None,
-            )
+    check_kv_spec(got, expected, "chunk KV", rid)
 
 
 def _check_handle(index: int, handle: wpb.ChunkHandle, vocab_size: int, rid: str) -> None:
