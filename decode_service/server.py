@@ -7,8 +7,9 @@ For a pdllm request the worker rebuilds the decode KV of the selected chunks fro
 the prefill worker's entries for causal prefill; recomputed when the tier misses); the session then joins
 the batched denoising rounds of all active requests. A request with a ``handoff`` instead pulls the KV a
 prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are checked against this worker's
-model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request carries the whole context and is
-stepped alone without any cache (the baseline). Partial outputs stream after every step when asked for.
+model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request
+carries the whole context and is stepped alone without any cache (the baseline). Partial outputs stream
+after every step when asked for.
 """
 
 from __future__ import annotations
