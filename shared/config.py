@@ -14,69 +14,46 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, get_args
 
-KVMode = Literal["full-mask", "chunk-query", "chunk-only"]
-ScoreMode = Literal["pseudo-label", "self-info", "query-only"]
-PrefillAttention = Literal["causal", "bidirectional"]
-RetentionScore = Literal["bidirectional", "query-to-chunk"]
-ChunkBoundary = Literal["fixed", "sentence"]
+from pdllm.shared import settings
+from pdllm.shared.settings import ChunkBoundary, KVMode, PrefillAttention, RetentionScore, ScoreMode
 
-KV_MODES = ("full-mask", "chunk-query", "chunk-only")
-SCORE_MODES = ("pseudo-label", "self-info", "query-only")
-PREFILL_ATTENTIONS = ("causal", "bidirectional")
-RETENTION_SCORES = ("bidirectional", "query-to-chunk")
-CHUNK_BOUNDARIES = ("fixed", "sentence")
+# The settings, their defaults, bounds, choices and help are declared once, in `shared/settings.py`.
+KV_MODES = get_args(KVMode)
+SCORE_MODES = get_args(ScoreMode)
+PREFILL_ATTENTIONS = get_args(PrefillAttention)
+RETENTION_SCORES = get_args(RetentionScore)
+CHUNK_BOUNDARIES = get_args(ChunkBoundary)
+
+_DEFAULTS = settings.EngineSettings()
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    chunk_size: int = 1024
-    # "fixed": every chunk but the last has chunk_size tokens; "sentence": a chunk may end after the last
-    # sentence end in its last quarter (keeps a fact that straddles a fixed boundary in one chunk).
-    chunk_boundary: ChunkBoundary = "fixed"
-    top_k: int = 4
-    # None: keep every token of a selected chunk.
-    top_b: int | None = None
-    kv_mode: KVMode = "full-mask"
-    score_mode: ScoreMode = "pseudo-label"
-    pseudo_labels: int = 4
-    pseudo_rounds: int = 2
-    prefill_attention: PrefillAttention = "causal"
-    retention_score: RetentionScore = "bidirectional"
-    # Only for score_mode="query-only" (None: the whole query suffix).
-    query_window: int | None = None
-    # Chunks forwarded together in one batched prefill / scoring forward (bounds activation memory).
-    prefill_batch: int = 64
-    # Rows of the attention matrix materialised at once when computing top-B retention scores.
-    retention_block: int = 1024
+    """The engine's settings (``settings.EngineSettings`` under the engine's names); validated on creation."""
+
+    chunk_size: int = _DEFAULTS.chunk_size
+    chunk_boundary: ChunkBoundary = _DEFAULTS.chunk_boundary
+    top_k: int = _DEFAULTS.top_k
+    top_b: int | None = _DEFAULTS.top_b  # None: keep every token of a selected chunk
+    kv_mode: KVMode = _DEFAULTS.kv_mode
+    score_mode: ScoreMode = _DEFAULTS.score_mode
+    pseudo_labels: int = _DEFAULTS.pseudo_label_tokens
+    pseudo_rounds: int = _DEFAULTS.pseudo_label_rounds
+    prefill_attention: PrefillAttention = _DEFAULTS.prefill_attention
+    retention_score: RetentionScore = _DEFAULTS.retention_score
+    query_window: int | None = _DEFAULTS.query_window  # only for score_mode="query-only"
+    prefill_batch: int = _DEFAULTS.prefill_batch
+    retention_block: int = _DEFAULTS.retention_block
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
-        if not isinstance(self.top_k, int) or self.top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
-        if self.top_b is not None and (not isinstance(self.top_b, int) or self.top_b <= 0):
-            raise ValueError(f"top_b must be a positive integer or None, got {self.top_b!r}")
-        _choice("chunk_boundary", self.chunk_boundary, CHUNK_BOUNDARIES)
-        _choice("kv_mode", self.kv_mode, KV_MODES)
-        _choice("score_mode", self.score_mode, SCORE_MODES)
-        _choice("prefill_attention", self.prefill_attention, PREFILL_ATTENTIONS)
-        _choice("retention_score", self.retention_score, RETENTION_SCORES)
-        if self.score_mode == "pseudo-label":
-            if self.pseudo_labels <= 0:
-                raise ValueError(f"pseudo_labels must be positive, got {self.pseudo_labels}")
-            if self.pseudo_rounds <= 0 or self.pseudo_rounds > self.pseudo_labels:
-                raise ValueError(
-                    f"pseudo_rounds must be in [1, pseudo_labels={self.pseudo_labels}], got {self.pseudo_rounds}"
-                )
-        if self.query_window is not None and self.query_window <= 0:
-            raise ValueError(f"query_window must be positive or None, got {self.query_window}")
-        if self.prefill_batch <= 0 or self.retention_block <= 0:
-            raise ValueError("prefill_batch and retention_block must be positive")
+        """Raise a ``settings.SettingError`` (a ValueError) naming the first field the schema refuses."""
+        label = lambda s: settings.engine_name(settings.EngineSettings, s) or s
+        settings.validate(settings.EngineSettings, settings.engine_values(self), label=label)
 
     @classmethod
     def from_settings(cls, base: Mapping[str, Any], **overrides: Any) -> EngineConfig:
@@ -92,8 +69,3 @@ class EngineConfig:
     def scoring_window(self) -> int | None:
         """How many trailing query tokens chunk scoring conditions on (None: all of them)."""
         return self.query_window if self.score_mode == "query-only" else None
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

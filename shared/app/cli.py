@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared import settings
 
 EXIT_USAGE = 2
 
@@ -31,31 +31,6 @@ DELEGATED: dict[str, tuple[str, str]] = {
 }
 
 
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("generation")
-    g.add_argument("--gen-length", type=int, default=32, help="response tokens (default 32)")
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen length)")
-    g.add_argument(
-        "--block-length", type=int, default=None, help="semi-autoregressive block (default: whole)"
-    )
-    g.add_argument("--threshold", type=float, default=None, help="confidence threshold tau (Fast-dLLM)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--seed", type=int, default=0)
-
-
-def _generation_config(args: argparse.Namespace) -> GenerationConfig:
-    cfg = GenerationConfig(
-        gen_length=args.gen_length,
-        steps=args.steps if args.steps is not None else args.gen_length,
-        block_length=args.block_length,
-        threshold=args.threshold,
-        temperature=args.temperature,
-        seed=args.seed,
-    )
-    cfg.validate()
-    return cfg
-
-
 def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="answer a question about a (long) context, in process")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
@@ -64,21 +39,15 @@ def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--context", help="the context itself")
     p.add_argument("--question", required=True)
     p.add_argument("--instruction", default=None, help="optional instruction before the context")
-    p.add_argument("--method", choices=["vanilla", "pdllm"], default="pdllm")
+    settings.add_arguments(p, settings.MethodSettings, names=["method"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    _add_generation_args(p)
+    # Every setting of the schema (shared/settings.py) is a flag, with PDLLM_<FLAG> as its default.
+    settings.add_arguments(p.add_argument_group("generation"), settings.GenerationSettings)
     m = p.add_argument_group("pdllm method")
-    m.add_argument("--chunk-size", type=int, default=None, help="C: context tokens per chunk")
-    m.add_argument("--top-k", type=int, default=None, help="K: chunks kept for decoding")
-    m.add_argument("--top-b", type=int, default=None, help="B: tokens kept per chunk (default: all)")
-    m.add_argument("--kv-mode", choices=["full-mask", "chunk-query", "chunk-only"], default=None)
-    m.add_argument("--score-mode", choices=["pseudo-label", "self-info", "query-only"], default=None)
-    m.add_argument(
-        "--chunk-boundary",
-        choices=["fixed", "sentence"],
-        default=None,
-        help="fixed: cut every C tokens; sentence: end a chunk at a sentence end in its last quarter",
+    names = [*list(settings.MethodSettings.model_fields)[1:], *settings.EngineOnlySettings.model_fields]
+    settings.add_arguments(
+        m, settings.EngineSettings, unset="the checkpoint's pdllm.json, else {default}", names=names
     )
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -98,7 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdllm.shared.model.loader import load_model
     from pdllm.shared.prompt import encode_prompt
 
-    gen = _generation_config(args)
+    label = settings.flag_label()
+    gen = settings.generation_config(settings.from_args(args, settings.GenerationSettings), label=label)
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -117,15 +87,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from pdllm.shared.app.engine import PrefillingEngine
         from pdllm.shared.config import EngineConfig
 
-        engine_cfg = EngineConfig.from_settings(
-            loaded.serving.engine,
-            chunk_size=args.chunk_size,
-            top_k=args.top_k,
-            top_b=args.top_b,
-            kv_mode=args.kv_mode,
-            score_mode=args.score_mode,
-            chunk_boundary=args.chunk_boundary,
-        )
+        # The checkpoint's recommended settings (pdllm.json), then the flags / PDLLM_* variables given.
+        checkpoint = settings.engine_values(EngineConfig.from_settings(loaded.serving.engine))
+        given = settings.from_args(args, settings.EngineSettings)
+        engine_cfg = settings.engine_config(checkpoint | given, label=label)
         engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)
         result, tr = engine.generate(
             ids.context, ids.query, gen, instruction_ids=ids.instruction or None, progress=True
@@ -179,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         runner = _delegate(DELEGATED[argv[0]][0])
         rest = argv[1:]
         return _guarded(lambda: runner(rest))
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a PDLLM_<FLAG> variable that is not a valid value
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
     return _guarded(lambda: cmd_generate(args))
 
 

@@ -13,40 +13,32 @@ This CPU-steppable state is the specification; ``device_sampler`` runs the same 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from tqdm import tqdm
 
-# Sampling temperatures outside this range are refused: beyond it logits / temperature leaves float32's
-# range (tiny values give inf, huge ones inf in the divisor), and no useful setting lies there.
-MIN_TEMPERATURE = 1e-4
-MAX_TEMPERATURE = 1e4
+from pdllm.shared.settings import GenerationSettings, validate
 
-
-def temperature_error(temperature: float) -> str | None:
-    """Why ``temperature`` is not accepted (None: it is): 0 for greedy, else within the sampling range."""
-    if temperature == 0.0:
-        return None
-    if not math.isfinite(temperature) or not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
-        return f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature!r}"
-    return None
+_DEFAULTS = GenerationSettings()
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    gen_length: int = 32
-    steps: int = 32
+    """The generation settings (``settings.GenerationSettings``: defaults, bounds, help) as the sampler runs
+    them: ``steps`` is always set. Checked by :meth:`validate`, which every decoder calls."""
+
+    gen_length: int = _DEFAULTS.gen_length
+    steps: int = _DEFAULTS.gen_length
     # None: one block spanning the whole response.
-    block_length: int | None = None
+    block_length: int | None = _DEFAULTS.block_length
     # None: fixed schedule (steps); else unmask every prediction with confidence > threshold (>= 1 per step).
-    threshold: float | None = None
+    threshold: float | None = _DEFAULTS.threshold
     # 0: greedy. Otherwise sample from softmax(logits / temperature) with a generator seeded by `seed`.
-    temperature: float = 0.0
-    seed: int = 0
+    temperature: float = _DEFAULTS.temperature
+    seed: int = _DEFAULTS.seed
     # Stop after the block in which an EOS was produced; the result is trimmed at the first EOS.
     stop_at_eos: bool = True
 
@@ -59,25 +51,11 @@ class GenerationConfig:
         return self.gen_length // self.block
 
     def validate(self) -> None:
-        if self.gen_length <= 0:
-            raise ValueError(f"gen_length must be positive, got {self.gen_length}")
-        if self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}")
-        if self.block <= 0:
-            raise ValueError(f"block_length must be positive, got {self.block_length}")
-        if self.gen_length % self.block:
-            raise ValueError(
-                f"gen_length={self.gen_length} is not divisible by block_length={self.block_length}"
-            )
-        if self.threshold is None and self.steps % self.num_blocks:
-            raise ValueError(
-                f"steps={self.steps} must be a multiple of the number of blocks ({self.num_blocks} = "
-                f"gen_length {self.gen_length} / block_length {self.block})"
-            )
-        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        if (problem := temperature_error(self.temperature)) is not None:
-            raise ValueError(f"temperature {problem}")
+        """Raise a ``settings.SettingError`` (a ValueError) naming the first setting the schema refuses."""
+        values = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name in GenerationSettings.model_fields
+        }
+        validate(GenerationSettings, values)
 
 
 def step_schedule(block_length: int, steps_per_block: int) -> list[int]:

@@ -17,10 +17,9 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
-from pdllm.shared.config import KV_MODES, PREFILL_ATTENTIONS, RETENTION_SCORES, SCORE_MODES
+from pdllm.shared import settings
 from pdllm.shared.rpc.client import ClientTls, PdllmClient, build_generate_request
 from pdllm.shared.rpc.errors import InvalidRequestError, PdllmError
-from pdllm.shared.rpc.validation import METHODS
 
 EXIT_SERVER_ERROR = 1
 EXIT_USAGE = 2
@@ -43,50 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
     p.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate(s) to trust")
     p.add_argument("--tls-server-name", default=None, help="name to check the server certificate against")
-    g = p.add_argument_group("generation (unset = server default)")
-    g.add_argument("--gen-length", type=int)
-    g.add_argument("--steps", type=int)
-    g.add_argument("--block-length", type=int)
-    g.add_argument("--threshold", type=float)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--seed", type=int)
-    m = p.add_argument_group("method (unset = server default)")
-    m.add_argument("--method", choices=METHODS, default="")
-    m.add_argument("--chunk-size", type=int)
-    m.add_argument("--top-k", type=int)
-    m.add_argument("--top-b", type=int)
-    m.add_argument("--kv-mode", choices=KV_MODES, default="")
-    m.add_argument("--score-mode", choices=SCORE_MODES, default="")
-    m.add_argument("--pseudo-label-tokens", type=int)
-    m.add_argument("--pseudo-label-rounds", type=int)
-    m.add_argument("--retention-score", choices=RETENTION_SCORES, default="")
-    m.add_argument("--query-window", type=int)
-    m.add_argument("--prefill-attention", choices=PREFILL_ATTENTIONS, default="")
+    settings.add_arguments(
+        p.add_argument_group("generation"), settings.GenerationSettings, unset="the server's"
+    )
+    settings.add_arguments(p.add_argument_group("method"), settings.MethodSettings, unset="the server's")
     return p
 
 
-_REQUEST_ARGS = [
-    "instruction",
-    "request_id",
-    "model",
-    "gen_length",
-    "steps",
-    "block_length",
-    "threshold",
-    "temperature",
-    "seed",
-    "method",
-    "chunk_size",
-    "top_k",
-    "top_b",
-    "kv_mode",
-    "score_mode",
-    "pseudo_label_tokens",
-    "pseudo_label_rounds",
-    "retention_score",
-    "query_window",
-    "prefill_attention",
-]
+_REQUEST_ARGS = ["instruction", "request_id", "model"]
+_REQUEST_ARGS += [*settings.GenerationSettings.model_fields, *settings.MethodSettings.model_fields]
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -145,8 +109,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return _run(args)
     except InvalidRequestError as err:
         # Raised locally (before sending) when kind != "server"; otherwise the server rejected the request.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +19,7 @@ from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
 from pdllm.shared.rpc.errors import PdllmError, error_from_rpc
 from pdllm.shared.rpc.validation import check_text
+from pdllm.shared.settings import GenerationSettings, MethodSettings
 
 
 @dataclass(frozen=True)
@@ -33,51 +35,23 @@ def build_generate_request(
     instruction: str | None = None,
     request_id: str = "",
     model: str = "",
-    gen_length: int | None = None,
-    steps: int | None = None,
-    block_length: int | None = None,
-    threshold: float | None = None,
-    temperature: float | None = None,
-    seed: int | None = None,
-    method: str = "",
-    chunk_size: int | None = None,
-    top_k: int | None = None,
-    top_b: int | None = None,
-    kv_mode: str = "",
-    score_mode: str = "",
-    pseudo_label_tokens: int | None = None,
-    pseudo_label_rounds: int | None = None,
-    retention_score: str = "",
-    query_window: int | None = None,
-    prefill_attention: str = "",
+    **values: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest with only the given optional fields set (unset ones take server defaults)."""
+    """A GenerateRequest with only the given settings set; the others (None or "") take server defaults.
+    ``values`` are the settings of ``shared/settings.py`` (``gen_length=16``, ``kv_mode="chunk-only"``)."""
+    groups = {"generation": GenerationSettings.model_fields, "method": MethodSettings.model_fields}
+    unknown = sorted(set(values) - {*groups["generation"], *groups["method"]})
+    if unknown:
+        raise TypeError(f"build_generate_request() got unexpected keyword argument(s) {unknown}")
     texts = {"context": context, "question": question, "request_id": request_id, "model": model}
-    texts |= {
-        "method": method,
-        "kv_mode": kv_mode,
-        "score_mode": score_mode,
-        "retention_score": retention_score,
-    }
+    texts |= {k: v for k, v in values.items() if isinstance(v, str)}
     if instruction is not None:
         texts["instruction"] = instruction
     for field, value in texts.items():
         check_text(field, value)
-    gen = {
-        "gen_length": gen_length,
-        "steps": steps,
-        "block_length": block_length,
-        "threshold": threshold,
-        "temperature": temperature,
-        "seed": seed,
-    }
-    meth = {
-        "chunk_size": chunk_size,
-        "top_k": top_k,
-        "top_b": top_b,
-        "pseudo_label_tokens": pseudo_label_tokens,
-        "pseudo_label_rounds": pseudo_label_rounds,
-        "query_window": query_window,
+    given = {
+        g: {k: v for k, v in values.items() if k in names and v not in (None, "")}
+        for g, names in groups.items()
     }
     return pb.GenerateRequest(
         request_id=request_id,
@@ -85,15 +59,8 @@ def build_generate_request(
         context=context,
         question=question,
         instruction=instruction,
-        generation=pb.GenerationParams(**{k: v for k, v in gen.items() if v is not None}),
-        method=pb.MethodParams(
-            method=method,
-            kv_mode=kv_mode,
-            score_mode=score_mode,
-            retention_score=retention_score,
-            prefill_attention=prefill_attention,
-            **{k: v for k, v in meth.items() if v is not None},
-        ),
+        generation=pb.GenerationParams(**given["generation"]),
+        method=pb.MethodParams(**given["method"]),
     )
 
 

@@ -15,23 +15,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from pdllm.shared.rpc.server import ServerConfig, TlsFiles
+from pdllm.shared.settings import env_name, env_value  # the PDLLM_<FLAG> convention, one place for all flags
 
 T = TypeVar("T")
-
-
-def env_name(flag: str) -> str:
-    return "PDLLM_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def env_value(flag: str, convert: Callable[[str], T], default: T, environ: Mapping[str, str]) -> T:
-    """``flag``'s environment variable converted, else ``default``; a bad value names the variable."""
-    raw = environ.get(env_name(flag))
-    if raw is None or raw == "":
-        return default
-    try:
-        return convert(raw)
-    except ValueError:
-        raise ValueError(f"${env_name(flag)}={raw!r} is not a valid value for {flag}") from None
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:

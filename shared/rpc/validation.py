@@ -3,8 +3,9 @@
 Every rejection is an InvalidRequestError (INVALID_ARGUMENT on the wire) whose `kind` is a stable tag, so
 tests and clients can tell the cases apart without parsing messages. Malformed wire bytes (e.g. invalid
 UTF-8 in a string field) never reach this module: the server's interceptor rejects them while decoding.
-The rules mirror `GenerationConfig.validate` and `EngineConfig.validate`, so a request that passes here
-never fails later inside the engine on a parameter.
+The settings' rules are the schema's (`shared/settings.py`), the very ones `GenerationConfig.validate` and
+`EngineConfig.validate` apply, plus the tighter bounds the schema sets for public requests; so a request
+that passes here never fails later inside the engine on a parameter.
 """
 
 from __future__ import annotations
@@ -12,145 +13,91 @@ from __future__ import annotations
 import re
 import unicodedata
 import uuid
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from pdllm.protos.pdllm.v1 import generation_pb2 as pb
-from pdllm.shared.config import (
-    KV_MODES,
-    PREFILL_ATTENTIONS,
-    RETENTION_SCORES,
-    SCORE_MODES,
-    EngineConfig,
-)
-from pdllm.shared.generation.sampler import GenerationConfig, temperature_error
-from pdllm.shared.rpc.errors import InvalidRequestError
+from google.protobuf.message import Message
 
-# Mode choices and defaults come from the engine's configs, so the wire never drifts from the engine.
-METHODS = ("vanilla", "pdllm")
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.shared import settings
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.rpc.errors import InvalidRequestError
+from pdllm.shared.settings import GenerationFields, GenerationSettings, MethodSettings, SettingError
+
+METHODS = settings.choices(MethodSettings, "method")
 
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 
-
-# MethodParams field (also RequestDefaults' name) -> EngineConfig field, for the optional scalars and the
-# non-empty strings; top_b is the one optional field whose absence means "keep all" rather than a default.
+# MethodParams field -> EngineConfig field, for the method settings whose unset wire value keeps a worker's
+# own setting; top_b is left out: unset means "keep all" on the wire, whatever the worker's default.
 METHOD_FIELDS = {
-    "chunk_size": "chunk_size",
-    "top_k": "top_k",
-    "pseudo_label_tokens": "pseudo_labels",
-    "pseudo_label_rounds": "pseudo_rounds",
-    "query_window": "query_window",
-    "kv_mode": "kv_mode",
-    "score_mode": "score_mode",
-    "retention_score": "retention_score",
-    "prefill_attention": "prefill_attention",
+    name: engine
+    for name in MethodSettings.model_fields
+    if (engine := settings.engine_name(MethodSettings, name)) and name != "top_b"
 }
 
 
-@dataclass(frozen=True)
-class RequestDefaults:
-    """Values used for fields the client leaves unset (method defaults follow EngineConfig's)."""
+class RequestDefaults(GenerationFields, MethodSettings):
+    """Values for the settings a request leaves unset, and the model name (method settings follow
+    EngineConfig's). ``steps`` None: one per answer token; ``block_length`` None: a single block, also used
+    when the default does not divide the request's ``gen_length``."""
 
     model: str = ""
-    gen_length: int = GenerationConfig.gen_length
-    steps: int | None = None  # None: one step per answer token
-    block_length: int | None = None  # None: a single block; also used when the default does not divide
-    threshold: float | None = GenerationConfig.threshold
-    temperature: float = GenerationConfig.temperature
-    seed: int = GenerationConfig.seed
-    method: str = "pdllm"
-    chunk_size: int = EngineConfig.chunk_size
-    top_k: int = EngineConfig.top_k
-    top_b: int | None = EngineConfig.top_b
-    kv_mode: str = EngineConfig.kv_mode
-    score_mode: str = EngineConfig.score_mode
-    pseudo_label_tokens: int = EngineConfig.pseudo_labels
-    pseudo_label_rounds: int = EngineConfig.pseudo_rounds
-    retention_score: str = EngineConfig.retention_score
-    query_window: int | None = EngineConfig.query_window
-    prefill_attention: str = EngineConfig.prefill_attention
 
     @classmethod
-    def for_engine(cls, settings: Mapping[str, Any], **values: Any) -> RequestDefaults:
-        """Defaults whose method fields follow ``EngineConfig.from_settings(settings)`` (a checkpoint's
+    def for_engine(cls, engine: Mapping[str, Any], **values: Any) -> RequestDefaults:
+        """Defaults whose method fields follow ``EngineConfig.from_settings(engine)`` (a checkpoint's
         recommended engine settings), so the router fills unset fields as the workers would."""
-        e = EngineConfig.from_settings(settings)
-        method = {wire: getattr(e, field) for wire, field in METHOD_FIELDS.items()}
-        return cls(**{**method, "top_b": e.top_b, **values})
+        config = settings.engine_values(EngineConfig.from_settings(engine))
+        return cls(**{k: v for k, v in config.items() if k in MethodSettings.model_fields} | values)
 
 
 @dataclass(frozen=True)
 class ValidationLimits:
+    """Limits of a deployment; the bounds of each setting are the schema's (``shared/settings.py``)."""
+
     models: tuple[str, ...] = ()  # accepted model names; empty = no check (single-model deployments)
     max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of instruction + context + question
-    max_gen_length: int = 4096
-    min_chunk_size: int = 16
-    max_chunk_size: int = 16384
-    max_top_k: int = 1024
-    max_pseudo_label_tokens: int = 64
-    max_query_window: int = 4096
     max_request_id_chars: int = 128
 
 
 @dataclass(frozen=True)
-class GenerationSettings:
-    gen_length: int
-    steps: int
-    block_length: int
-    threshold: float | None
-    temperature: float
-    seed: int
-
-
-@dataclass(frozen=True)
-class MethodSettings:
-    method: str
-    chunk_size: int
-    top_k: int
-    top_b: int | None
-    kv_mode: str
-    score_mode: str
-    pseudo_label_tokens: int
-    pseudo_label_rounds: int
-    retention_score: str
-    query_window: int | None
-    prefill_attention: str
-
-
-@dataclass(frozen=True)
 class ResolvedRequest:
-    """A validated request with every default filled in: what the engine should run (flat on purpose:
-    `resolved.gen_length`, `resolved.kv_mode`; `generation_settings()` / `method_settings()` regroup)."""
+    """A validated request with every default filled in: what the engine should run. Its settings read flat
+    (``resolved.gen_length``, ``resolved.kv_mode``); ``generation_settings()`` / ``method_settings()`` group
+    them."""
 
     request_id: str
     model: str
     context: str
     question: str
     instruction: str | None
-    gen_length: int
-    steps: int
-    block_length: int
-    threshold: float | None
-    temperature: float
-    seed: int
-    method: str
-    chunk_size: int
-    top_k: int
-    top_b: int | None
-    kv_mode: str
-    score_mode: str
-    pseudo_label_tokens: int
-    pseudo_label_rounds: int
-    retention_score: str
-    query_window: int | None
-    prefill_attention: str
+    generation: GenerationSettings
+    method_config: MethodSettings
+
+    def __getattr__(self, name: str) -> Any:
+        for group in ("generation", "method_config"):
+            values = self.__dict__.get(group)
+            if values is not None and name in type(values).model_fields:
+                return getattr(values, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def generation_settings(self) -> GenerationSettings:
-        return GenerationSettings(**{f.name: getattr(self, f.name) for f in fields(GenerationSettings)})
+        return self.generation
 
     def method_settings(self) -> MethodSettings:
-        return MethodSettings(**{f.name: getattr(self, f.name) for f in fields(MethodSettings)})
+        return self.method_config
+
+
+def set_fields(message: Message, names: Iterable[str]) -> dict[str, Any]:
+    """The fields among ``names`` that ``message`` sets: optional ones that are present, others non-empty."""
+    fields = message.DESCRIPTOR.fields_by_name
+    return {
+        n: getattr(message, n)
+        for n in names
+        if (message.HasField(n) if fields[n].has_presence else getattr(message, n))
+    }
 
 
 def is_blank(text: str) -> bool:
@@ -184,130 +131,42 @@ def _fail(kind: str, message: str, request_id: str) -> None:
     raise InvalidRequestError(kind, message, request_id=request_id or None)
 
 
-def _choice(field: str, value: str, default: str, allowed: tuple[str, ...], kind: str, rid: str) -> str:
-    resolved = value or default
-    if resolved not in allowed:
-        _fail(kind, f"{field} {resolved!r} is not supported; expected one of {', '.join(allowed)}", rid)
-    return resolved
-
-
-def _bounded(field: str, value: int, low: int, high: int, kind: str, rid: str) -> int:
-    if not low <= value <= high:
-        _fail(kind, f"{field} must be in [{low}, {high}] (got {value})", rid)
-    return value
-
-
-def _resolve_blocks(gen: pb.GenerationParams, gen_length: int, defaults: RequestDefaults, rid: str) -> int:
-    if not gen.HasField("block_length"):
-        block_length = defaults.block_length or gen_length
-        return block_length if gen_length % block_length == 0 else gen_length
-    block_length = gen.block_length
-    if block_length <= 0:
-        _fail("block_length_nonpositive", f"generation.block_length must be > 0 (got {block_length})", rid)
-    if gen_length % block_length:
-        _fail(
-            "block_not_divisor",
-            f"generation.gen_length ({gen_length}) must be divisible by generation.block_length ({block_length})",
-            rid,
-        )
-    return block_length
+def _check(cls: type[settings.S], values: dict[str, Any], group: str, rid: str) -> settings.S:
+    try:
+        return settings.validate(cls, values, label=lambda name: f"{group}.{name}", request=True)
+    except SettingError as err:
+        raise InvalidRequestError(err.kind, err.message, request_id=rid or None) from None
 
 
 def resolve_generation(
     gen: pb.GenerationParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str = ""
 ) -> GenerationSettings:
-    gen_length = gen.gen_length if gen.HasField("gen_length") else defaults.gen_length
-    if gen_length <= 0:
-        _fail("gen_length_nonpositive", f"generation.gen_length must be > 0 (got {gen_length})", rid)
-    if gen_length > limits.max_gen_length:
-        _fail(
-            "gen_length_too_large",
-            f"generation.gen_length must be <= {limits.max_gen_length} (got {gen_length})",
-            rid,
-        )
-    block_length = _resolve_blocks(gen, gen_length, defaults, rid)
-    num_blocks = gen_length // block_length
-    threshold = gen.threshold if gen.HasField("threshold") else defaults.threshold
-    if threshold is not None and not (0.0 < threshold <= 1.0):
-        _fail("threshold_range", f"generation.threshold must be in (0, 1] (got {threshold})", rid)
-    # The fixed schedule spreads steps evenly over blocks; with a threshold, steps is only a cap.
-    even_split = threshold is None
-    if gen.HasField("steps"):
-        steps = gen.steps
-        if steps <= 0:
-            _fail("steps_nonpositive", f"generation.steps must be > 0 (got {steps})", rid)
-        if steps > gen_length:
-            _fail(
-                "steps_too_many",
-                f"generation.steps must be <= generation.gen_length ({gen_length}) (got {steps})",
-                rid,
+    """The request's generation settings, unset ones from ``defaults`` (``limits``: unused, the bounds are
+    the schema's). A default block or step count that does not fit the request's length becomes one block,
+    one step per token."""
+    given = set_fields(gen, GenerationSettings.model_fields)
+    values = {name: getattr(defaults, name) for name in GenerationSettings.model_fields} | given
+    length = values["gen_length"]
+    if isinstance(length, int) and length > 0:
+        if "block_length" not in given:
+            block = defaults.block_length or length
+            values["block_length"] = block if length % block == 0 else length
+        if "steps" not in given:
+            block = values["block_length"]
+            blocks = length // block if isinstance(block, int) and block > 0 and length % block == 0 else 1
+            steps = defaults.steps or length
+            # The fixed schedule spreads steps evenly over blocks; with a threshold, steps is only a cap.
+            values["steps"] = (
+                length if steps > length or (values["threshold"] is None and steps % blocks) else steps
             )
-        if even_split and steps % num_blocks:
-            _fail(
-                "steps_not_multiple_of_blocks",
-                f"generation.steps ({steps}) must be a multiple of the number of blocks ({num_blocks} = "
-                f"gen_length {gen_length} / block_length {block_length})",
-                rid,
-            )
-    else:
-        steps = defaults.steps or gen_length
-        if steps > gen_length or (even_split and steps % num_blocks):
-            steps = gen_length
-    temperature = gen.temperature if gen.HasField("temperature") else defaults.temperature
-    if (problem := temperature_error(temperature)) is not None:
-        _fail("temperature_range", f"generation.temperature {problem}", rid)
-    seed = gen.seed if gen.HasField("seed") else defaults.seed
-    if seed < 0:
-        _fail("seed_negative", f"generation.seed must be >= 0 (got {seed})", rid)
-    return GenerationSettings(gen_length, steps, block_length, threshold, temperature, seed)
+    return _check(GenerationSettings, values, "generation", rid)
 
 
 def resolve_method(
     m: pb.MethodParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str = ""
 ) -> MethodSettings:
-    method = _choice("method.method", m.method, defaults.method, METHODS, "unknown_method", rid)
-    kv_mode = _choice("method.kv_mode", m.kv_mode, defaults.kv_mode, KV_MODES, "unknown_kv_mode", rid)
-    score_mode = _choice(
-        "method.score_mode", m.score_mode, defaults.score_mode, SCORE_MODES, "unknown_score_mode", rid
-    )
-    retention = _choice(
-        "method.retention_score",
-        m.retention_score,
-        defaults.retention_score,
-        RETENTION_SCORES,
-        "unknown_retention_score",
-        rid,
-    )
-    attention = _choice(
-        "method.prefill_attention",
-        m.prefill_attention,
-        defaults.prefill_attention,
-        PREFILL_ATTENTIONS,
-        "unknown_prefill_attention",
-        rid,
-    )
-    chunk_size = m.chunk_size if m.HasField("chunk_size") else defaults.chunk_size
-    _bounded(
-        "method.chunk_size", chunk_size, limits.min_chunk_size, limits.max_chunk_size, "chunk_size_range", rid
-    )
-    top_k = m.top_k if m.HasField("top_k") else defaults.top_k
-    _bounded("method.top_k", top_k, 1, limits.max_top_k, "top_k_range", rid)
-    top_b = m.top_b if m.HasField("top_b") else defaults.top_b
-    if top_b is not None:
-        # B counts the chunk's BOS, so a whole chunk is chunk_size + 1 tokens.
-        _bounded("method.top_b", top_b, 1, chunk_size + 1, "top_b_range", rid)
-    labels = m.pseudo_label_tokens if m.HasField("pseudo_label_tokens") else defaults.pseudo_label_tokens
-    rounds = m.pseudo_label_rounds if m.HasField("pseudo_label_rounds") else defaults.pseudo_label_rounds
-    if score_mode == "pseudo-label":
-        kind = "pseudo_label_tokens_range"
-        _bounded("method.pseudo_label_tokens", labels, 1, limits.max_pseudo_label_tokens, kind, rid)
-        _bounded("method.pseudo_label_rounds", rounds, 1, labels, "pseudo_label_rounds_range", rid)
-    window = m.query_window if m.HasField("query_window") else defaults.query_window
-    if window is not None:
-        _bounded("method.query_window", window, 1, limits.max_query_window, "query_window_range", rid)
-    return MethodSettings(
-        method, chunk_size, top_k, top_b, kv_mode, score_mode, labels, rounds, retention, window, attention
-    )
+    values = {name: getattr(defaults, name) for name in MethodSettings.model_fields}
+    return _check(MethodSettings, values | set_fields(m, MethodSettings.model_fields), "method", rid)
 
 
 def resolve_generate_request(
@@ -352,8 +211,8 @@ def resolve_generate_request(
         context=req.context,
         question=req.question,
         instruction=req.instruction if req.HasField("instruction") else None,
-        **asdict(resolve_generation(req.generation, limits, defaults, rid)),
-        **asdict(resolve_method(req.method, limits, defaults, rid)),
+        generation=resolve_generation(req.generation, limits, defaults, rid),
+        method_config=resolve_method(req.method, limits, defaults, rid),
     )
 
 

@@ -63,12 +63,12 @@ def test_text_output_prints_timings(tiny_dir) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--steps", "0"], "steps must be positive"),
-        (["--gen-length", "10", "--block-length", "4"], "not divisible"),
+        (["--steps", "0"], "--steps must be > 0 (got 0)"),
+        (["--gen-length", "10", "--block-length", "4"], "must be divisible by --block-length (4)"),
         (["--question", " "], "question is empty"),
         (["--context-file", "/nonexistent.txt"], "no such file"),
         (["--model", "/nonexistent"], "does not exist"),
-        (["--threshold", "2"], "threshold must be in"),
+        (["--threshold", "2"], "--threshold must be in (0, 1] (got 2.0)"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_dir, capsys, extra: list[str], message: str) -> None:

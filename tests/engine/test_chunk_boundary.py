@@ -78,7 +78,9 @@ def test_sentence_end_ids_from_tokenizer() -> None:
 
 
 def test_invalid_chunk_boundary_and_missing_sentence_ends() -> None:
-    with pytest.raises(ValueError, match="chunk_boundary must be one of fixed, sentence; got 'paragraph'"):
+    with pytest.raises(
+        ValueError, match=r"chunk_boundary must be one of fixed, sentence \(got 'paragraph'\)"
+    ):
         EngineConfig(chunk_boundary="paragraph")  # type: ignore[arg-type]
     cfg = EngineConfig(chunk_size=C, chunk_boundary="sentence")
     with pytest.raises(ValueError, match="sentence-end token ids"):

@@ -110,10 +110,10 @@ def test_eos_stops_after_block_and_trims() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"steps": 0}, "steps must be positive"),
-        ({"steps": -3}, "steps must be positive"),
-        ({"gen_length": 0}, "gen_length must be positive"),
-        ({"gen_length": 10, "block_length": 4}, "not divisible by block_length"),
+        ({"steps": 0}, "steps must be > 0"),
+        ({"steps": -3}, "steps must be > 0"),
+        ({"gen_length": 0}, "gen_length must be > 0"),
+        ({"gen_length": 10, "block_length": 4}, r"must be divisible by block_length \(4\)"),
         ({"gen_length": 16, "block_length": 4, "steps": 6}, "multiple of the number of blocks"),
         ({"threshold": 0.0}, "threshold must be in"),
         ({"threshold": 1.5}, "threshold must be in"),
