@@ -61,17 +61,42 @@ LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
-    def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that have seen no valid key yet keep m = -inf; shift by 0 there to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+    def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        # m_i is the running row max in scaled base-2 units; acc and l_i are relative to it. The scale is
+        # folded into the exponent's FMA, and P @ V accumulates into acc inside the dot.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if MASKED:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        # Masked: rows that have seen no valid key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+        alpha = tl.exp2(m_i - m_new_safe)
+        p = tl.exp2(s * qk_scale - m_new_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _page_rows(PT, PF, b, h, n0, arange_n, end, s_pt, s_kp, s_kh,
+                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FILL: tl.constexpr):  # fmt: skip
+        """Element offsets of the K/V rows of logical slots ``n0 + arange_n`` and which are tokens."""
+        offs_n = n0 + arange_n
+        valid = offs_n < end
+        if BLOCK_N <= PAGE:
+            # Splits and blocks start at multiples of BLOCK_N, so a block never crosses a page: one page
+            # id per block and a contiguous tile.
+            slot = n0 // PAGE
+            page = tl.load(PT + b * s_pt + slot).to(tl.int64)
+            in_page = n0 % PAGE + arange_n
+            if HAS_FILL:
+                valid = valid & (in_page < tl.load(PF + b * s_pt + slot))
+        else:
+            slot = offs_n // PAGE
+            page = tl.load(PT + b * s_pt + slot, mask=valid, other=0).to(tl.int64)
+            in_page = offs_n % PAGE
+            if HAS_FILL:
+                valid = valid & (in_page < tl.load(PF + b * s_pt + slot, mask=valid, other=0))
+        return page * s_kp + h * s_kh + in_page * D, valid
 
     @triton.jit
     def _split_s_kernel(
@@ -114,27 +139,22 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, D], tl.float32)
             arange_n = tl.arange(0, BLOCK_N)
             paged_end = tl.minimum(n_end, kv_len)
-            for n0 in range(n_begin, paged_end, BLOCK_N):
-                offs_n = n0 + arange_n
-                valid = offs_n < paged_end
-                if BLOCK_N <= PAGE:
-                    # Splits and blocks start at multiples of BLOCK_N, so a block never crosses a page:
-                    # one page id per block and a contiguous tile.
-                    slot = n0 // PAGE
-                    page = tl.load(PT + b * s_pt + slot).to(tl.int64)
-                    in_page = n0 % PAGE + arange_n
-                    if HAS_FILL:
-                        valid = valid & (in_page < tl.load(PF + b * s_pt + slot))
-                    row = page * s_kp + h * s_kh + in_page * D
-                else:
-                    slot = offs_n // PAGE
-                    page = tl.load(PT + b * s_pt + slot, mask=valid, other=0).to(tl.int64)
-                    if HAS_FILL:
-                        valid = valid & (offs_n % PAGE < tl.load(PF + b * s_pt + slot, mask=valid, other=0))
-                    row = page * s_kp + h * s_kh + (offs_n % PAGE) * D
+            full_end = n_begin
+            if not HAS_FILL:
+                # Whole blocks of tokens first, without masks (most of the work), then the ragged rest.
+                full_end = n_begin + tl.maximum(paged_end - n_begin, 0) // BLOCK_N * BLOCK_N
+                for n0 in range(n_begin, full_end, BLOCK_N):
+                    row, valid = _page_rows(PT, PF, b, h, n0, arange_n, paged_end, s_pt, s_kp, s_kh,
+                                            D, PAGE, BLOCK_N, HAS_FILL)  # fmt: skip
+                    k = tl.load(KP + row[:, None] + offs_d[None, :])
+                    v = tl.load(VP + row[:, None] + offs_d[None, :])
+                    m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, False, PRECISION)
+            for n0 in range(full_end, paged_end, BLOCK_N):
+                row, valid = _page_rows(PT, PF, b, h, n0, arange_n, paged_end, s_pt, s_kp, s_kh,
+                                        D, PAGE, BLOCK_N, HAS_FILL)  # fmt: skip
                 k = tl.load(KP + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
                 v = tl.load(VP + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION)
+                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
             if HAS_LOCAL:
                 for n0 in range(tl.maximum(n_begin, kv_len), n_end, BLOCK_N):
                     offs_n = n0 + arange_n
@@ -142,7 +162,7 @@ if triton is not None:
                     row = (q_start + offs_n - kv_len).to(tl.int64) * s_lt + h * s_lh
                     k = tl.load(KL + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
                     v = tl.load(VL + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-                    m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION)
+                    m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
 
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             if SINGLE:

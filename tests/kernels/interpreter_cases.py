@@ -9,6 +9,7 @@ check covers it. The elementwise kernels (rms_norm, rope, silu_mul) are checked 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -45,6 +46,10 @@ def case_split_s() -> None:
         err = _rel(got, want)
         assert err < tol, (q_lens, chunks, err)
         assert torch.isfinite(got).all()
+        # Scores 8x wider: row maxima jump between blocks, so every block rescales what came before.
+        wide = dataclasses.replace(p, q=p.q * 8)
+        want_wide = split_s_attention_reference(*wide.args(), config=cfg)
+        assert _rel(split_s_attention(*wide.args(), config=cfg), want_wide) < tol, q_lens
         if splits != 1:
             # In-kernel merge through a reused counter workspace: same answer, workspace left zeroed.
             ws = torch.zeros(64, dtype=torch.int32)
@@ -109,15 +114,32 @@ def case_split_s_configs() -> None:
             p.page_fill[0, 1] = 0  # a page of holes only, and garbage in it
             p.k_pages[p.page_table[0, 1].long()] = 1e4
             problems[page, group] = p
+            # No page_fill: every slot below kv_len is a token, the kernel's unmasked whole-block loop;
+            # kv_lens cut mid-page so a ragged last block follows it.
+            q = make_problem(gen, [4, 3, 6], [[page, page, page], [page] * 9, [2 * page]], 2, group, 16, page)
+            problems["nofill", page, group] = dataclasses.replace(
+                q, page_fill=None, kv_lens=q.kv_lens - torch.tensor([3, 0, page // 2 + 1], dtype=torch.int32)
+            )
     for i, (bm, bn, fused) in enumerate(variants):
         for page in (16, 64):
-            p = problems[page, groups[(i + page // 16) % 4]]
-            want = sa.naive_attention(*p.args())
-            for splits in (None, 1):
-                cfg = sa.SplitSConfig(block_m=bm, block_n=bn, fused_merge=fused, num_splits=splits, num_sms=4)
-                got = sa.split_s_attention(*p.args(), config=cfg)
-                ref = sa.split_s_attention_reference(*p.args(), config=cfg)
-                assert _rel(got, ref) < 1e-5 and _rel(got, want) < 1e-5, (bm, bn, fused, page, splits)
+            group = groups[(i + page // 16) % 4]
+            for p in (problems[page, group], problems["nofill", page, group]):
+                want = sa.naive_attention(*p.args())
+                for splits in (None, 1):
+                    cfg = sa.SplitSConfig(
+                        block_m=bm, block_n=bn, fused_merge=fused, num_splits=splits, num_sms=4
+                    )
+                    got = sa.split_s_attention(*p.args(), config=cfg)
+                    ref = sa.split_s_attention_reference(*p.args(), config=cfg)
+                    fill = p.page_fill is not None
+                    assert _rel(got, ref) < 1e-5 and _rel(got, want) < 1e-5, (
+                        bm,
+                        bn,
+                        fused,
+                        page,
+                        splits,
+                        fill,
+                    )
         print(f"split_s bm={bm} bn={bn} fused={fused}: pages 16/64 ok")
 
     # config=None: a table entry for this device ("cpu") and bucket must reach the kernel launch.
