@@ -6,9 +6,11 @@ service) in one process, ``KvReceiver`` (a decode worker's) in another, as servi
 The sender process offers a ``[layers, 2, kv_heads, tokens, head_dim]`` bf16 tensor on its GPU (Dream-7B
 defaults: 4100 tokens = the K=4 full-mask decode KV, 235 MB); the receiver pulls it onto its GPU. One
 row per (backend, tokens): median wall time of ``--repeat`` pulls after one warm-up, from ``start`` to
-the tensor being on the receiver's device (the gRPC ``Send`` call included), checked equal to the sent
-bytes. With 2 GPUs the sender is on GPU 0 and the receiver on GPU 1; with one, both share GPU 0 (NCCL
-cannot run there). Backends: ``cuda-ipc`` (the receiver maps the sender's memory, one host), ``nccl``,
+the KV being on the receiver's device (the gRPC ``Send`` call included), checked equal to the sent
+bytes. ``--into pages`` (the default, what a decode worker does) lands it in consecutive pages of a paged
+pool as the decode scheduler reserves them (``shared/kv_transfer/pages.py``); ``--into tensor`` in a new
+tensor of its own (the path before the pool landing, and chunk-kv's). With 2 GPUs the sender is on GPU 0
+and the receiver on GPU 1; with one, both share GPU 0 (NCCL cannot run there). Backends: ``cuda-ipc`` (the receiver maps the sender's memory, one host), ``nccl``,
 ``gloo`` (staged through host memory). Writes ``kv_handoff.json``
 (``handoff`` rows ``{"tokens", "bytes", "transport", "ms", "gb_per_s"}``) and ``kv_handoff.md``.
 """
@@ -32,6 +34,7 @@ import torch
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.kv_transfer import KvReceiver, KvSender, SenderConfig, TransferConfig, TransferState
+from pdllm.shared.kv_transfer.pages import WIRE_PAGE, PageTarget, num_tiles, to_tiles
 from pdllm.shared.rpc.server import ServerConfig, build_server, service_spec
 
 
@@ -71,18 +74,25 @@ def measure(args: argparse.Namespace, backend: str, gpus: int) -> list[dict]:
         rows = []
         for tokens in args.tokens:
             times = []
+            target = None
+            if args.into == "pages":  # one page in use before them, as in a pool serving other requests
+                pool_shape = (args.layers, 2, num_tiles(tokens) + 1, args.kv_heads, WIRE_PAGE, args.head_dim)
+                pool = torch.empty(pool_shape, dtype=torch.bfloat16, device=device)
+                target = PageTarget(pool, tuple(range(1, num_tiles(tokens) + 1)))
             for rep in range(args.repeat + 1):
                 child.stdin.write(f"{tokens} {rep}\n")  # type: ignore[union-attr]
                 child.stdin.flush()  # type: ignore[union-attr]
                 line = child.stdout.readline().split()  # type: ignore[union-attr]
                 handoff = wpb.KvHandoff.FromString(base64.b64decode(line[1]))
                 start = time.perf_counter()
-                transfer = receiver.start(handoff)
+                transfer = receiver.start(handoff, target)
                 transfer.wait()
                 elapsed = time.perf_counter() - start
                 if transfer.state is not TransferState.DONE:
                     raise RuntimeError(f"{backend} pull failed: {transfer.error}")
-                if not torch.equal(transfer.kv, payload(tokens, args, device, rep)):
+                sent = payload(tokens, args, device, rep)
+                got = transfer.kv if target is None else target.kv[:, :, 1:]
+                if not torch.equal(got, sent if target is None else to_tiles(sent)):
                     raise RuntimeError(f"{backend}: received bytes differ from the sent ones")
                 if rep:  # the first pull opens the group (and NCCL's communicator): warm-up
                     times.append(elapsed)
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--into", choices=["pages", "tensor"], default="pages", help="where the receiver lands it")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.role == "sender":
@@ -133,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     meta = {"device": f"{gpus} x {device}" if gpus else "cpu", "date": datetime.date.today().isoformat(),
             "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-            "torch": torch.__version__, "skipped": skipped,
+            "torch": torch.__version__, "skipped": skipped, "into": args.into,
             "placement": "sender GPU 0, receiver GPU 1" if gpus >= 2 else "sender and receiver share one device"}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_handoff.json").write_text(json.dumps({"meta": meta, "handoff": rows}, indent=1) + "\n")
     lines = [f"# KV handoff through KvSender/KvReceiver ({meta['device']}, {meta['date']})", "",
-             f"`{meta['command']}`; {meta['placement']}; torch {meta['torch']}.", "",
+             f"`{meta['command']}`; {meta['placement']}; received into {meta['into']}; torch {meta['torch']}.", "",
              "| transport | tokens | MB | ms (median) | GB/s |", "|---|---|---|---|---|"]  # fmt: skip
     lines += [
         f"| {r['transport']} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | {r['ms']} | {r['gb_per_s']} |"

@@ -6,11 +6,12 @@
 ``--repeated`` ``multidoc`` documents (``shared/eval/tasks.py``) asked ``--questions`` different questions
 each ("In which city was <entity> founded?", entities drawn from the document), ``--once`` documents asked
 one. Each request runs the real ``PrefillingEngine.prefill`` (shipped model and settings: chunk lookup,
-prefill of the misses, scoring, top-K) over a store that applies a write policy to what prefill publishes:
-``all`` (today: every prefilled chunk), ``selected`` (only the request's top-K, held until selection), or
-``second-sight`` (``selected``, plus every missed chunk when the request found any of its chunks stored,
-i.e. its document came back: stateless, the store remembers). Scoring needs every chunk's KV, so a request
-skips prefill only if all its chunks hit. Reported: per-chunk hit rate, requests that skip prefill, chunks
+prefill of the misses, scoring, top-K, then the writes) with the engine's ``kv_write_policy`` set to each
+policy of ``shared/kv_write_policy.py`` in turn: ``all`` (every prefilled chunk), ``selected`` (only the
+request's top-K), or ``second-sight`` (the serving default: ``selected``, plus every missed chunk when the
+request found any of its chunks stored, i.e. its document came back: stateless, the store remembers), over
+an unbounded store that counts what is written. Scoring needs every chunk's KV, so a request skips
+prefill only if all its chunks hit. Reported: per-chunk hit rate, requests that skip prefill, chunks
 forwarded, KV bytes written, and the decode worker's chunk-only lookups (the selected chunks' keys).
 """
 
@@ -36,41 +37,24 @@ from pdllm.shared.config import EngineConfig
 from pdllm.shared.eval.tasks import make_sample
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_tier import CPUStore, CPUStoreConfig
+from pdllm.shared.kv_write_policy import KV_WRITE_POLICIES
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 
-POLICIES = ("all", "selected", "second-sight")
 ENTITY = re.compile(r"Document \[\d+\]: (.+?) was founded in the city of")
 
 
-class PolicyStore:
-    """The engine's chunk store (an unbounded CPU LRU) behind a write policy; counts what is written."""
+class CountingStore(CPUStore):
+    """The engine's chunk store (an unbounded CPU LRU) that counts the values and bytes written to it."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy, self.inner = policy, CPUStore(CPUStoreConfig(1 << 40, pin_memory=False))
-        self.held: dict[str, torch.Tensor] = {}
+    def __init__(self) -> None:
+        super().__init__(CPUStoreConfig(1 << 40, pin_memory=False))
         self.values = self.bytes = 0
 
-    def get_many(self, keys: Any) -> list[torch.Tensor | None]:
-        return self.inner.get_many(keys)
-
     def put_many(self, items: Any) -> int:
-        if self.policy == "all":
-            self._write(items)
-        else:
-            self.held.update(items)
-        return len(items)
-
-    def commit(self, keys: list[str], selected: list[int], hits: int) -> None:
-        """After selection: what the policy keeps of the request's held puts (``hits``: chunks it found)."""
-        chosen = keys if self.policy == "second-sight" and hits else [keys[i] for i in selected]
-        self._write([(k, self.held[k]) for k in chosen if k in self.held])
-        self.held.clear()
-
-    def _write(self, items: Any) -> None:
         self.values += len(items)
         self.bytes += sum(t.numel() * t.element_size() for _, t in items)
-        self.inner.put_many(items)
+        return super().put_many(items)
 
 
 def workload(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
@@ -90,16 +74,15 @@ def workload(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
 
 
 def run_policy(policy: str, loaded: Any, cfg: EngineConfig, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    store = PolicyStore(policy)
-    engine = PrefillingEngine(loaded.model, loaded.tokenizer, cfg, store=store)
+    store = CountingStore()
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, cfg, store=store, kv_write_policy=policy)
     gen = GenerationConfig(gen_length=16, steps=16)
     rows, seen_docs = [], set()
     for r in requests:
         ids = encode_prompt(loaded.tokenizer, r["context"], r["question"])
         start = time.perf_counter()
         sel = engine.prefill(ids.context, ids.query, gen)
-        store.commit(sel.keys, sel.selected, sel.trace.cache_hits)
-        decode_hits = sum(v is not None for v in store.inner.get_many([sel.keys[i] for i in sel.selected]))
+        decode_hits = sum(v is not None for v in store.get_many([sel.keys[i] for i in sel.selected]))
         t = sel.trace
         rows.append({"doc": r["doc"], "repeat": r["doc"] in seen_docs, "chunks": t.num_chunks,
                      "context_tokens": r["context_tokens"], "hits": t.cache_hits, "skipped": t.prefill_skipped,
@@ -137,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig.from_settings(loaded.serving.engine)
     requests = workload(args, loaded.tokenizer)
     run_policy("all", loaded, cfg, requests[:1])  # warm-up
-    results = [run_policy(policy, loaded, cfg, requests) for policy in POLICIES]
+    results = [run_policy(policy, loaded, cfg, requests) for policy in KV_WRITE_POLICIES]
     meta = {
         "device": f"cpu: {cpu_name()}", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "benchmarks/kv_write_policy.py", *(argv or sys.argv[1:])]),

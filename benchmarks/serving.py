@@ -310,6 +310,18 @@ def write(out: Path, report: dict) -> None:
              f"{meta['gpus_visible']}. Runtime {meta.get('runtime_s', 0):.0f} s of a {meta['budget_s']:.0f} s budget.",
              "", "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]  # fmt: skip
     lines += ["| " + " | ".join(_f(r[k]) for k in ROW_KEYS) + " |" for r in report["rows"]]
+    notes: dict[str, list[str]] = {}  # rows merged from other runs say how they differ (e.g. a shared GPU)
+    for r in report["rows"]:
+        if r.get("note"):
+            notes.setdefault(r["note"], []).append(
+                f"{r['layout']} x{r['concurrency']} @ {r['context_tokens']}"
+            )
+    lines += [""] * bool(notes) + [f"Rows {', '.join(rows)}: {note}" for note, rows in notes.items()]
+    if report.get("handoff"):  # issue 15's list: one decode KV moved from a prefill to a decode worker
+        keys = list(report["handoff"][0])
+        lines += ["", f"KV handoff ({meta.get('handoff', {}).get('note', 'kv_handoff.py')}):", "",
+                  "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]  # fmt: skip
+        lines += ["| " + " | ".join(_f(h[k]) for k in keys) + " |" for h in report["handoff"]]
     if report["decode_round"]:
         keys = list(dict.fromkeys(k for r in report["decode_round"] for k in r))
         lines += ["", "Batched decode rounds (decode_rounds.py):", "", "| " + " | ".join(keys) + " |",
@@ -337,7 +349,8 @@ def plot(path: Path, report: dict) -> None:
         rows = sorted(rows, key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
         for ax, key in zip(axes, ("requests_per_s", "step_p99_ms"), strict=True):
-            ax.plot(xs, [r[key] for r in rows], marker="o", label=f"{layout}, {ctx} tok")
+            shared = " (both on 1 GPU)" if rows[0].get("shared_gpu") else ""
+            ax.plot(xs, [r[key] for r in rows], marker="o", label=f"{layout}, {ctx} tok{shared}")
     for ax, title in zip(axes, ("requests / s", "step gap p99 (ms)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.rounds import BatchSession
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
@@ -35,10 +36,11 @@ class Final:
 
 @dataclass
 class StaticDecode:
-    """A pdllm session to join the batched rounds: its query suffix, built static KV and settings."""
+    """A pdllm session to join the batched rounds: its query suffix, static KV (built, or pulled straight
+    into its pages) and settings."""
 
     query: list[int]
-    static: StaticKV
+    static: StaticKV | PooledKV
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
@@ -72,12 +74,19 @@ class DecodeJob:
     built: StaticDecode | DenoiseSession | None = None  # launched build, until it joins the rounds
     built_event: torch.cuda.Event | None = None  # its device work is done (CUDA)
     build_started: float = 0.0
-    # Starts pulling the request's KV from a prefill worker (a handoff); the scheduler runs the build only
-    # once the pull has finished, and ``start`` / ``start_steps`` then use the pulled KV or rebuild it.
+    # Starts pulling the request's KV from a prefill worker (a handoff), into ``pages`` for a decode KV; the
+    # scheduler runs the build only once the pull has finished (and frees the pages of a cancelled job only
+    # once nothing writes into them), and ``start`` / ``start_steps`` then use the pulled KV or rebuild it.
     fetch: Callable[[], Transfer] | None = None
     transfer: Transfer | None = None  # the pull, from launch until it finished
     received: Transfer | None = None  # the finished pull
     kv_source: str = "built"
+
+    def pull_over(self) -> bool:
+        """Its pull has finished, or it was cancelled and the pull no longer writes into its pages (a
+        cancelled job's pages go back only then: another job may get them next)."""
+        t = self.transfer
+        return t is not None and (t.finished or (self.cancelled.is_set() and t.detach()))
 
     def stream(self, poll_s: float = 0.5) -> Iterator[Partial | Final]:
         """Events until the final result; re-raises a failure; stops early if the call was cancelled."""

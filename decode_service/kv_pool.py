@@ -2,7 +2,8 @@
 
 One :class:`~pdllm.kernels.paged_kv.PagedKVPool` (``[layers, 2, pages, Hkv, page_size, D]``, the layout the
 split-S kernel reads) is allocated once at start. A session reserves the pages its static KV needs when it
-is admitted (so a build in progress cannot be starved), fills them when its build ends, and gives them
+is admitted (so a build in progress cannot be starved), fills them when its build ends (a handed-off KV is
+received straight into them, consecutive pages preferred: ``shared/kv_transfer/pages.py``), and gives them
 back the moment it finishes or is cancelled. Requests that do not fit wait; a request larger than the
 whole pool is refused at once.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.kernels.paged_kv import PagedKVConfig, PagedKVPool
+from pdllm.shared.static_kv import StaticKV
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,15 @@ class KVPoolConfig:
             raise ValueError(f"KV pool budget must be positive, got {self.budget_bytes} bytes")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+
+
+@dataclass(frozen=True)
+class PooledKV:
+    """A session's static KV that is already in its reserved pages (a handoff landed there): only its
+    extent, what the session needs to address it."""
+
+    query_start: int
+    num_tokens: int
 
 
 class PoolTooSmallError(ValueError):
@@ -91,19 +102,43 @@ class DecodeKVPool:
                 f"this worker's KV pool holds {self.num_pages * self.page_bytes} bytes"
             )
 
-    def reserve(self, tokens: int) -> list[int] | None:
-        """Pages for ``tokens`` static tokens, or None while too few are free (:meth:`check_fits` first)."""
+    def reserve(self, tokens: int, run: bool = False) -> list[int] | None:
+        """Pages for ``tokens`` static tokens, or None while too few are free (:meth:`check_fits` first).
+        ``run``: consecutive pages when some are free (a handoff is received straight into them only
+        then, ``shared/kv_transfer/pages.py``), else any."""
         self.check_fits(tokens)
         need = self.pages_for(tokens)
         if need > self.num_free:
             return None
-        return self.pool.allocate(need)
+        return (self._take_run(need) if run else None) or self.pool.allocate(need)
+
+    def _take_run(self, need: int) -> list[int] | None:
+        """The lowest ``need`` consecutive free pages, taken; None when the free pages hold no such run."""
+        free = self.pool._free  # PagedKVPool's free stack; it has no run-aware allocate of its own
+        if free[-need:][::-1] == list(range(free[-1], free[-1] + need)):
+            return self.pool.allocate(need)  # what allocate pops next is a run already (the usual case)
+        ordered = sorted(free)
+        start = 0
+        for i in range(1, len(ordered) + 1):
+            if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+                if i - start >= need:
+                    taken = ordered[start : start + need]
+                    keep = set(taken)
+                    free[:] = [p for p in free if p not in keep]
+                    return taken
+                start = i
+        return None
 
     def write(self, pages: list[int], static: torch.Tensor) -> None:
         """Fill reserved ``pages`` with a session's static KV ``[layers, 2, Hkv, S, D]`` (S >= 1)."""
         if static.shape[3] == 0:  # nothing static (cannot happen for pdllm: >= 1 chunk); keep page valid
             return
         self.pool.write_chunk(static, pages[: self.pages_for(static.shape[3])])
+
+    def place(self, pages: list[int], static: StaticKV | PooledKV) -> None:
+        """Put a session's built static KV into its reserved ``pages`` (pulled KV is there already)."""
+        if isinstance(static, StaticKV):
+            self.write(pages, static.tensor())
 
     def release(self, pages: list[int]) -> None:
         if pages:

@@ -39,7 +39,7 @@ from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
-from pdllm.shared.stepwise import Steps
+from pdllm.shared.stepwise import Steps, join_device_thread
 
 T = TypeVar("T")
 
@@ -147,8 +147,8 @@ class DecodeScheduler:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._thread is not None:  # the step in progress ends first (it cannot be cut short)
+            join_device_thread(self._thread, "decode scheduler")
         with self._cv:  # nobody waits forever on work this thread will not run
             for _, future in self._foreign:
                 future.set_exception(RuntimeError("the decode scheduler stopped"))
@@ -195,7 +195,7 @@ class DecodeScheduler:
     def _advance_foreign(self) -> None:
         while True:
             with self._cv:
-                if not self._foreign:
+                if not self._foreign or self._stop:  # close() fails what is left
                     return
                 steps, future = self._foreign[0]
                 decoding = bool(self._waiting or self._building or self._active)
@@ -231,7 +231,7 @@ class DecodeScheduler:
             while self._waiting and busy + len(admitted) < self.config.max_active:
                 job = self._waiting[0]
                 if job.kv_tokens:
-                    pages = self.pool.reserve(job.kv_tokens)
+                    pages = self.pool.reserve(job.kv_tokens, run=job.fetch is not None)
                     if pages is None:  # wait for pages; first come, first served
                         break
                     job.pages = pages
@@ -262,7 +262,7 @@ class DecodeScheduler:
                     before = torch.cuda.memory_allocated(device)
                 built = job.start()
                 if isinstance(built, StaticDecode):
-                    self.pool.write(job.pages, built.static.tensor())
+                    self.pool.place(job.pages, built.static)
                 if self.build_stream is not None:
                     job.built_event = torch.cuda.Event()
                     job.built_event.record(self.build_stream)
@@ -284,7 +284,7 @@ class DecodeScheduler:
             idle = len(pulling) == len(self._building) and not self._active and not self._foreign
         if pulling and idle and not any(j.transfer.finished for j in pulling):  # type: ignore[union-attr]
             pulling[0].transfer.wait(0.05)  # type: ignore[union-attr]
-        for job in [j for j in pulling if j.transfer.finished or j.cancelled.is_set()]:  # type: ignore[union-attr]
+        for job in [j for j in pulling if j.pull_over()]:
             with self._cv:
                 self._building.remove(job)
             job.received, job.transfer = job.transfer, None
@@ -306,7 +306,7 @@ class DecodeScheduler:
             except StopIteration as stop:
                 built: StaticDecode = stop.value
                 with self._on(self.round_stream):
-                    self.pool.write(job.pages, built.static.tensor())
+                    self.pool.place(job.pages, built.static)
                 job.built, job.build_steps = built, None
             except Exception as exc:  # a bad request must not take the worker down
                 job.build_steps = None
@@ -366,7 +366,10 @@ class DecodeScheduler:
             else:
                 self.step_seconds.observe(time.perf_counter() - start)
                 self.rounds += 1
+        stepped: list[DecodeJob] = []
         for job in alone:
+            if job.cancelled.is_set() or self._stop:  # a vanilla step is long: none nobody waits for
+                continue
             try:
                 start = time.perf_counter()
                 job.session.step()  # type: ignore[union-attr]
@@ -375,8 +378,10 @@ class DecodeScheduler:
                 _log.exception("decode step failed", extra={"request_id": job.request_id})
                 job.events.put(exc)
                 failed.append(job)
+            else:
+                stepped.append(job)
         finished = failed
-        for job in batched + [j for j in alone if j not in failed]:
+        for job in batched + stepped:
             session = job.session
             assert session is not None
             if job.stream_partials:

@@ -14,13 +14,13 @@ after every step when asked for.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import grpc
-import torch
 
+from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
+from pdllm.decode_service.request_checks import check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
@@ -36,18 +36,14 @@ from pdllm.shared.kv_transfer.payload import (
     check_kv_spec,
     decode_kv_scheme,
     model_kv_spec,
-    unpack_segments,
-    unpack_static,
 )
-from pdllm.shared.kv_transfer.receiver import KvReceiver, TransferState
+from pdllm.shared.kv_transfer.receiver import KvReceiver
 from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.rpc.convert import engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
 from pdllm.shared.stepwise import Steps, drain
-
-_log = logging.getLogger("pdllm.decode.server")
 
 # A decode result's peak memory: its KV pages in the pool plus its build's transient growth (scheduler).
 DECODE_MEMORY_KIND = "kv-pages-plus-build"
@@ -58,7 +54,6 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         self,
         worker: DecodeWorker,
         scheduler: DecodeScheduler,
-        worker_name: str = "",
         max_vanilla_tokens: int = 0,
         receiver: KvReceiver | None = None,
     ) -> None:
@@ -68,7 +63,6 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         off by prefill workers (None: a request's handoff is ignored and its KV built here)."""
         self.worker = worker
         self.scheduler = scheduler
-        self.worker_name = worker_name
         self.max_vanilla_tokens = max_vanilla_tokens
         self.receiver = receiver
 
@@ -81,6 +75,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 cfg = engine_config(request.method, self.worker.config)
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+            check_token_ids(request, self.worker.model.config.vocab_size)
             if request.method.method == "vanilla":
                 if not request.context_ids:
                     raise PdllmError(
@@ -114,13 +109,14 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 start_steps=start_steps,
             )
             if self.receiver is not None and start_steps is not None and request.HasField("handoff"):
-                job.fetch = lambda: self.receiver.start(request.handoff)  # type: ignore[union-attr]
+                pool = self.scheduler.pool  # a decode KV lands in the job's reserved pages
+                job.fetch = lambda: start_pull(self.receiver, pool, request.handoff, job.pages)  # type: ignore[arg-type]
             self.scheduler.submit(job)
             for event in job.stream():
                 if isinstance(event, Partial):
                     yield wpb.DecodeResponse(partial=self._partial(request, gen, event))
                 elif isinstance(event, Final):
-                    yield wpb.DecodeResponse(final=self._final(request, event, job))
+                    yield wpb.DecodeResponse(final=self._final(event, job))
 
     # ------------------------------------------------------------------ sessions (scheduler thread)
     def _vanilla_session(self, request: wpb.DecodeRequest, gen: GenerationConfig) -> DenoiseSession:
@@ -162,31 +158,21 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         layers_per_step: int | None = None,
     ) -> Steps[StaticDecode]:
         """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
-        from the job's pulled KV when its handoff arrived (decode-kv: no build at all)."""
+        from the job's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages)."""
         chunks = [list(h.token_ids) for h in request.chunks]
         req = Request(
             instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
         )
         layout = decode_layout(req, list(range(len(chunks))), gen.gen_length)
-        pulled = job.received
-        source = "built" if pulled is None else "handoff-failed-rebuilt"
-        if pulled is not None and pulled.state is TransferState.DONE and pulled.kv is not None:
-            source = "handoff"
-            if pulled.handoff.payload == DECODE_KV:
-                static = unpack_static(pulled.kv, pulled.handoff)
-                if static.num_tokens <= job.kv_tokens and static.query_start == layout.static_len:
-                    return StaticDecode(req.query, static, gen, kv_source=source)
-                _log.warning("handed-off decode KV does not fit the request's chunks; rebuilding it")
-                source = "handoff-failed-rebuilt"
-        local: list[torch.Tensor] = []
-        stats = (0, 0)
-        if source == "handoff":
-            local = unpack_segments(pulled.kv, pulled.handoff.segment_lens)  # type: ignore[union-attr]
-        elif cfg.kv_mode == "chunk-only":
+        pulled = use_pulled(job.received, layout, job.kv_tokens)
+        if pulled.static is not None:
+            return StaticDecode(req.query, pulled.static, gen, kv_source=pulled.source)
+        local, stats = pulled.local, (0, 0)
+        if pulled.source != "handoff" and cfg.kv_mode == "chunk-only":
             local, hits = self.worker.chunk_kv(chunks, cfg)
             stats = (hits, len(chunks) - hits)
         static = yield from self.worker.build_steps(req, layout, cfg, local, layers_per_step)
-        return StaticDecode(req.query, static, gen, stats, source)
+        return StaticDecode(req.query, static, gen, stats, pulled.source)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:
@@ -200,12 +186,11 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             unmasked=sum(1 for t in p.tokens if t >= 0),
         )
 
-    def _final(self, request: wpb.DecodeRequest, event: Final, job: DecodeJob) -> wpb.DecodeResult:
+    def _final(self, event: Final, job: DecodeJob) -> wpb.DecodeResult:
         result = event.result
         eos = self.worker.model.config.eos_token_id
         hits, misses = job.cache_stats
         return wpb.DecodeResult(
-            request_id=request.request_id,
             token_ids=result.token_ids,
             finish_reason="eos" if eos is not None and eos in result.raw_tokens else "length",
             steps=result.steps,
@@ -216,7 +201,6 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             cache_misses=misses,
             peak_memory_bytes=event.peak_bytes,
             memory_kind=DECODE_MEMORY_KIND,
-            worker=self.worker_name,
             kv_source=job.kv_source,
             handoff_s=job.received.seconds if job.received is not None else 0.0,
         )

@@ -21,7 +21,7 @@ from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.chunk_store import ChunkKVStore
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
-from pdllm.shared.layout import DecodeLayout, Request
+from pdllm.shared.layout import DecodeLayout, Request, decode_layout
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps, drain
@@ -99,6 +99,19 @@ class DecodeWorker:
     ) -> StaticKV:
         """Step 6: the static decode KV of the selected chunks (``local``: their step-3 KV, chunk-only)."""
         return drain(self.build_steps(request, layout, config, local))
+
+    def build_selected(
+        self,
+        request: Request,
+        selected: Sequence[int],
+        gen: GenerationConfig,
+        config: EngineConfig | None = None,
+        local: Sequence[torch.Tensor] = (),
+    ) -> StaticKV:
+        """Step 6 for a selection: the decode layout of the ``selected`` chunks (in that order, with room for
+        ``gen.gen_length`` answer tokens), then :meth:`build`. The in-process engine's build and a prefill
+        worker's handed-off build (``prefill_service.handoff.DecodeKVBuild``) are both this call."""
+        return self.build(request, decode_layout(request, selected, gen.gen_length), config, local)
 
     def build_steps(
         self,

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from pdllm.prefill_service.worker import PrefillJob, Selection
+from pdllm.shared.stepwise import join_device_thread
 
 PrefillMany = Callable[[list[PrefillJob]], list[Selection | Exception]]
 
@@ -74,7 +75,7 @@ class PrefillBatcher:
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=5.0)
+        join_device_thread(self._thread, "prefill batcher")  # its batch ends first (stepwise.py says why)
 
     def _take_batch(self) -> list[_Pending] | None:
         first = self._carry or self._queue.get()

@@ -1,7 +1,9 @@
 """The prefill worker: ``pdllm.v1.Prefill`` over :class:`PrefillWorker`'s steps 3-5 (``worker.py``).
 
-Chunk prefill writes every chunk's step-3 KV into the KV tier (which is also where a second question on
-the same document finds it), then the chunks are scored and the top-K selected. The worker answers
+Chunk prefill reads chunk KV from the KV tier and computes the misses, then the chunks are scored and the
+top-K selected; what the write policy keeps of the computed chunk KV (``--kv-write-policy``, default
+"second-sight": the top-K, and the whole document once it comes back) is then handed to the tier's
+background writer, where later requests find it. The worker answers
 with handles (tier keys + token ids); the decode worker builds the decode KV from them. When the request
 asks for a handoff (``offer_handoff``, the router's ``--build-on``), the worker also builds the decode KV
 (chunk-only: keeps the selected chunks' KV) and its :class:`KvSender` holds it for the decode worker to
@@ -37,7 +39,6 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
     def __init__(
         self,
         worker: PrefillWorker,
-        worker_name: str = "",
         registry: CollectorRegistry | None = None,
         batching: BatchingConfig | None = None,
         run_batch: PrefillMany | None = None,
@@ -48,7 +49,6 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         decode workers to pull (None: ``offer_handoff`` is ignored)."""
         self.worker = worker
         self.sender = sender
-        self.worker_name = worker_name
         self.batch_requests = Histogram(
             "pdllm_prefill_batch_requests",
             "Requests sharing one batched chunk prefill",
@@ -66,6 +66,11 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             registry=registry,
         )
         self.tokens = Counter("pdllm_prefill_context_tokens", "Context tokens prefilled", registry=registry)
+        self.written = Counter(
+            "pdllm_prefill_chunks_written",
+            "Chunk KV values handed to the KV tier after selection (--kv-write-policy)",
+            registry=registry,
+        )
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
         cancelled = termination_event(context)
@@ -82,8 +87,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
                 )
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
-            if request.offer_handoff and self.sender is not None:
-                job = dataclasses.replace(job, offer_handoff=True)
+            # The answer carries handles, not KV: the selection lets its chunk KV go once written.
+            offer = request.offer_handoff and self.sender is not None
+            job = dataclasses.replace(job, keep_bank=False, offer_handoff=offer)
             try:
                 sel, queue_s = self.batcher.submit(job, cancelled)
             except CancelledError as exc:
@@ -92,6 +98,7 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
         self.chunks.labels("hit").inc(sel.trace.cache_hits)
         self.chunks.labels("computed").inc(sel.trace.cache_misses)
+        self.written.inc(sel.trace.chunks_written)
         self.tokens.inc(len(request.context_ids))
         return self._response(request, sel, cfg, queue_s)
 
@@ -136,7 +143,6 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         handoff = self._offer(sel, cfg)
         return wpb.PrefillResponse(
             handoff=handoff,
-            request_id=request.request_id,
             kv_spec=spec,
             selected=handles,
             chunk_scores=scores,
@@ -144,7 +150,6 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             cache_hits=sel.trace.cache_hits,
             cache_misses=sel.trace.cache_misses,
             peak_memory_bytes=int(peak or 0),
-            worker=self.worker_name,
             memory_kind=kind,
         )
 

@@ -27,6 +27,7 @@ class Trace:
     cache_hits: int = 0
     cache_misses: int = 0
     prefill_skipped: bool = False
+    chunks_written: int = 0  # chunk KV values handed to the KV tier after selection (its write policy)
     decode_steps: int = 0
 
     @contextmanager
@@ -55,6 +56,7 @@ class Trace:
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "prefill_skipped": self.prefill_skipped,
+            "chunks_written": self.chunks_written,
             "decode_steps": self.decode_steps,
         }
 

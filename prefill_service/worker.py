@@ -2,10 +2,13 @@
 
 :class:`PrefillWorker` turns a request into a validated :class:`PrefillJob` (chunk layout from
 ``shared/layout.py``) and runs jobs in batches (:meth:`PrefillWorker.prefill_many`): the chunks of every
-job are prefilled together (``shared/chunk_prefill.py``, step-3 KV published to the chunk store), then each
-job is scored (``scoring.py``) and its top-K chunks selected on its own. The result, a :class:`Selection`,
-is what the prefill server answers with (as handles: chunk store keys and token ids) and what the
-in-process engine (``pdllm.shared.app.engine``) hands to its decode phase.
+job are prefilled together (``shared/chunk_prefill.py``; chunks found in the chunk store are not
+forwarded), then each job is scored (``scoring.py``) and its top-K chunks selected on its own. Only then
+is chunk KV written to the store, what the worker's write policy keeps of it (``shared/kv_write_policy.py``,
+default "second-sight"): scoring reads every chunk's KV anyway, so waiting for the selection holds nothing
+longer, and the store (a background writer under ``serve``) copies only what will be written. The result,
+a :class:`Selection`, is what the prefill server answers with (as handles: chunk store keys and token ids)
+and what the in-process engine (``pdllm.shared.app.engine``) hands to its decode phase.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped, chunk_prefill_
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys, position_scheme
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.kv_write_policy import (
+    DEFAULT_KV_WRITE_POLICY,
+    KVWritePolicy,
+    check_kv_write_policy,
+    chunks_to_write,
+)
 from pdllm.shared.layout import Request, make_request, select_top_k, sentence_end_ids
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.reference import ChunkScore
@@ -36,7 +45,8 @@ Ids = Sequence[int] | torch.Tensor | str
 @dataclass
 class Selection:
     """Steps 3-5 of one request (``keys``: the chunk store keys of every chunk's step-3 KV; ``bank``: that
-    KV in memory until the in-process engine's decode phase releases it; ``config``: the job's settings)."""
+    KV in memory until the in-process engine's decode phase releases it, None for a job that does not keep
+    it; ``config``: the job's settings)."""
 
     request: Request
     scores: list[ChunkScore]
@@ -64,6 +74,9 @@ class PrefillJob:
     config: EngineConfig
     cancelled: threading.Event | None = field(default=None, compare=False)
     offer_handoff: bool = False  # also make the KV a decode worker can pull (``handoff.py``)
+    # The selection keeps its step-3 KV (the in-process engine's decode reads it). A server answers with
+    # handles, so it lets the KV go once written and handed off instead of holding it until it replies.
+    keep_bank: bool = True
 
     @property
     def is_cancelled(self) -> bool:
@@ -79,7 +92,8 @@ class PrefillWorker:
     is published and reused across requests (None: no reuse). ``sentence_ends``: token ids that end a
     sentence, for ``chunk_boundary="sentence"`` (None: computed once from the tokenizer when first needed).
     ``decode_kv_build``: the decode worker's KV build, for jobs that offer a handoff (None: only chunk-only
-    jobs can offer one).
+    jobs can offer one). ``kv_write_policy``: which computed chunks' KV is written to ``store`` after
+    selection (``shared/kv_write_policy.py``).
     """
 
     def __init__(
@@ -90,8 +104,10 @@ class PrefillWorker:
         store: ChunkKVStore | None = None,
         sentence_ends: Collection[int] | None = None,
         decode_kv_build: DecodeKVBuild | None = None,
+        kv_write_policy: KVWritePolicy = DEFAULT_KV_WRITE_POLICY,
     ) -> None:
         self.model = model
+        self.kv_write_policy = check_kv_write_policy(kv_write_policy)
         self.decode_kv_build = decode_kv_build
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -190,13 +206,14 @@ class PrefillWorker:
                 with timer.phase("prefill", self.device):  # (includes the time others ran between pieces)
                     bank, stats = yield from chunk_prefill_steps(
                         self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens,
-                        stop=everyone_gone,
+                        stop=everyone_gone, publish=False,  # written below, once each job's top-K is known
                     )  # fmt: skip
             except PrefillStopped as stopped:
                 for j in members:
                     out[j] = PrefillCancelled(f"prefill cancelled by its caller ({stopped})")
                 continue
             hit = set(stats.hit_rows)
+            written: set[int] = set()  # bank rows handed to the store (a chunk two jobs share goes once)
             for j, idx in zip(members, rows):
                 if jobs[j].is_cancelled:
                     out[j] = PrefillCancelled("prefill cancelled by its caller before scoring")
@@ -208,11 +225,42 @@ class PrefillWorker:
                 trace.cache_misses = len(idx) - trace.cache_hits
                 trace.prefill_skipped = trace.cache_misses == 0  # all its chunks came from the store
                 try:
-                    out[j] = self._score_select(jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx])
+                    sel = self._score_select(jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx])
                 except ValueError as exc:  # one request's problem is not its batch-mates'
                     out[j] = exc
+                else:
+                    self._write_chunks(sel, bank, keys, idx, hit, written)
+                    if not jobs[j].keep_bank:
+                        sel.bank = None
+                    out[j] = sel
                 yield
+            del bank  # the next group's prefill must not find this one's KV still referenced
         return out
+
+    def _write_chunks(
+        self,
+        sel: Selection,
+        bank: ChunkBank,
+        keys: list[str],
+        rows: list[int],
+        hit: set[int],
+        written: set[int],
+    ) -> None:
+        """Hands the KV the write policy keeps of ``sel``'s computed chunks to the store. ``rows``: the
+        request's chunks' rows in the group ``bank`` / ``keys``; ``hit``: rows found in the store. Under
+        ``serve`` the store is a background writer: it copies each value on the device and returns, and
+        its own thread moves the copies to the tiers (so the device thread never waits for Redis)."""
+        if self.store is None:
+            return
+        computed = [c for c, row in enumerate(rows) if row not in hit]
+        chosen = chunks_to_write(self.kv_write_policy, computed, sel.selected, sel.trace.cache_hits > 0)
+        # The top-K first: the writer is FIFO, and a chunk-only decode worker reads those next.
+        chosen.sort(key=lambda c: c not in sel.selected)
+        todo = list(dict.fromkeys(rows[c] for c in chosen if rows[c] not in written))
+        if not todo:
+            return
+        written.update(todo)
+        sel.trace.chunks_written = self.store.put_many([(keys[r], bank.segment(r)) for r in todo])
 
     def _score_select(
         self, job: PrefillJob, trace: Trace, meter: MemoryMeter, bank: ChunkBank, keys: list[str]

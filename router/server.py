@@ -4,7 +4,8 @@ Per request: validate and fill defaults, tokenize (instruction, context and ques
 the prefill to a worker (document affinity, else least outstanding tokens), then stream the decode from
 the least loaded decode worker, relaying partial outputs (``GenerateStream`` only: unary ``Generate`` asks
 the decode worker for none) and assembling the final trace. Deadlines are passed down as the time the
-client has left; a client that goes away cancels the worker calls.
+client has left; a client that goes away cancels the worker calls (past its deadline they end on that
+deadline by themselves, so every server records DEADLINE_EXCEEDED).
 
 Retries: each phase gets up to ``RouterConfig.attempts`` tries, each on a worker not tried yet for this
 request, under the same request id (workers treat request ids idempotently).
@@ -140,11 +141,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             gen, method = generation_params(resolved), method_params(resolved)
             deadline = time.monotonic() + self._budget(context)
             prefill: wpb.PrefillResponse | None = None
+            prefill_at = ""  # the address of the prefill worker that answered
             if resolved.method == "pdllm":
-                prefill = self._prefill(rid, resolved, ids, gen, method, deadline, context)
+                prefill, prefill_at = self._prefill(rid, ids, gen, method, deadline, context)
             decode_req = wpb.DecodeRequest(
                 request_id=rid,
-                model=resolved.model,
                 instruction_ids=ids.instruction,
                 question_ids=ids.query,
                 generation=gen,
@@ -160,7 +161,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     decode_req.handoff.CopyFrom(prefill.handoff)
             ttft: float | None = None
             shown = 0  # unmasked slots in the last partial relayed
-            for event in self._decode(decode_req, deadline, context):
+            for decode_at, event in self._decode(decode_req, deadline, context):
                 if event.HasField("partial"):
                     # generation.proto: unmasked slots never go back to masked. After a retry on another
                     # worker its stream starts over; relay its partials only once they pass what was shown.
@@ -171,9 +172,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         ttft = time.perf_counter() - started
                     yield pb.GenerateStreamResponse(partial=self._partial(rid, event.partial))
                 else:
-                    yield pb.GenerateStreamResponse(
-                        final=self._final(rid, resolved, ids, prefill, event.final, started, ttft)
-                    )
+                    workers = (prefill_at, decode_at) if self.config.name_workers else ("", "")
+                    final = self._final(rid, resolved, ids, prefill, event.final, workers, started, ttft)
+                    yield pb.GenerateStreamResponse(final=final)
                     return
             raise PdllmError(
                 "decode worker ended the stream without a result", code=grpc.StatusCode.UNAVAILABLE
@@ -195,10 +196,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             with self._lock:
                 self._admitted -= 1
 
-    def _prefill(self, rid, resolved, ids, gen, method, deadline, context) -> wpb.PrefillResponse:
+    def _prefill(self, rid, ids, gen, method, deadline, context) -> tuple[wpb.PrefillResponse, str]:
+        """The prefill worker's response and its address."""
         req = wpb.PrefillRequest(
             request_id=rid,
-            model=resolved.model,
             instruction_ids=ids.instruction,
             context_ids=ids.context,
             question_ids=ids.query,
@@ -208,7 +209,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         doc = document_key(ids.context)
         tokens = len(ids.context) + len(ids.query)
 
-        def call(address: str) -> wpb.PrefillResponse:
+        def call(address: str) -> tuple[wpb.PrefillResponse, str]:
             stub = workers_pb2_grpc.PrefillStub(self.pools.channel(address))
             decoding = min((self.decode_load.load(a) for a in self.pools.healthy("decode")), default=0)
             req.offer_handoff = build_on_prefill(
@@ -216,7 +217,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             )
             with self.prefill_load.outstanding(address, tokens):
                 future = stub.Prefill.future(req, timeout=self._remaining(deadline))
-                context.add_callback(future.cancel)
+                _cancel_when_client_leaves(context, future.cancel)
                 try:
                     response = future.result()
                 except grpc.FutureCancelledError:  # our caller left (cancelled, or its deadline passed)
@@ -226,33 +227,34 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             self.prefill_load.remember(doc, address)
             if response.HasField("handoff"):  # decode workers pull from the address we reached it at
                 response.handoff.sender = address
-            response.worker = address if self.config.name_workers else ""
-            return response
+            return response, address
 
         return self._with_retries("prefill", self.prefill_load, call, doc)
 
-    def _decode(self, req: wpb.DecodeRequest, deadline: float, context) -> Iterator[wpb.DecodeResponse]:
+    def _decode(
+        self, req: wpb.DecodeRequest, deadline: float, context
+    ) -> Iterator[tuple[str, wpb.DecodeResponse]]:
+        """The decode stream's events, each with the address of the worker that sent it."""
         tries = _Tries("decode")
         for _ in range(self.config.attempts):
             address = self._choose("decode", self.decode_load, tries)
             stub = workers_pb2_grpc.DecodeStub(self.pools.channel(address))
             stream = stub.Decode(req, timeout=self._remaining(deadline))
-            context.add_callback(stream.cancel)
+            _cancel_when_client_leaves(context, stream.cancel)
             sent = False
             try:
                 with self.decode_load.outstanding(address, 1):
                     for event in stream:
                         sent = True
                         if event.HasField("final"):
-                            event.final.worker = address if self.config.name_workers else ""
                             # Read the stream to its end before answering: cancelling it now (the
                             # `finally` below) would end the worker's successful call as CANCELLED.
                             with contextlib.suppress(grpc.RpcError):  # the answer is in hand already
                                 for _ in stream:
                                     pass
-                            yield event
+                            yield address, event
                             return
-                        yield event
+                        yield address, event
                 return
             except grpc.RpcError as err:
                 if err.code() == BUSY and sent:  # not an admission refusal: do not redo relayed work
@@ -325,11 +327,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         out.text = self._text(prefix)
         return out
 
-    def _final(self, rid, resolved: ResolvedRequest, ids, prefill, result: wpb.DecodeResult, started, ttft):
+    def _final(
+        self, rid, resolved: ResolvedRequest, ids, prefill, result: wpb.DecodeResult, workers, started, ttft
+    ):
         """The client's response. ``ttft`` is the time to the first relayed partial output; with none (unary
         Generate asks for none, or the worker sent none) it is the time to this final result, equal to
         ``total_s``."""
-        trace = request_trace(resolved, ids, prefill, result)
+        trace = request_trace(resolved, ids, prefill, result, workers)
         timings = trace.timings
         total = time.perf_counter() - started
         timings.ttft_s = ttft if ttft is not None else total
@@ -371,6 +375,19 @@ class _Tries:
                 code=BUSY,
             )
         return _as_error(self.last, self.role)
+
+
+def _cancel_when_client_leaves(context: grpc.ServicerContext, cancel: Callable[[], object]) -> None:
+    """Cancel a worker call once the client's call ends early, except when the client's deadline ended
+    it: the worker call carries that deadline (the time left when it was sent) and ends by itself at
+    once, so the worker records DEADLINE_EXCEEDED like the router, not CANCELLED."""
+
+    def ended() -> None:
+        left = context.time_remaining()
+        if left is None or left > 0:
+            cancel()
+
+    context.add_callback(ended)
 
 
 def _as_error(err: grpc.RpcError | None, role: str) -> PdllmError:

@@ -11,9 +11,14 @@ from pdllm.shared.rpc.validation import ResolvedRequest
 
 
 def request_trace(
-    resolved: ResolvedRequest, ids: Any, prefill: wpb.PrefillResponse | None, result: wpb.DecodeResult
+    resolved: ResolvedRequest,
+    ids: Any,
+    prefill: wpb.PrefillResponse | None,
+    result: wpb.DecodeResult,
+    workers: tuple[str, str] = ("", ""),
 ) -> pb.Trace:
-    """Everything but ``ttft_s`` / ``total_s``, which the router times itself."""
+    """Everything but ``ttft_s`` / ``total_s``, which the router times itself. ``workers``: the prefill and
+    decode worker addresses the router reached (empty: not named)."""
     trace = pb.Trace(
         method=resolved.method,
         kv_mode=resolved.kv_mode if prefill is not None else "",
@@ -21,7 +26,8 @@ def request_trace(
         prompt_tokens=len(ids.instruction) + len(ids.context) + len(ids.query),
         context_tokens=len(ids.context),
         steps=result.steps,
-        decode_worker=result.worker,
+        prefill_worker=workers[0],
+        decode_worker=workers[1],
         peak_memory_bytes=result.peak_memory_bytes,
         memory_kind=result.memory_kind,
         cache_hits=result.cache_hits,
@@ -38,7 +44,6 @@ def request_trace(
         trace.kept_tokens = sum(s.kept_tokens for s in prefill.chunk_scores)
         kept = {s.chunk_id: s.kept_tokens for s in prefill.chunk_scores}
         trace.selected_kept_tokens.extend(kept.get(c.chunk_id, 0) for c in prefill.selected)
-        trace.prefill_worker = prefill.worker
         if prefill.peak_memory_bytes > trace.peak_memory_bytes:  # the phase that peaked names the kind
             trace.peak_memory_bytes, trace.memory_kind = prefill.peak_memory_bytes, prefill.memory_kind
         # One count per chunk: the prefill looked every chunk up; a chunk-only decode worker's second

@@ -1,12 +1,13 @@
 """Step 3, fast path: batched chunk prefill into a :class:`ChunkBank`, with content-keyed reuse.
 
-Both workers run it: the prefill worker on every chunk (the KV that scoring reads and that it publishes to
-the chunk store), the decode worker in chunk-only mode on the selected chunks (their stored KV, or a
-recompute when the store misses). :class:`WriteKV` copies each layer's chunk K/V into the bank during the
-forward. Chunks are forwarded ``prefill_batch`` at a time, right-padded to the longest one; each chunk sits
-at its own positions 0..T-1 with intra-chunk attention only. Under causal attention the padding is
-invisible to real tokens; under bidirectional attention a key mask hides it. Chunks found in the store are copied in
-and never forwarded, so a second question on the same document skips step 3 entirely.
+Both workers run it: the prefill worker on every chunk (the KV that scoring reads; which of it goes to the
+chunk store is decided after selection, ``shared/kv_write_policy.py``), the decode worker in chunk-only mode
+on the selected chunks (their stored KV, or a recompute when the store misses). :class:`WriteKV` copies each
+layer's chunk K/V into the bank during the forward. Chunks are forwarded ``prefill_batch`` at a time,
+right-padded to the longest one; each chunk sits at its own positions 0..T-1 with intra-chunk attention
+only. Under causal attention the padding is invisible to real tokens; under bidirectional attention a key
+mask hides it. Chunks found in the store are copied in and never forwarded, so a second question on a
+document whose chunks are all stored skips step 3 entirely.
 
 ``kernel`` picks the attention of those forwards: "sdpa" (the default: padded SDPA, masked when
 bidirectional) or "varlen" (:class:`~pdllm.shared.model.attention.VarlenAttention`: the packed chunks
@@ -113,10 +114,13 @@ def chunk_prefill_steps(
     max_tokens: int | None = None,
     kernel: ChunkAttentionKernel = "sdpa",
     stop: Callable[[], bool] | None = None,
+    publish: bool = True,
 ) -> Steps[tuple[ChunkBank, PrefillStats]]:
     """:func:`chunk_prefill` in pieces: yields after each batched forward, which holds at most ``batch``
     chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk).
-    ``stop`` is asked before every forward; True raises :class:`PrefillStopped` (nothing is stored)."""
+    ``stop`` is asked before every forward; True raises :class:`PrefillStopped` (nothing is stored).
+    ``publish``: write the computed chunks' KV to ``store`` at the end; False leaves the writes to the
+    caller (the prefill worker writes after selection, by its write policy; the store is then only read)."""
     if kernel not in CHUNK_ATTENTION_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(CHUNK_ATTENTION_KERNELS)}; got {kernel!r}")
     device = next(model.parameters()).device
@@ -148,7 +152,7 @@ def chunk_prefill_steps(
         a += size
         if a < len(todo):
             yield
-    if store is not None and keys is not None and todo:
+    if publish and store is not None and keys is not None and todo:
         store.put_many([(keys[i], bank.segment(i).contiguous()) for i in sorted(todo)])
     return bank, stats
 

@@ -19,6 +19,8 @@ from pdllm.shared.kv_tier.keys import chunk_key
 
 
 class ChunkKVStore(Protocol):
+    """``put_many`` keeps copies, never the tensors it is given: writers pass views of live buffers."""
+
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]: ...
 
     def put_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> int: ...

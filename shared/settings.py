@@ -394,3 +394,16 @@ def add_arguments(
 def from_args(args: argparse.Namespace, cls: type[Settings]) -> dict[str, Any]:
     """The settings of ``cls`` that ``args`` has a value for (None = unset)."""
     return {n: v for n in cls.model_fields if (v := getattr(args, n, None)) is not None}
+
+
+# The decode-policy group lives in ``decode_policy_settings`` (it builds on this module, so importing it here
+# would be circular); its names are served from there on first use, as if declared here.
+_DECODE_POLICY_NAMES = ("DecodePolicyName", "DecodePolicySettings", "decode_policy_config")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DECODE_POLICY_NAMES:
+        from pdllm.shared import decode_policy_settings
+
+        return getattr(decode_policy_settings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

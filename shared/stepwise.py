@@ -7,10 +7,14 @@ decode scheduler instead advances the prefill worker's steps one piece per decod
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Generator
 from typing import TypeVar
 
 T = TypeVar("T")
+
+_log = logging.getLogger("pdllm.stepwise")
 
 Steps = Generator[None, None, T]
 
@@ -22,3 +26,26 @@ def drain(steps: Steps[T]) -> T:
             next(steps)
         except StopIteration as stop:
             return stop.value
+
+
+def join_device_thread(thread: threading.Thread, what: str, report_every_s: float = 10.0) -> None:
+    """Wait, however long it takes, for ``thread`` (which runs device work) to end; the caller has already
+    told it to stop after its current piece.
+
+    A piece cannot be interrupted (one vanilla step over a 32K prompt runs for minutes on a CPU), and the
+    thread must not be left running: an interpreter that exits while a daemon thread is inside a torch op
+    aborts the process ("terminate called without an active exception", exit -6: torch's intra-op thread
+    pool is torn down under it) instead of exiting 0 after a drain. A thread that never ends is left to the
+    supervisor's kill (Kubernetes: terminationGracePeriodSeconds); the log says what it waits for.
+    """
+    if thread is threading.current_thread():
+        return
+    waited = 0.0
+    while True:
+        thread.join(report_every_s)
+        if not thread.is_alive():
+            return
+        waited += report_every_s
+        _log.warning(
+            f"waiting for the {what} to finish its current piece of device work", extra={"waited_s": waited}
+        )

@@ -44,6 +44,7 @@ def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     # Every setting of the schema (shared/settings.py) is a flag, with PDLLM_<FLAG> as its default.
     settings.add_arguments(p.add_argument_group("generation"), settings.GenerationSettings)
+    settings.add_arguments(p.add_argument_group("decode policy"), settings.DecodePolicySettings)
     m = p.add_argument_group("pdllm method")
     names = [*list(settings.MethodSettings.model_fields)[1:], *settings.EngineOnlySettings.model_fields]
     settings.add_arguments(
@@ -69,6 +70,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     label = settings.flag_label()
     gen = settings.generation_config(settings.from_args(args, settings.GenerationSettings), label=label)
+    policy = settings.decode_policy_config(
+        settings.from_args(args, settings.DecodePolicySettings), label=label
+    )
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -81,7 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.method == "vanilla":
         from pdllm.shared.generation.vanilla import generate_vanilla
 
-        result = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, progress=True)
+        prompt = ids.vanilla(loaded.config.bos_token_id)
+        result = generate_vanilla(loaded.model, prompt, gen, progress=True, policy=policy)
         timings["decode"] = result.decode_seconds
     else:
         from pdllm.shared.app.engine import PrefillingEngine
@@ -93,7 +98,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine_cfg = settings.engine_config(checkpoint | given, label=label)
         engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)
         result, tr = engine.generate(
-            ids.context, ids.query, gen, instruction_ids=ids.instruction or None, progress=True
+            ids.context,
+            ids.query,
+            gen,
+            instruction_ids=ids.instruction or None,
+            progress=True,
+            decode_policy=policy,
         )
         trace = tr.to_dict()
         timings.update(trace.get("timings", {}))
@@ -101,12 +111,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_tokens = len(ids.instruction) + len(ids.context) + len(ids.query)
     if args.json:
         out = {"answer": answer, "method": args.method, "prompt_tokens": prompt_tokens, "timings": timings}
+        out["decode_policy"] = {"policy": policy.name, **result.cache}
         if trace is not None:
             out["trace"] = trace
         print(json.dumps(out))
         return 0
     print(answer)
     print(f"\n[{args.method}] prompt tokens: {prompt_tokens}, steps: {result.steps}", file=sys.stderr)
+    if result.cache:
+        print("decode policy: " + json.dumps(result.cache), file=sys.stderr)
     print("timings: " + ", ".join(f"{k} {v:.3f}s" for k, v in timings.items()), file=sys.stderr)
     if trace is not None:
         print("trace: " + json.dumps({k: v for k, v in trace.items() if k != "timings"}), file=sys.stderr)

@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 
-from pdllm.decode_service.decode import DecodePolicy
+from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, denoise_with_policy, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
-from pdllm.shared.layout import decode_layout
+from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 
@@ -36,7 +37,8 @@ from pdllm.shared.static_kv import StaticKV
 class PrefillingEngine:
     """``store``: where step-3 chunk KV is reused across requests (None: a private in-process LRU unless
     ``reuse_chunks`` is False). ``decode_attention``, ``cuda_graph``: see
-    :class:`~pdllm.decode_service.worker.DecodeWorker`; ``sentence_ends``: see
+    :class:`~pdllm.decode_service.worker.DecodeWorker`; ``sentence_ends``, ``kv_write_policy`` (which chunk
+    KV prefill writes to ``store``, ``shared/kv_write_policy.py``): see
     :class:`~pdllm.prefill_service.worker.PrefillWorker`."""
 
     def __init__(
@@ -49,6 +51,7 @@ class PrefillingEngine:
         reuse_chunks: bool = True,
         cuda_graph: bool = False,
         sentence_ends: Collection[int] | None = None,
+        kv_write_policy: KVWritePolicy = DEFAULT_KV_WRITE_POLICY,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -57,7 +60,9 @@ class PrefillingEngine:
         self.store: ChunkKVStore | None = (
             store if store is not None else (default_chunk_store() if reuse_chunks else None)
         )
-        self.prefill_worker = PrefillWorker(model, tokenizer, self.config, self.store, sentence_ends)
+        self.prefill_worker = PrefillWorker(
+            model, tokenizer, self.config, self.store, sentence_ends, kv_write_policy=kv_write_policy
+        )
         self.decode_worker = DecodeWorker(model, self.config, self.store, decode_attention, cuda_graph)
 
     @property
@@ -79,7 +84,6 @@ class PrefillingEngine:
         """Step 6 (the first half of the decode worker's phase): the static decode KV of the selected chunks,
         top-B applied; records the build time and kept tokens in ``sel.trace``."""
         cfg, request, selected, trace = sel.config, sel.request, sel.selected, sel.trace
-        layout = decode_layout(request, selected, gen.gen_length)
         with trace.phase("build", self.device):
             local: list[torch.Tensor] = []
             if cfg.kv_mode == "chunk-only" and cfg.prefill_attention == "causal":
@@ -88,7 +92,7 @@ class PrefillingEngine:
                 local, hits = self.decode_worker.chunk_kv([request.chunks[i] for i in selected], cfg)
                 trace.cache_hits += hits
                 trace.cache_misses += len(selected) - hits
-            static = self.decode_worker.build(request, layout, cfg, local)
+            static = self.decode_worker.build_selected(request, selected, gen, cfg, local)
         trace.kept_tokens = static.kept_tokens
         return static
 
@@ -98,18 +102,50 @@ class PrefillingEngine:
         gen: GenerationConfig,
         policy: DecodePolicy | None = None,
         progress: bool = False,
+        decode_policy: DecodePolicyConfig | None = None,
     ) -> GenerationResult:
         """Steps 6-7 (the decode worker's phase) for ``sel``; fills the build and decode fields of its
-        trace."""
+        trace. ``policy``: which static KV the decode attends to; ``decode_policy``: which query/response
+        rows each step recomputes (``shared/generation/policies``; None or ``none``: all of them)."""
         static = self.build(sel, gen)
         sel.bank = None  # the step-3 KV is not needed past the build
         trace, device = sel.trace, self.device
+        cache_policy = make_policy(decode_policy) if decode_policy is not None else None
         with trace.phase("decode", device):
-            result = self.decode_worker.decode(sel.request.query, static, gen, policy, progress)
+            if cache_policy is None:
+                result = self.decode_worker.decode(sel.request.query, static, gen, policy, progress)
+            else:
+                result = self._decode_with_policy(
+                    sel.request.query, static, gen, cache_policy, policy, progress
+                )
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)
         return result
+
+    def _decode_with_policy(
+        self,
+        query: list[int],
+        static: StaticKV,
+        gen: GenerationConfig,
+        cache_policy: CachePolicy,
+        policy: DecodePolicy | None,
+        progress: bool,
+    ) -> GenerationResult:
+        """Step 7 with a decode policy around the static-KV attention: eager and one request (the decode
+        worker's rounds and CUDA graphs take policies in a later slice)."""
+        if policy is not None and not policy.step_invariant:
+            raise ValueError("a decode policy composes with step-invariant static-KV policies only")
+        local, positions = local_inputs(self.model, query, static, gen)
+        # The split-S kernel assumes as many local K/V rows as query rows, which a cached step breaks;
+        # "buffer" is its eager stand-in (same SDPA over static + local K/V).
+        mode = self.decode_worker.decode_attention
+        inner = policy or StaticPolicy("buffer" if mode == "triton" else mode)
+        inner.begin(static, local.shape[0])
+        backend = inner.backend(0, local)
+        return denoise_with_policy(
+            self.model, local, positions, len(query), gen, cache_policy, backend, progress
+        )
 
     def generate(
         self,
@@ -118,7 +154,8 @@ class PrefillingEngine:
         gen: GenerationConfig,
         instruction_ids: Ids | None = None,
         progress: bool = False,
+        decode_policy: DecodePolicyConfig | None = None,
     ) -> tuple[GenerationResult, Trace]:
         sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
-        result = self.decode(sel, gen, progress=progress)
+        result = self.decode(sel, gen, progress=progress, decode_policy=decode_policy)
         return result, sel.trace

@@ -1,5 +1,7 @@
-"""``serve``'s KV handoff wiring: flags, the prefill worker's sender and decode-KV build, the decode worker's
-receiver (``pdllm.shared.kv_transfer``). In ``--role all`` nothing is handed off: both workers share a device.
+"""``serve``'s KV handoff wiring: flags, the prefill worker's sender, the decode worker's receiver
+(``pdllm.shared.kv_transfer``). The prefill worker's decode-KV build is the decode worker's
+``build_selected`` (same kernels, so the same KV). In ``--role all`` nothing is handed off: both workers
+share a device.
 """
 
 from __future__ import annotations
@@ -7,7 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -84,13 +86,3 @@ def make_receiver(
     from pdllm.shared.kv_transfer import KvReceiver
 
     return KvReceiver(transfer_config(args), channel, device, registry)
-
-
-def decode_kv_build(decode_worker: Any) -> Callable[[Any, Sequence[int], Any, Any], Any]:
-    """The prefill worker's decode-KV build: the decode worker's own (same kernels, so the same KV)."""
-    from pdllm.shared.layout import decode_layout
-
-    def build(request: Any, selected: Sequence[int], gen: Any, config: Any) -> Any:
-        return decode_worker.build(request, decode_layout(request, selected, gen.gen_length), config)
-
-    return build

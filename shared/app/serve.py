@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,7 +18,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdllm.shared.app.handoff import decode_kv_build, make_receiver, make_sender
+from pdllm.shared import settings
+from pdllm.shared.app.handoff import make_receiver, make_sender
 from pdllm.shared.app.serve_args import build_parser
 from pdllm.shared.rpc.channels import worker_channel_factory
 from pdllm.shared.rpc.metrics import MergedRegistries, start_metrics_endpoint
@@ -46,10 +45,6 @@ class Deployment:
             server.stop()
         for close in self.closers:
             close()
-
-
-def _hostname() -> str:
-    return os.environ.get("HOSTNAME") or socket.gethostname()
 
 
 def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
@@ -81,11 +76,15 @@ def _engine(args: argparse.Namespace) -> Any:
     if args.cuda_graph and not str(args.device).startswith("cuda"):  # before a long model load
         raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
     # Worker-level engine defaults (the checkpoint's pdllm.json, then flags); a request's MethodParams
-    # override the fields it sets.
+    # override the fields it sets. The flags are checked first, named as given (a flag or its PDLLM_ variable).
+    given = settings.from_args(args, settings.EngineOnlySettings)
+    settings.validate(settings.EngineOnlySettings, given, label=settings.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    config = EngineConfig.from_settings(loaded.serving.engine, chunk_boundary=args.chunk_boundary)
+    config = EngineConfig.from_settings(loaded.serving.engine, **given)
     store = _kv_store(args, loaded.config, args.dtype)
-    engine = PrefillingEngine(loaded.model, loaded.tokenizer, config, store=store)
+    engine = PrefillingEngine(
+        loaded.model, loaded.tokenizer, config, store=store, kv_write_policy=args.kv_write_policy
+    )
     engine.prefill_worker.sentence_ends()  # fail at startup, not on the first request, without sentence ends
     return engine, loaded
 
@@ -111,12 +110,12 @@ def start_prefill(
     sender = None
     specs = []
     if decode_worker is not None:
-        worker.decode_kv_build = decode_kv_build(decode_worker)
+        worker.decode_kv_build = decode_worker.build_selected  # the decode worker's own build: same KV
         sender = make_sender(args, worker.device, registry)
         specs.append(
             service_spec(sender, workers_pb2_grpc.add_KvTransferServicer_to_server, "pdllm.v1.KvTransfer")
         )
-    servicer = PrefillServicer(worker, f"prefill@{_hostname()}", registry, batching, run_batch, sender)
+    servicer = PrefillServicer(worker, registry, batching, run_batch, sender)
     _register_kv_metrics(worker.store, registry)
     specs.insert(
         0, service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
@@ -186,7 +185,7 @@ def start_decode(
     receiver = None
     if handoff:
         receiver = make_receiver(args, worker.device, worker_channel_factory(config), registry)
-    servicer = DecodeServicer(worker, scheduler, f"decode@{_hostname()}", args.max_vanilla_tokens, receiver)
+    servicer = DecodeServicer(worker, scheduler, args.max_vanilla_tokens, receiver)
     if kv_metrics:
         _register_kv_metrics(worker.store, registry)
     spec = service_spec(servicer, workers_pb2_grpc.add_DecodeServicer_to_server, "pdllm.v1.Decode")

@@ -9,10 +9,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from pdllm.shared import settings
 from pdllm.shared.app.handoff import add_handoff_arguments
+from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KV_WRITE_POLICIES, check_kv_write_policy
 from pdllm.shared.rpc.options import add_server_arguments, env_value
 
 ROLES = ("router", "prefill", "decode", "all")
+# The schema's engine-only settings (shared/settings.py) a worker takes as flags.
+SERVE_ENGINE_SETTINGS = ("chunk_boundary",)
 
 
 def _env_default(flag: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
@@ -39,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dtype", default=_env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"]
     )
-    e = p.add_argument_group("engine (prefill and decode workers)")
-    e.add_argument(
-        "--chunk-boundary",
-        default=_env_default("--chunk-boundary", None),
-        choices=["fixed", "sentence"],
-        help="how prefill cuts the context into chunks (default: the checkpoint's pdllm.json, else fixed)",
+    # Engine settings no request carries: flag, choices, help and PDLLM_<FLAG> from the schema; unset, the
+    # checkpoint's pdllm.json decides (serve.py checks what was given).
+    settings.add_arguments(
+        p.add_argument_group("engine (prefill and decode workers)"),
+        settings.EngineOnlySettings,
+        unset="the checkpoint's pdllm.json, else {default}",
+        names=SERVE_ENGINE_SETTINGS,
     )
     k = p.add_argument_group("KV tier")
     k.add_argument(
@@ -57,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_default("--kv-write-queue-bytes", 1 << 30, int),
         help="chunk-KV writes to the tier run on a background thread with at most this many bytes queued "
         "(more are dropped and counted); 0: write on the device thread, waiting for each write",
+    )
+    k.add_argument(
+        "--kv-write-policy",
+        choices=KV_WRITE_POLICIES,
+        default=_env_default("--kv-write-policy", DEFAULT_KV_WRITE_POLICY, check_kv_write_policy),
+        help="which chunk KV prefill writes to the tier once a request's top-K is known: 'all' computed "
+        "chunks, the 'selected' top-K, or 'second-sight' (the top-K; every chunk once a request finds its "
+        "document already stored), benchmarks/results/kv_write_policy.md",
     )
     r = p.add_argument_group("router")
     r.add_argument(

@@ -217,6 +217,8 @@ class GenerationResult:
     steps: int
     decode_seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+    # A decode policy's name and counters (``policies.runner.CacheStats``); empty without one.
+    cache: dict[str, int | str] = field(default_factory=dict)
 
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -1,13 +1,16 @@
 """Vanilla masked-diffusion generation: every step re-encodes prompt + response, no cache.
 
-This is the quality reference and the baseline every speedup is measured against; keep it plain.
+This is the quality reference and the baseline every speedup is measured against; keep it plain. A decode
+policy (``policies``, e.g. Fast-dLLM's dual cache) runs the same loop reusing the KV of some rows instead.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..model.attention import DenseAttention
 from ..model.transformer import DiffusionLM
+from .policies import DecodePolicyConfig, denoise_with_policy, make_policy
 from .sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 
 
@@ -37,10 +40,22 @@ def generate_vanilla(
     prompt_ids: torch.Tensor | list[int],
     config: GenerationConfig,
     progress: bool = False,
+    policy: DecodePolicyConfig | None = None,
 ) -> GenerationResult:
-    """Generate ``config.gen_length`` tokens after ``prompt_ids`` (1-D) with full bidirectional attention."""
+    """Generate ``config.gen_length`` tokens after ``prompt_ids`` (1-D) with full bidirectional attention;
+    ``policy``: a decode policy over prompt + response (None or ``none``: every step recomputes all)."""
     prompt = prompt_tensor(model, prompt_ids)
     config.validate()
+    cache_policy = make_policy(policy) if policy is not None else None
+    if cache_policy is not None:
+        mask_id = model.config.mask_token_id
+        mask = torch.full((config.gen_length,), mask_id, dtype=torch.long, device=prompt.device)
+        local = torch.cat([prompt, mask])
+        positions = torch.arange(local.shape[0], device=prompt.device)[None]
+        inner = DenseAttention()
+        return denoise_with_policy(
+            model, local, positions, prompt.numel(), config, cache_policy, inner, progress
+        )
     return denoise(
         config,
         mask_id=model.config.mask_token_id,

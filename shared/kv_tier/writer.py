@@ -1,9 +1,9 @@
 """A KV-tier store whose writes leave the caller's thread at once: a bounded background writer.
 
-The prefill worker publishes every chunk's step-3 KV (about 1 GB of bf16 per 16K-token Dream-7B document)
-right after the chunk forward, on the thread that drives the device. Copying that to host memory, and on
-to Redis, there would stall every decode round behind it. :class:`BackgroundKVWriter` wraps any
-:class:`~pdllm.shared.kv_tier.base.KVStore`:
+The prefill worker publishes chunk step-3 KV once a request's top-K is known (its write policy picks which:
+up to the whole document, about 1 GB of bf16 per 16K-token Dream-7B document), on the thread that drives
+the device. Copying that to host memory, and on to Redis, there would stall every decode round behind it.
+:class:`BackgroundKVWriter` wraps any :class:`~pdllm.shared.kv_tier.base.KVStore`:
 
 - ``put_many`` takes a private copy of each value on its own device (a device-to-device clone costs
   ~40 us per chunk on a GPU, and the caller may reuse or modify its buffers afterwards), records an

@@ -1,14 +1,17 @@
 """CUDA IPC for a handoff between processes of one host: the sender shares the KV's CUDA allocation (torch's
 own storage sharing, as ``torch.multiprocessing`` does), the receiver maps it and copies it into its own
-memory; no bytes go through the host or a socket. Faster than any send on one host (one device-to-device
-copy: same GPU, or peer-to-peer over NVLink / PCIe between two), and it works where NCCL cannot: two
-processes on one GPU. Only between processes that see each other's CUDA allocations (one host, one
-container or IPC namespace); :func:`host_id` tells the receiver when that is the case.
+memory (for a decode KV: straight into the reserved pool pages); no bytes go through the host or a socket.
+Faster than any send on one host (one device-to-device copy: same GPU, or peer-to-peer over NVLink / PCIe
+between two), and it works where NCCL cannot: two processes on one GPU. Only between processes that see
+each other's CUDA allocations (one host, one container or IPC namespace); :func:`host_id` tells the
+receiver when that is the case.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,10 +44,12 @@ def share(kv: torch.Tensor) -> wpb.CudaIpcHandle:
     )
 
 
-def open_copy(
+@contextlib.contextmanager
+def mapped(
     h: wpb.CudaIpcHandle, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A copy on ``device`` of the tensor behind ``h`` (synchronized: the copy is done on return)."""
+) -> Iterator[torch.Tensor]:
+    """The sender's tensor behind ``h``, mapped into this process for the block: copy out of it inside (into
+    pool pages, or a new tensor); the copies are synchronized before the mapping is dropped."""
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
         device.index if device.index is not None else torch.cuda.current_device(),
@@ -58,8 +63,8 @@ def open_copy(
     )
     stride = torch.empty(shape, device="meta").stride()
     shared = torch.empty((0,), dtype=dtype, device=device).set_(storage, h.tensor_offset, shape, stride)
-    out = torch.empty(shape, dtype=dtype, device=device)
-    out.copy_(shared)
-    torch.cuda.synchronize(device)
-    del shared, storage  # drops the mapping (and torch's IPC reference count)
-    return out
+    try:
+        yield shared
+    finally:
+        torch.cuda.synchronize(device)  # the sender may reuse its memory once this side released it
+        del shared, storage  # drops the mapping (and torch's IPC reference count)

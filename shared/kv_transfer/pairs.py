@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,7 +93,7 @@ def connect_store(host: str, port: int, config: TransferConfig) -> dist.TCPStore
 
 
 class PairGroup:
-    """A two-rank group: :meth:`send` on rank 0, :meth:`recv` on rank 1. Blocking calls (run them on a
+    """A two-rank group: :meth:`send` on rank 0, :meth:`recv` / :meth:`recv_into` on rank 1. Blocking calls (run them on a
     thread of their own); a failed call leaves the group unusable (make a new one)."""
 
     def __init__(
@@ -111,32 +112,66 @@ class PairGroup:
         self.timeout = config.timeout
         self._stream: torch.cuda.Stream | None = None
 
-    def send(self, tensor: torch.Tensor) -> None:
-        """Send ``tensor`` (contiguous) to rank 1; returns once it has left this side."""
+    def send(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Send ``tensors`` (one, or several as that many messages in order) to rank 1; returns once they
+        have left this side. All are posted before the first wait: a tiled payload's slabs go out back to
+        back, not one rendezvous at a time."""
+        parts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if self.backend == "gloo":
-            self.group.send([tensor.contiguous().cpu()], 1, 0).wait(self.timeout)
+            host = [t.contiguous().cpu() for t in parts]
+            works = [self.group.send([t], 1, i) for i, t in enumerate(host)]
+            for work in works:
+                work.wait(self.timeout)
             return
-        with torch.cuda.stream(self._cuda_stream(tensor.device)):
-            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(tensor.device))
-            self.group.send([tensor.contiguous()], 1, 0).wait(self.timeout)
+        device = parts[0].device
+        with torch.cuda.stream(self._cuda_stream(device)):
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(device))
+            works = [self.group.send([t.contiguous()], 1, i) for i, t in enumerate(parts)]
+            works[-1].wait(self.timeout)  # one NCCL stream: the last one done means all are
             torch.cuda.current_stream().synchronize()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Receive a ``shape`` tensor from rank 0, onto ``device``; returns once it is there."""
-        if self.backend == "gloo":
-            host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-            self.group.recv([host], 0, 0).wait(self.timeout)
-            if device.type != "cuda":
-                return host
-            with torch.cuda.stream(self._cuda_stream(device)):
-                out = host.to(device, non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-            return out
-        with torch.cuda.stream(self._cuda_stream(device)):
-            out = torch.empty(shape, dtype=dtype, device=device)
-            self.group.recv([out], 0, 0).wait(self.timeout)
-            torch.cuda.current_stream().synchronize()
+        """Receive one ``shape`` tensor from rank 0, onto ``device``; returns once it is there."""
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self.recv_into([out])
         return out
+
+    def recv_into(self, dests: Sequence[torch.Tensor], then: Callable[[int], None] | None = None) -> int:
+        """Receive ``len(dests)`` messages from rank 0, message ``i`` into contiguous ``dests[i]`` (may be a
+        view of a larger tensor, e.g. pool pages; one buffer may repeat when ``then(i)`` consumes it before
+        message ``i + 1`` lands). Returns once all is in place, with the bytes that went through a host
+        bounce buffer (Gloo onto a CUDA tensor: Gloo moves CPU tensors only)."""
+        if self.backend == "gloo":
+            staged = 0
+            bounce: torch.Tensor | None = None
+            for i, dest in enumerate(dests):
+                if dest.device.type == "cpu":
+                    self._recv_one(dest, i)
+                else:
+                    if bounce is None or bounce.shape != dest.shape:
+                        bounce = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=True)
+                    self._recv_one(bounce, i)
+                    dest.copy_(bounce)  # synchronous: the bounce buffer takes the next message
+                    staged += dest.numel() * dest.element_size()
+                if then is not None:
+                    then(i)
+            return staged
+        with torch.cuda.stream(self._cuda_stream(dests[0].device)):
+            work = None
+            for i, dest in enumerate(dests):
+                # Each recv is queued behind this stream's work so far (the previous message's ``then``),
+                # so a reused buffer is consumed before it is overwritten, with no host wait per message.
+                work = self.group.recv([dest], 0, i)
+                work.wait()
+                if then is not None:
+                    then(i)
+            if work is not None:
+                work.wait(self.timeout)  # one NCCL stream: the last one done means all are
+            torch.cuda.current_stream().synchronize()
+        return 0
+
+    def _recv_one(self, dest: torch.Tensor, tag: int) -> None:
+        self.group.recv([dest], 0, tag).wait(self.timeout)
 
     def _cuda_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:

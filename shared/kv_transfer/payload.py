@@ -2,8 +2,9 @@
 
 Two payloads: ``decode-kv``, a request's built static decode KV (instruction segment first, then the kept
 tokens of each selected chunk), and ``chunk-kv``, the selected chunks' step-3 KV (chunk-only mode: the decode
-worker re-rotates it itself). Either travels as one ``[layers, 2, Hkv, tokens, D]`` tensor plus the segment
-lengths, which is all the receiver needs to rebuild the same :class:`StaticKV` / segment list.
+worker re-rotates it itself). Either is one ``[layers, 2, Hkv, tokens, D]`` tensor plus the segment lengths,
+which is all the receiver needs to rebuild the same :class:`StaticKV` / segment list; a decode-kv payload
+travels in the decode pool's page tiles (``pages.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ CHUNK_KV = "chunk-kv"
 SPEC_FIELDS = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "position_scheme", "chunk_size")
 
 
+WIRE_PAGE = 64  # tokens per tile of a decode-kv payload on the wire: the decode pool's page size
+
+
 def decode_kv_scheme(kv_mode: str) -> str:
-    """The position scheme of a built decode KV: continuous positions, from a forward in ``kv_mode``."""
-    return f"continuous-{kv_mode}"
+    """The position scheme of a built decode KV: continuous positions, from a forward in ``kv_mode``, sent
+    in ``WIRE_PAGE``-token tiles. The tiling is part of the name so that a peer with another wire layout
+    is refused by the spec check (FAILED_PRECONDITION) before any byte moves; a CUDA IPC mapping would
+    otherwise read the wrong shape without noticing."""
+    return f"continuous-{kv_mode}/tiles-{WIRE_PAGE}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

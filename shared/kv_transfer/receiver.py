@@ -2,12 +2,15 @@
 
 :meth:`KvReceiver.start` returns a :class:`Transfer` at once and pulls on a thread of its own: open (or
 reuse) a two-rank group with the sender (``KvTransfer.Connect``, ``pairs.py``), ask it to send
-(``KvTransfer.Send``), receive into a tensor on this worker's device. The transfer goes WAITING ->
+(``KvTransfer.Send``), receive onto this worker's device: a decode KV given a :class:`PageTarget` (the
+request's reserved pool pages) lands straight in them (``pages.py`` says how and when a buffer is still
+needed), anything else in a new tensor (``Transfer.kv``). The transfer goes WAITING ->
 TRANSFERRING -> DONE, or FAILED with the reason (sender gone, offer expired, timeout); the caller then builds
 the KV itself. A failure drops the group with that sender (the next pull opens a new one). Pulls from one
 sender run one at a time (its point-to-point ops are ordered); pulls from different senders in parallel.
 From a sender on the same host, a CUDA receiver skips the group: it maps the sender's KV through CUDA IPC
-(``cuda_ipc.py``), copies it and tells the sender to ``Release`` it.
+(``cuda_ipc.py``), copies it (into the pages, for a decode KV with a target) and tells the sender to
+``Release`` it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.kv_transfer import cuda_ipc
+from pdllm.shared.kv_transfer.pages import PageTarget, slabs, tiled_shape, untile, wire_shape
 from pdllm.shared.kv_transfer.pairs import PairGroup, TransferConfig, connect_store
+from pdllm.shared.kv_transfer.payload import DECODE_KV
 
 _log = logging.getLogger("pdllm.kv_transfer.receiver")
 
@@ -42,12 +47,23 @@ class TransferState(enum.Enum):
 
 @dataclass
 class Transfer:
+    """One pull. ``target``: where a decode KV lands (then ``landed`` says it did and ``kv`` stays None);
+    without one, ``kv`` is the pulled KV (``[layers, 2, Hkv, T, D]``). ``staged_bytes``: bytes that went
+    through a buffer on this side (a staging tensor, a slab buffer, Gloo's host bounce), 0 when the KV was
+    received or copied straight into its pages."""
+
     handoff: wpb.KvHandoff
+    target: PageTarget | None = None
     state: TransferState = TransferState.WAITING
     kv: torch.Tensor | None = None
+    landed: bool = False
+    staged_bytes: int = 0
     error: str = ""
     seconds: float = 0.0
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _claimed: bool = field(default=False, repr=False)  # the pull has started: it may write the target
+    _detached: bool = field(default=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -55,6 +71,22 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
+
+    def detach(self) -> bool:
+        """Give the target pages back (the request was cancelled). True when nothing writes into them any
+        more (the pull has not started, and now never will, or it has finished): the caller may free them.
+        False while the pull may still write into them: free them once it has finished."""
+        with self._lock:
+            if self.finished or not self._claimed or self.target is None:
+                self._detached = True
+                return True
+            return False
+
+    def _claim(self) -> None:
+        with self._lock:
+            if self._detached:
+                raise RuntimeError("the pull was cancelled before it started")
+            self._claimed = True
 
 
 @dataclass
@@ -90,6 +122,12 @@ class KvReceiver:
             ["outcome"],
             registry=registry,
         )
+        self.staged = Counter(
+            "pdllm_kv_handoff_staged_bytes",
+            "Pulled KV bytes that went through a buffer before their place (0 for a decode KV received "
+            "straight into its pool pages)",
+            registry=registry,
+        )
         self.seconds = Histogram(
             "pdllm_kv_handoff_seconds",
             "Wall time of one KV handoff pull",
@@ -97,8 +135,11 @@ class KvReceiver:
             registry=registry,
         )
 
-    def start(self, handoff: wpb.KvHandoff) -> Transfer:
-        transfer = Transfer(handoff)
+    def start(self, handoff: wpb.KvHandoff, target: PageTarget | None = None) -> Transfer:
+        """Pull ``handoff`` on a thread of this receiver; a decode-kv payload lands in ``target``'s pages
+        when given (they must stay reserved until the transfer has finished or :meth:`Transfer.detach`
+        said so)."""
+        transfer = Transfer(handoff, target)
         self._pool.submit(self._pull, transfer)
         return transfer
 
@@ -109,11 +150,16 @@ class KvReceiver:
             dtype = getattr(torch, h.dtype, None)
             if not isinstance(dtype, torch.dtype) or len(h.shape) != 5 or not h.sender:
                 raise ValueError(f"malformed KV handoff (dtype {h.dtype!r}, shape {list(h.shape)})")
+            transfer._claim()
+            target = transfer.target if h.payload == DECODE_KV else None
+            if target is not None and not target.fits(tuple(h.shape), dtype):
+                raise ValueError(f"a decode KV of shape {list(h.shape)} does not fit its reserved pages")
             if self.config.cuda_ipc(self.device) and h.host_id == self.host_id:
                 transfer.state = TransferState.TRANSFERRING
-                transfer.kv = self._map(h, dtype)
+                self._map(h, dtype, transfer, target)
             else:
-                transfer.kv = self._receive(h, dtype, transfer)
+                self._receive(h, dtype, transfer, target)
+            self.staged.inc(transfer.staged_bytes)
             transfer.state = TransferState.DONE
             self.outcomes.labels("done").inc()
         except Exception as exc:  # the caller rebuilds the KV; say why once
@@ -126,7 +172,9 @@ class KvReceiver:
             self.seconds.observe(transfer.seconds)
             transfer._done.set()
 
-    def _receive(self, h: wpb.KvHandoff, dtype: torch.dtype, transfer: Transfer) -> torch.Tensor:
+    def _receive(
+        self, h: wpb.KvHandoff, dtype: torch.dtype, transfer: Transfer, target: PageTarget | None
+    ) -> None:
         """Over the pair group with the sender (opened on first use, dropped when a pull fails)."""
         if h.backend != self.config.resolve_backend(self.device):
             raise ValueError(f"sender uses backend {h.backend!r}, this worker {self.config.backend!r}")
@@ -144,18 +192,53 @@ class KvReceiver:
                 raise
             transfer.state = TransferState.TRANSFERRING
             try:
-                return group.recv(tuple(h.shape), dtype, self.device)
+                self._recv(group, h, dtype, transfer, target)
             except Exception:
                 self._drop(peer)
                 raise
 
-    def _map(self, h: wpb.KvHandoff, dtype: torch.dtype) -> torch.Tensor:
+    def _recv(
+        self,
+        group: PairGroup,
+        h: wpb.KvHandoff,
+        dtype: torch.dtype,
+        transfer: Transfer,
+        target: PageTarget | None,
+    ) -> None:
+        if h.payload != DECODE_KV:  # chunk KV: one message, the build's input
+            transfer.kv = group.recv(tuple(h.shape), dtype, self.device)
+            transfer.staged_bytes = transfer.kv.nbytes
+            return
+        shape = tiled_shape(h.shape)
+        if target is None:
+            tiles = torch.empty(shape, dtype=dtype, device=self.device)
+            transfer.staged_bytes = group.recv_into(slabs(tiles)) + tiles.nbytes
+            transfer.kv = untile(tiles, h.shape[3])
+            return
+        dests = [target.slab(layer, kv, shape[2]) for layer in range(shape[0]) for kv in range(shape[1])]
+        if all(d is not None for d in dests):  # consecutive pages: every slab is one piece of the pool
+            transfer.staged_bytes = group.recv_into(dests)  # type: ignore[arg-type]
+        else:  # scattered pages: each slab through one buffer, scattered before the next one lands
+            buf = torch.empty(shape[2:], dtype=dtype, device=self.device)
+            staged = group.recv_into([buf] * len(dests), lambda i: target.write_slab(*divmod(i, 2), buf))
+            transfer.staged_bytes = staged + buf.nbytes * len(dests)
+        transfer.landed = True
+
+    def _map(
+        self, h: wpb.KvHandoff, dtype: torch.dtype, transfer: Transfer, target: PageTarget | None
+    ) -> None:
         """Through CUDA IPC: the sender lends its memory, this side copies out of it and releases it."""
         stub = self._stub(h.sender)
         timeout = self.config.timeout_s
         reply = stub.Send(wpb.KvSendRequest(transfer_id=h.transfer_id, cuda_ipc=True), timeout=timeout)
         try:
-            return cuda_ipc.open_copy(reply.cuda_ipc, tuple(h.shape), dtype, self.device)
+            with cuda_ipc.mapped(reply.cuda_ipc, wire_shape(h), dtype, self.device) as shared:
+                if target is not None:
+                    target.write(shared)
+                    transfer.landed = True
+                    return
+                transfer.kv = untile(shared, h.shape[3]) if h.payload == DECODE_KV else shared.clone()
+                transfer.staged_bytes = transfer.kv.nbytes
         finally:
             stub.Release(wpb.KvReleaseRequest(transfer_id=h.transfer_id), timeout=timeout)
 

@@ -7,13 +7,16 @@ prefill response carries. The sender serves ``pdllm.v1.KvTransfer`` on the prefi
 offer over it. Each pair has one thread, so sends to one receiver go out in the order they were asked for;
 an offer is sent at most once and dropped as soon as its send was posted. A receiver on the same host may
 ask for a CUDA IPC handle instead (``cuda_ipc.py``): the offer is then lent until the receiver's
-``Release`` (or its TTL), since the receiver copies straight out of this process's memory.
+``Release`` (or its TTL), since the receiver copies straight out of this process's memory. A decode KV is
+held in page tiles and sent as one message per layer and K/V, so that the receiver can land it straight in
+its pool pages (``pages.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.kv_transfer import cuda_ipc
+from pdllm.shared.kv_transfer.pages import slabs, tiled_shape, to_tiles
 from pdllm.shared.kv_transfer.pairs import PairGroup, TransferConfig, serve_store
-from pdllm.shared.kv_transfer.payload import dtype_name
+from pdllm.shared.kv_transfer.payload import DECODE_KV, dtype_name
 from pdllm.shared.rpc.errors import PdllmError
 
 _log = logging.getLogger("pdllm.kv_transfer.sender")
@@ -87,19 +91,31 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
 
     # ------------------------------------------------------------------ prefill side
     def offer(self, kv: torch.Tensor, handoff: wpb.KvHandoff) -> wpb.KvHandoff | None:
-        """Hold ``kv`` for one pull; ``handoff`` carries the payload fields. None when over budget."""
-        nbytes = kv.numel() * kv.element_size()
+        """Hold ``kv`` for one pull; ``handoff`` carries the payload fields. None when over budget. A
+        decode-kv payload is held in page tiles (``pages.py``), the layout it lands in on the decode side."""
+        tiled = handoff.payload == DECODE_KV and kv.dim() == 5
+        held_shape = tiled_shape(kv.shape) if tiled else tuple(kv.shape)
+        held = math.prod(held_shape) * kv.element_size()
         with self._lock:
             self._expire(time.monotonic())
-            if self._held + nbytes > self.config.max_bytes:
+            if self._held + held > self.config.max_bytes:
                 self.outcomes.labels("declined").inc()
                 return None
+            self._held += held  # booked before the copy below, so concurrent offers see it
+        try:
+            wire = to_tiles(kv) if tiled else kv.contiguous()
+            if wire.is_cuda:  # the bytes are complete before anyone (a CUDA IPC reader) is told about them
+                torch.cuda.current_stream(wire.device).synchronize()
+        except Exception:
+            with self._lock:
+                self._held -= held
+            raise
+        with self._lock:
             transfer_id = f"{next(self._ids)}-{time.time_ns()}"
-            self._offers[transfer_id] = _Offer(kv.contiguous(), time.monotonic() + self.config.ttl_s)
-            self._held += nbytes
+            self._offers[transfer_id] = _Offer(wire, time.monotonic() + self.config.ttl_s)
         out = wpb.KvHandoff()
         out.CopyFrom(handoff)
-        out.transfer_id, out.backend, out.nbytes = transfer_id, self.backend, nbytes
+        out.transfer_id, out.backend, out.nbytes = transfer_id, self.backend, kv.numel() * kv.element_size()
         out.shape[:] = list(kv.shape)
         out.dtype = dtype_name(kv.dtype)
         out.host_id = self.host_id
@@ -181,7 +197,8 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
 
     def _send(self, pair: _Pair, offer: _Offer, receiver_id: str) -> None:
         try:
-            pair.group.result().send(offer.kv)
+            # A tiled payload goes as its 2 * layers slabs: each lands in its own piece of the pool.
+            pair.group.result().send(slabs(offer.kv) if offer.kv.dim() == 6 else offer.kv)
             self.outcomes.labels("sent").inc()
         except Exception as exc:  # the receiver times out and rebuilds; this pair is done for
             self.outcomes.labels("failed").inc()

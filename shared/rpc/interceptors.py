@@ -149,15 +149,16 @@ def _request_id(request: Any) -> str | None:
 
 
 def _final_code(context: grpc.ServicerContext) -> grpc.StatusCode:
-    code = context.code()
-    if code is not None:
-        return code
+    """The status the client got. Checked before the handler's own code: once the call has ended under the
+    handler (the client cancelled, its deadline passed, the server stopped), that ending is what the client
+    saw, whatever the handler set afterwards (a router whose worker call fails once its own call has ended
+    aborts with the worker's status, often CANCELLED)."""
     if not context.is_active():
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.OK
+    return context.code() or grpc.StatusCode.OK
 
 
 class ObservabilityInterceptor(grpc.ServerInterceptor):

@@ -243,3 +243,24 @@ def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() 
     assert started == [pulls[0]]  # built once the pull finished, seeing the finished pull
     assert pulled in sched.active and not dropped.pages  # the cancelled one gave its pages back at once
     assert sched.pool.num_pages - sched.pool.num_free == len(other.pages) + len(pulled.pages)
+
+
+def test_a_cancelled_pull_still_writing_keeps_its_pages_until_it_has_finished() -> None:
+    from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+    from pdllm.shared.kv_transfer.pages import PageTarget
+    from pdllm.shared.kv_transfer.receiver import Transfer, TransferState
+
+    m = model("dream")
+    sched = _scheduler(m)
+    job = _job(m, 0)
+    pull = Transfer(wpb.KvHandoff(), PageTarget(sched.pool.kv, (0,)))
+    job.fetch = lambda: pull  # type: ignore[assignment]
+    sched.submit(job)
+    sched.run_once()
+    pull._claim()  # the receiver has started writing into the job's pages
+    job.cancelled.set()
+    sched.run_once()
+    assert job.pages and sched.pool.num_free < sched.pool.num_pages  # another job must not get them yet
+    pull.state = TransferState.FAILED
+    sched.run_once()
+    assert not job.pages and sched.pool.num_free == sched.pool.num_pages

@@ -42,7 +42,8 @@ def test_batched_selection_equals_one_at_a_time(family: str) -> None:
 
 def test_batch_shares_the_store_and_counts_hits_per_request() -> None:
     m = model("dream")
-    worker = PrefillWorker(m, None, EngineConfig(chunk_size=12, top_k=2), store=default_chunk_store())
+    cfg = EngineConfig(chunk_size=12, top_k=2)
+    worker = PrefillWorker(m, None, cfg, store=default_chunk_store(), kv_write_policy="all")
     doc = tokens(48, 1)
     first = worker.prefill_many([worker.job(doc, tokens(5, 2), GEN)])[0]
     assert (first.trace.cache_hits, first.trace.cache_misses) == (0, 4)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from pdllm.decode_service import server as server_module
+from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.app.engine import PrefillingEngine
@@ -88,6 +90,20 @@ def test_pulled_kv_answers_like_the_decode_workers_own_build(servers, kv_mode: s
     assert (built.kv_source, pulled.kv_source) == ("built", "handoff")
     assert list(pulled.token_ids) == list(built.token_ids)
     assert pulled.handoff_s > 0
+
+
+def test_pulled_decode_kv_lands_in_its_pages_with_no_pool_write(servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pulls, writes = [], []
+    real_pull, real_write = server_module.start_pull, DecodeKVPool.write
+    monkeypatch.setattr(server_module, "start_pull", lambda *a: pulls.append(real_pull(*a)) or pulls[-1])
+    monkeypatch.setattr(DecodeKVPool, "write", lambda self, *a: writes.append(a) or real_write(self, *a))
+    built = _run(servers, "full-mask", offer=False, top_b=5)
+    assert len(writes) == 1  # the decode worker's own build is copied into its pages
+    pulled = _run(servers, "full-mask", offer=True, top_b=5)
+    assert len(writes) == 1 and pulled.kv_source == "handoff"  # the pulled one is already there
+    (transfer,) = pulls
+    assert transfer.landed and transfer.kv is None and transfer.staged_bytes == 0
+    assert list(pulled.token_ids) == list(built.token_ids)
 
 
 def test_failed_pull_rebuilds_with_the_same_tokens_and_frees_pages(servers) -> None:

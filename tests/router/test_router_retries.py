@@ -15,10 +15,11 @@ import pytest
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc, workers_pb2_grpc
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
-from pdllm.router.server import Pools, RouterConfig, RouterServicer
+from pdllm.router.server import Pools, RouterConfig, RouterServicer, _cancel_when_client_leaves
 from pdllm.shared.rpc.client import PdllmClient
 from pdllm.shared.rpc.errors import PdllmError
-from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
+from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec, termination_event
+from tests.rpc.log_records import finished_codes
 
 ANSWER = list(b"4821")
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -43,7 +44,8 @@ class ByteTokenizer:
 @dataclass
 class FakeDecode(workers_pb2_grpc.DecodeServicer):
     """Answers ANSWER over two partials (when asked) and a final; `mode` "busy" refuses like a full
-    scheduler queue, "busy-mid-stream" sends one partial then RESOURCE_EXHAUSTED, "down" is UNAVAILABLE."""
+    scheduler queue, "busy-mid-stream" sends one partial then RESOURCE_EXHAUSTED, "down" is UNAVAILABLE, "slow" sends a
+    partial and then waits for the call to end."""
 
     mode: str = "ok"
     address: str = ""
@@ -57,6 +59,10 @@ class FakeDecode(workers_pb2_grpc.DecodeServicer):
             raise PdllmError("decode queue is full (0 waiting); retry on another worker", code=BUSY)
         if self.mode == "down":
             raise PdllmError("worker is draining", code=grpc.StatusCode.UNAVAILABLE)
+        if self.mode == "slow":  # one partial, then nothing until the call ends (its deadline)
+            yield wpb.DecodeResponse(partial=pb.PartialOutput(step=1, total_steps=2, unmasked=0))
+            termination_event(context).wait(30)  # no polling: it ends as soon as the call does
+            return
         if request.stream_partials or self.mode in ("busy-mid-stream", "down-mid-stream"):
             for step in (1, 2):
                 tokens = ANSWER[: 2 * step] + [-1] * (len(ANSWER) - 2 * step)
@@ -67,9 +73,7 @@ class FakeDecode(workers_pb2_grpc.DecodeServicer):
                     raise PdllmError("response too large", code=BUSY)
                 if self.mode == "down-mid-stream":
                     raise PdllmError("worker is draining", code=grpc.StatusCode.UNAVAILABLE)
-        yield wpb.DecodeResponse(
-            final=wpb.DecodeResult(token_ids=ANSWER, finish_reason="length", steps=2, worker=self.address)
-        )
+        yield wpb.DecodeResponse(final=wpb.DecodeResult(token_ids=ANSWER, finish_reason="length", steps=2))
 
 
 @dataclass
@@ -86,11 +90,9 @@ class FakePrefill(workers_pb2_grpc.PrefillServicer):
             raise PdllmError("too many calls in flight", code=BUSY)
         ids = list(request.context_ids)
         return wpb.PrefillResponse(
-            request_id=request.request_id,
             kv_spec=wpb.KvSpec(model_id="fake"),
             selected=[wpb.ChunkHandle(key="k0", chunk_id=0, token_ids=ids)],
             chunk_scores=[pb.ChunkScore(chunk_id=0, total=1.0, selected=True, kept_tokens=len(ids))],
-            worker=self.address,
         )
 
 
@@ -266,6 +268,9 @@ def test_a_client_leaving_during_prefill_is_no_internal_error(
     time.sleep(1.6)  # the router's handler finishes after the slow prefill call is cancelled
     unhandled = [r for r in caplog.records if "unhandled error" in r.getMessage()]
     assert not unhandled, "a client leaving is not an internal error"
+    assert _rpc_codes(cluster.router, "/Generate") == {"DEADLINE_EXCEEDED": 1}  # not CANCELLED
+    prefill_codes = [_rpc_codes(w, "/Prefill") for w in cluster.workers if _rpc_codes(w, "/Prefill")]
+    assert prefill_codes == [{"DEADLINE_EXCEEDED": 1}]
 
 
 def test_decode_calls_that_delivered_their_answer_end_ok_at_the_worker(cluster: Cluster) -> None:
@@ -294,3 +299,65 @@ def test_a_stream_retried_mid_way_stays_monotone(cluster: Cluster) -> None:
     assert unmasked == [2, 4]  # 2 from the first worker, then only the second's step past it
     assert list(events[-1].final.token_ids) == ANSWER
     assert len(cluster.decodes[1].requests) == 1
+
+
+def _rpc_codes(server: RpcServer, method_suffix: str) -> dict[str, float]:
+    """Finished calls of the method ending in ``method_suffix`` on ``server``, by status code."""
+    codes: dict[str, float] = {}
+    for metric in server.registry.collect():
+        for sample in metric.samples:
+            if sample.name == "pdllm_rpc_requests_total" and sample.labels["method"].endswith(method_suffix):
+                codes[sample.labels["code"]] = codes.get(sample.labels["code"], 0) + sample.value
+    return codes
+
+
+def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_stream_past_its_deadline_is_recorded_as_deadline_exceeded(cluster: Cluster) -> None:
+    """Issue 16: a client deadline in the middle of GenerateStream was counted and logged as CANCELLED by
+    the router (it cancelled its decode call when its own call ended, and recorded that call's status)."""
+    for d in cluster.decodes:
+        d.mode = "slow"
+    with finished_codes("/GenerateStream") as logged:
+        with cluster.client() as client, pytest.raises(PdllmError) as err:
+            list(client.generate_stream(CONTEXT, QUESTION, timeout_s=0.5, **VANILLA))
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_for(lambda: logged != [])
+    assert logged == ["DEADLINE_EXCEEDED"]
+    assert _rpc_codes(cluster.router, "/GenerateStream") == {"DEADLINE_EXCEEDED": 1}
+    decode_codes = lambda: [_rpc_codes(w, "/Decode") for w in cluster.workers if _rpc_codes(w, "/Decode")]  # noqa: E731
+    assert _wait_for(decode_codes)
+    assert decode_codes() == [{"DEADLINE_EXCEEDED": 1}]
+    assert len(cluster.decodes[0].requests) + len(cluster.decodes[1].requests) == 1  # no retry
+
+
+class _EndedCall:
+    """A server context whose call has ended with ``left`` seconds to its deadline; runs its callbacks."""
+
+    def __init__(self, left: float | None) -> None:
+        self.left = left
+
+    def time_remaining(self) -> float | None:
+        return self.left
+
+    def add_callback(self, callback) -> bool:
+        callback()
+        return True
+
+
+@pytest.mark.parametrize(("left", "cancelled"), [(0.0, False), (2.5, True), (None, True)])
+def test_worker_calls_are_cancelled_only_when_the_client_left_before_its_deadline(
+    left: float | None, cancelled: bool
+) -> None:
+    """A client's deadline is not turned into a cancellation of the worker call (which ends on the same
+    deadline by itself); a client that cancels, or a server that stops, cancels it."""
+    calls: list[str] = []
+    _cancel_when_client_leaves(_EndedCall(left), lambda: calls.append("cancel"))
+    assert calls == (["cancel"] if cancelled else [])

@@ -2,8 +2,8 @@
 
 It validates requests with the real validation module, then answers deterministically: the answer is the
 question's UTF-8 bytes (mod 256) cut to gen_length, unmasked left to right over `steps` partial messages.
-Special questions drive the plumbing tests: "slow" sleeps `step_delay_s` per step, "boom" raises an
-unexpected exception.
+Special questions drive the plumbing tests: "slow" sleeps `step_delay_s` per step, "slow-abort" too and
+fails with CANCELLED once the call has ended, "boom" raises an unexpected exception.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import grpc
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
+from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.server import ServiceSpec, service_spec, termination_event
 from pdllm.shared.rpc.validation import ResolvedRequest, ValidationLimits, resolve_generate_request
 
@@ -86,6 +87,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         try:
             for step in range(req.steps):
                 if (slow and terminated.wait(self.step_delay_s)) or terminated.is_set():
+                    if req.question == "slow-abort":  # like a router whose worker call was cancelled
+                        raise PdllmError("worker call cancelled", code=grpc.StatusCode.CANCELLED)
                     return
                 for i in range(step * per_step, min(len(tokens), (step + 1) * per_step)):
                     slots[i] = tokens[i]

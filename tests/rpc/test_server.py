@@ -26,6 +26,7 @@ from pdllm.shared.rpc.server import RpcServer, ServerConfig, TlsFiles, build_ser
 from tests.rpc.cases import BAD_INPUTS, valid_request
 from tests.rpc.conftest import StartServer
 from tests.rpc.fake_generation import MODEL
+from tests.rpc.log_records import finished_codes
 
 GENERATE = "/pdllm.v1.Generation/Generate"
 STREAM = "/pdllm.v1.Generation/GenerateStream"
@@ -212,6 +213,23 @@ def test_deadline_exceeded(start_server: StartServer) -> None:
         assert time.monotonic() - started < 2.0
     assert servicer.cancelled.wait(5)
     assert _wait_for(lambda: _count(server, GENERATE, "DEADLINE_EXCEEDED") == 1)
+
+
+def test_stream_deadline_is_recorded_as_deadline_exceeded(start_server: StartServer) -> None:
+    """A handler that fails (here with CANCELLED, as a router whose worker call ended) after the client's
+    deadline ended the call: the metric and the log line say DEADLINE_EXCEEDED, what the client got."""
+    server, _ = start_server(step_delay_s=0.05)
+    with finished_codes(STREAM) as codes:
+        with PdllmClient(server.address) as client, pytest.raises(PdllmError) as info:
+            list(
+                client.generate_stream(
+                    "ctx", "slow-abort", model=MODEL, gen_length=64, steps=64, timeout_s=0.3
+                )
+            )
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_for(lambda: codes != [])  # logged after the metric is counted
+    assert codes == ["DEADLINE_EXCEEDED"]
+    assert _count(server, STREAM, "DEADLINE_EXCEEDED") == 1 and _count(server, STREAM, "CANCELLED") == 0
 
 
 def test_concurrency_limit_is_resource_exhausted_but_health_still_answers(start_server: StartServer) -> None:

@@ -52,9 +52,7 @@ def test_other_toolchain_versions_compare_descriptors_only(tmp_path: Path) -> No
     assert generate.stale_files(root) == []
     # ... but a .proto change still is, because the embedded descriptor no longer matches.
     proto = stubs / "workers.proto"
-    proto.write_text(
-        proto.read_text().replace("  int64 nbytes = 6;", "  int64 nbytes = 6;\n  int32 extra = 7;")
-    )
+    proto.write_text(proto.read_text().replace("  reserved 5, 6;", "  reserved 5, 6;\n  int32 extra = 7;"))
     assert generate.stale_files(root) == ["workers_pb2.py"]
 
 

@@ -53,5 +53,20 @@ def test_bad_env_value_fails_at_startup(tmp_path, monkeypatch) -> None:
     tiny_dir = make_tiny_checkpoint(tmp_path / "tiny")
     monkeypatch.setenv("PDLLM_CHUNK_BOUNDARY", "paragraph")
     args = build_parser().parse_args(["--role", "prefill", "--model", str(tiny_dir), "--port", "0"])
-    with pytest.raises(ValueError, match="chunk_boundary must be one of fixed, sentence"):
+    # Checked before the model loads, named as the operator wrote it (the flag and the variable it came from).
+    expected = (
+        r"--chunk-boundary \(\$PDLLM_CHUNK_BOUNDARY\) must be one of fixed, sentence \(got 'paragraph'\)"
+    )
+    with pytest.raises(ValueError, match=expected):
         start(args)
+
+
+def test_chunk_boundary_flag_is_the_schemas() -> None:
+    """serve's engine flags are derived from the settings schema, like generate's: same flag, choices, help."""
+    from pdllm.shared import settings
+
+    action = next(a for a in build_parser()._actions if a.dest == "chunk_boundary")
+    assert action.option_strings == ["--chunk-boundary"]
+    assert tuple(action.choices) == settings.choices(settings.EngineOnlySettings, "chunk_boundary")
+    description = settings.EngineOnlySettings.model_fields["chunk_boundary"].description
+    assert description in action.help and "PDLLM_CHUNK_BOUNDARY" in action.help

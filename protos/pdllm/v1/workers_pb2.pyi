@@ -118,25 +118,20 @@ class KvReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ChunkHandle(_message.Message):
-    __slots__ = ("key", "chunk_id", "token_ids", "positions", "kept_indices", "nbytes")
+    __slots__ = ("key", "chunk_id", "token_ids", "positions")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    KEPT_INDICES_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
     key: str
     chunk_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
-    kept_indices: _containers.RepeatedScalarFieldContainer[int]
-    nbytes: int
-    def __init__(self, key: _Optional[str] = ..., chunk_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., kept_indices: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., chunk_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "instruction_ids", "context_ids", "question_ids", "method", "generation", "offer_handoff")
+    __slots__ = ("request_id", "instruction_ids", "context_ids", "question_ids", "method", "generation", "offer_handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     QUESTION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,18 +139,16 @@ class PrefillRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OFFER_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    model: str
     instruction_ids: _containers.RepeatedScalarFieldContainer[int]
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     question_ids: _containers.RepeatedScalarFieldContainer[int]
     method: _generation_pb2.MethodParams
     generation: _generation_pb2.GenerationParams
     offer_handoff: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., offer_handoff: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., offer_handoff: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "kv_spec", "selected", "chunk_scores", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker", "memory_kind", "handoff")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kv_spec", "selected", "chunk_scores", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "memory_kind", "handoff")
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SCORES_FIELD_NUMBER: _ClassVar[int]
@@ -163,10 +156,8 @@ class PrefillResponse(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    WORKER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
     kv_spec: KvSpec
     selected: _containers.RepeatedCompositeFieldContainer[ChunkHandle]
     chunk_scores: _containers.RepeatedCompositeFieldContainer[_generation_pb2.ChunkScore]
@@ -174,15 +165,13 @@ class PrefillResponse(_message.Message):
     cache_hits: int
     cache_misses: int
     peak_memory_bytes: int
-    worker: str
     memory_kind: str
     handoff: KvHandoff
-    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
+    def __init__(self, kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids", "handoff")
+    __slots__ = ("request_id", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -193,7 +182,6 @@ class DecodeRequest(_message.Message):
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    model: str
     kv_spec: KvSpec
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkHandle]
     instruction_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -203,11 +191,10 @@ class DecodeRequest(_message.Message):
     stream_partials: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     handoff: KvHandoff
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "worker", "memory_kind", "kv_source", "handoff_s")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "memory_kind", "kv_source", "handoff_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -215,11 +202,9 @@ class DecodeResult(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    WORKER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     steps: int
@@ -227,11 +212,10 @@ class DecodeResult(_message.Message):
     cache_hits: int
     cache_misses: int
     peak_memory_bytes: int
-    worker: str
     memory_kind: str
     kv_source: str
     handoff_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., kv_source: _Optional[str] = ..., handoff_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., kv_source: _Optional[str] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("partial", "final")

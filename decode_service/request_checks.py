@@ -1,0 +1,39 @@
+"""The token ids of a ``DecodeRequest``, checked before the request reaches the scheduler.
+
+The decode server already checks a request's settings (``rpc/convert.py``), its chunk handles' and
+handoff's KV identity (``check_kv_spec``) and its vanilla prompt length; the prefill worker checks its ids
+in ``layout.make_request``. Decode ids come from the router's tokenizer, so a bad one means a router bug
+or a client calling the worker directly: without this check it fails in the embedding lookup on the
+scheduler thread, and the caller gets INTERNAL instead of INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.shared.rpc.errors import PdllmError
+
+
+def check_token_ids(request: wpb.DecodeRequest, vocab_size: int) -> None:
+    """INVALID_ARGUMENT for a token id outside ``[0, vocab_size)`` or a chunk handle without tokens."""
+    fields: list[tuple[str, Sequence[int]]] = [
+        ("instruction_ids", request.instruction_ids),
+        ("context_ids", request.context_ids),
+        ("question_ids", request.question_ids),
+    ]
+    for i, handle in enumerate(request.chunks):
+        if not handle.token_ids:
+            raise PdllmError(f"chunks[{i}] has no token ids", code=grpc.StatusCode.INVALID_ARGUMENT)
+        fields.append((f"chunks[{i}].token_ids", handle.token_ids))
+    for name, ids in fields:
+        if not ids:
+            continue
+        low, high = min(ids), max(ids)  # C loops: a vanilla context has up to --max-vanilla-tokens ids
+        if low < 0 or high >= vocab_size:
+            raise PdllmError(
+                f"{name} has token id {low if low < 0 else high} outside the vocabulary [0, {vocab_size})",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+            )

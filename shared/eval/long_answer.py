@@ -1,0 +1,175 @@
+"""A long-answer task: "Quote the paragraph about <name>." (issue 17: decode policies are judged on answers
+long enough for cached K/V to drift; the needle tasks answer in 16 tokens).
+
+A sample is documentation prose (by default the held-out haystack, as for the other tasks) with a planted
+paragraph of 128-256 tokens about one invented person at the requested depth, plus distractor paragraphs
+about other invented people elsewhere; the answer is the gold paragraph verbatim. Same prompt format as the
+retrieval tasks (``tasks.format_query`` / ``format_answer``). Scored per sample by :func:`score_passage`:
+exact passage (whitespace-normalized) and token accuracy (answer tokens reproduced at their position).
+
+Evaluation only for now: the shipped model never trained on it (adding it to the training mix and
+retraining is the issue's next step, shipped only if the needle accuracy holds).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .tasks import KEYS, _code, _person, _word, format_answer, format_query, split_train_eval_sentences
+
+PASSAGE_TOKENS = (128, 256)
+_FIELDS = ("tidal mapping", "glass chemistry", "river law", "bridge design", "seed banking", "bell casting")
+_THINGS = ("maps", "clocks", "field notebooks", "brass keys", "postcards", "lanterns")
+_TRAITS = ("patient", "exact", "quiet", "stubborn", "generous", "curious", "careful", "cheerful")
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+_TEMPLATES = (
+    "{name} was born in the city of {city} in {year}.",
+    "{first} studied {field} at {company} for {n} years.",
+    "The {key} of {name} is {code}.",
+    "In {year}, {first} moved to {city} to work at {company}.",
+    "{first} keeps a collection of {count} old {thing} at home.",
+    "Colleagues at {company} describe {first} as {trait} and {trait2}.",
+    "Every {day}, {first} walks to the harbour of {city} before work.",
+    "{first} once wrote a short report on {field} that was read aloud in {city}.",
+)
+
+
+@dataclass(frozen=True)
+class LongAnswerSample:
+    context: str
+    question: str
+    answer: str  # the gold paragraph, verbatim
+    name: str
+    distractor_names: tuple[str, ...]
+    depth: float
+    context_tokens: int
+    passage_tokens: int
+
+    @property
+    def query(self) -> str:
+        return format_query(self.question)
+
+
+@dataclass(frozen=True)
+class PassageScore:
+    exact: bool
+    token_accuracy: float
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _sentence(rng: random.Random, first: str, name: str, template: str | None = None) -> str:
+    company = f"{_word(rng, 2)} {rng.choice(('Labs', 'Works', 'Foundry', 'Institute'))}"
+    trait, trait2 = rng.sample(_TRAITS, 2)
+    values = {
+        "name": name, "first": first, "city": _word(rng, rng.choice((2, 3))), "year": rng.randint(1890, 2010),
+        "field": rng.choice(_FIELDS), "company": company, "n": rng.randint(2, 9), "key": rng.choice(KEYS),
+        "code": _code(rng), "count": rng.randint(3, 90), "thing": rng.choice(_THINGS), "trait": trait,
+        "trait2": trait2, "day": rng.choice(_DAYS),
+    }  # fmt: skip
+    return (template or rng.choice(_TEMPLATES[1:])).format(**values)
+
+
+def make_passage(
+    tokenizer: Any, rng: random.Random, bounds: tuple[int, int] = PASSAGE_TOKENS
+) -> tuple[str, str]:
+    """(name, paragraph about them) of ``bounds[0]``..``bounds[1]`` tokens."""
+    lo, hi = bounds
+    first, last = _person(rng)
+    name = f"{first} {last}"
+    # The first sentence names the person in full, so that the question has exactly one answer.
+    target, text = rng.randint(lo, hi), _sentence(rng, first, name, _TEMPLATES[0])
+    for _ in range(200):
+        if _count(tokenizer, text) >= target:
+            break
+        longer = text + " " + _sentence(rng, first, name)
+        if _count(tokenizer, longer) <= hi:
+            text = longer
+    n = _count(tokenizer, text)
+    if not lo <= n <= hi:
+        raise ValueError(f"could not write a paragraph of {lo}-{hi} tokens (got {n}) with this tokenizer")
+    return name, text
+
+
+def make_long_answer_sample(
+    tokenizer: Any,
+    context_tokens: int,
+    depth: float,
+    seed: int,
+    hay: Sequence[str] | None = None,
+    distractors: int = 2,
+    bounds: tuple[int, int] = PASSAGE_TOKENS,
+) -> LongAnswerSample:
+    """About ``context_tokens`` tokens of ``hay`` sentences (each with its leading separator; default: the
+    held-out haystack) with the gold paragraph at ``depth`` (0: first, 1: last) and ``distractors`` other
+    paragraphs at random places; deterministic in all arguments."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    sentences = list(hay) if hay is not None else split_train_eval_sentences()[1]
+    rng = random.Random(f"long_answer:{context_tokens}:{depth}:{seed}")
+    name, gold = make_passage(tokenizer, rng, bounds)
+    others: dict[str, str] = {}
+    while len(others) < distractors:
+        other, text = make_passage(tokenizer, rng, bounds)
+        if other != name:
+            others[other] = text
+    budget = context_tokens - sum(_count(tokenizer, p) for p in (gold, *others.values()))
+    if budget < 0:
+        raise ValueError(f"context_tokens={context_tokens} is too short for {1 + distractors} paragraphs")
+    prose, used, i = [], 0, rng.randrange(len(sentences))
+    while used < budget:
+        s = sentences[i % len(sentences)]
+        used += _count(tokenizer, s)
+        prose.append(s)
+        i += 1
+    # Paragraphs go between sentences: the gold one at its depth, the distractors anywhere else.
+    slots = [(round(depth * len(prose)), gold)] + [(rng.randint(0, len(prose)), p) for p in others.values()]
+    parts = list(prose)
+    for at, paragraph in sorted(slots, key=lambda s: -s[0]):
+        if at < len(parts):  # the prose after a paragraph opens a line of its own
+            parts[at] = parts[at].lstrip(" ")
+        parts.insert(at, "\n" + paragraph + "\n")
+    context = "".join(parts)
+    return LongAnswerSample(
+        context=context,
+        question=f"Quote the paragraph about {name}.",
+        answer=gold,
+        name=name,
+        distractor_names=tuple(others),
+        depth=depth,
+        context_tokens=_count(tokenizer, context),
+        passage_tokens=_count(tokenizer, gold),
+    )
+
+
+def answer_gen_length(tokenizer: Any, sample: LongAnswerSample, block_length: int) -> int:
+    """Answer slots for ``sample``: its tokens and an EOS, rounded up to whole blocks."""
+    n = _count(tokenizer, format_answer(sample.answer)) + 1
+    return -(-n // block_length) * block_length
+
+
+def score_passage(tokenizer: Any, prediction: str, answer: str) -> PassageScore:
+    """Exact: equal up to whitespace. Token accuracy: the share of the answer's tokens that the prediction
+    has at the same position (both tokenized as generated answers; a short prediction misses the rest)."""
+    want = tokenizer(format_answer(answer.strip()), add_special_tokens=False)["input_ids"]
+    got = tokenizer(format_answer(prediction.strip()), add_special_tokens=False)["input_ids"]
+    hits = sum(g == w for g, w in zip(got, want, strict=False))
+    exact = prediction.split() == answer.split()
+    return PassageScore(exact=exact, token_accuracy=hits / len(want) if want else float(not got))
+
+
+def summarize(scores: Sequence[PassageScore]) -> dict[str, float]:
+    """Exact-passage rate and mean token accuracy over samples."""
+    if not scores:
+        raise ValueError("no scores to summarize")
+    n = len(scores)
+    return {
+        "samples": n,
+        "exact_passage_rate": sum(s.exact for s in scores) / n,
+        "token_accuracy": sum(s.token_accuracy for s in scores) / n,
+    }

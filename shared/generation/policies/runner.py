@@ -1,0 +1,143 @@
+"""The plain single-request denoising loop under a decode policy (the reference path of every policy).
+
+:class:`PolicyLogits` is a :data:`~pdllm.shared.generation.sampler.LogitsFn`: the shared sampler
+(:func:`~pdllm.shared.generation.sampler.denoise`) drives it exactly as it drives the plain logits
+functions, and stays the one place that decides what to unmask. Per call it asks the policy for a
+:class:`StepPlan`, forwards the planned local rows through the model with a
+:class:`~pdllm.shared.model.local_cache.LocalCacheAttention` around the method's own backend (vanilla:
+dense attention over the local rows; pdllm: the static chunk KV plus the local rows), and returns the
+logits of the masked positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.local_cache import LocalCacheAttention, LocalKVCache
+from pdllm.shared.model.transformer import DiffusionLM
+
+from ..sampler import GenerationConfig, GenerationResult, denoise
+from .base import CachePolicy, DecodePolicyConfig, StepContext
+from .fast_dllm import DualCache, PrefixCache
+from .sparse_dllm import SparseDLLM
+
+
+def make_policy(config: DecodePolicyConfig) -> CachePolicy | None:
+    """The policy a config names (None for ``none``: the caller runs its plain loop)."""
+    config.validate()
+    if config.name == "prefix-cache":
+        return PrefixCache(config.refresh_steps)
+    if config.name == "dual-cache":
+        return DualCache(config.refresh_steps)
+    if config.name == "sparse-dllm":
+        retention, kernel, delay = config.sparse()
+        return SparseDLLM(retention, kernel, delay, config.refresh_steps)
+    return None
+
+
+@dataclass
+class CacheStats:
+    """What a policy saved: forwards, refreshes among them (forwards whose K/V became the cache), local
+    rows forwarded in all, peak cache bytes."""
+
+    forwards: int = 0
+    refreshes: int = 0
+    rows_forwarded: int = 0
+    cache_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class PolicyLogits:
+    """Logits of the masked positions under ``policy``; keeps the local KV cache between calls.
+
+    ``local``: the local rows' tokens ``[N]`` (owned: the response part is overwritten every call);
+    ``positions``: their position ids ``[1, N]``; ``response_start``: the local row of response token 0;
+    ``inner``: the method's attention backend, called with every local row's K/V (cached or fresh).
+    """
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        local: torch.Tensor,
+        positions: torch.Tensor,
+        response_start: int,
+        gen: GenerationConfig,
+        policy: CachePolicy,
+        inner: AttentionBackend,
+    ) -> None:
+        if local.dim() != 1 or positions.shape != (1, local.shape[0]):
+            raise ValueError(
+                f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}"
+            )
+        if not 0 < response_start == local.shape[0] - gen.gen_length:
+            raise ValueError("the response must be the last gen_length local rows, after at least one row")
+        self.model, self.local, self.positions = model, local, positions
+        self.response_start, self.gen, self.policy, self.inner = response_start, gen, policy, inner
+        self.lead = 1 if model.config.shift_logits else 0
+        self.cache = LocalKVCache()
+        self.stats = CacheStats()
+        self._block, self._step_in_block = -1, 0
+
+    def context(self, at: torch.Tensor) -> StepContext:
+        """The step's context from the positions the sampler asks for (all in the current block)."""
+        # One host read per step: the reference path is plain, not graph-friendly.
+        block = int(at.min()) // self.gen.block
+        if block != self._block:
+            self._block, self._step_in_block = block, 0
+        start = self.response_start + block * self.gen.block
+        return StepContext(
+            step=self.stats.forwards,
+            block=block,
+            step_in_block=self._step_in_block,
+            block_start=start,
+            block_end=start + self.gen.block,
+            rows=self.local.shape[0],
+            lead=self.lead,
+        )
+
+    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        self.local[self.response_start :] = response
+        ctx = self.context(at)
+        plan = self.policy.plan(ctx)
+        plan.check(ctx)
+        lo, hi = (0, ctx.rows) if plan.refresh else (plan.lo, plan.hi)
+        backend: AttentionBackend
+        if plan.refresh and not plan.record:  # a plain step: the method's backend, the cache untouched
+            backend = self.inner
+        else:
+            backend = LocalCacheAttention(
+                self.inner, self.cache, lo, hi, plan.refresh, plan.visible, plan.keep
+            )
+        rows_at = (at + (self.response_start - lo))[None]
+        logits = self.model(self.local[None, lo:hi], self.positions[:, lo:hi], backend, logits_at=rows_at)[0]
+        self._step_in_block += 1
+        self.stats.forwards += 1
+        self.stats.refreshes += int(plan.refresh and plan.record)
+        self.stats.rows_forwarded += hi - lo
+        self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache.num_bytes())
+        return logits
+
+
+@torch.inference_mode()
+def denoise_with_policy(
+    model: DiffusionLM,
+    local: torch.Tensor,
+    positions: torch.Tensor,
+    response_start: int,
+    gen: GenerationConfig,
+    policy: CachePolicy,
+    inner: AttentionBackend,
+    progress: bool = False,
+) -> GenerationResult:
+    """:func:`denoise` with :class:`PolicyLogits`; the result's ``cache`` holds its :class:`CacheStats`."""
+    gen.validate()
+    logits_fn = PolicyLogits(model, local, positions, response_start, gen, policy, inner)
+    mask_id, eos_id = model.config.mask_token_id, model.config.eos_token_id
+    result = denoise(gen, mask_id, eos_id, logits_fn, device=local.device, progress=progress)
+    result.cache = {"policy": policy.name, **logits_fn.stats.as_dict()}
+    return result

@@ -1,0 +1,83 @@
+"""The long-answer task ("quote the paragraph about <name>"): generator and scorer."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdllm.shared.eval.long_answer import (
+    PassageScore,
+    answer_gen_length,
+    make_long_answer_sample,
+    score_passage,
+    summarize,
+)
+from pdllm.shared.eval.tasks import format_answer
+from tests.model.tiny_checkpoint import make_tokenizer
+
+HAY = [
+    " The reading room opens at nine.",
+    " Letters and maps are kept in the east wing.",
+    "\nVisitors sign in.",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def _n(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_sample_plants_one_gold_paragraph_of_the_right_length(tok, depth: float) -> None:
+    s = make_long_answer_sample(tok, 2000, depth, seed=3, hay=HAY)
+    assert 128 <= s.passage_tokens <= 256 and s.passage_tokens == _n(tok, s.answer)
+    assert s.context.count(s.answer) == 1 and s.answer.startswith(s.name) and s.name in s.question
+    assert s.question == f"Quote the paragraph about {s.name}."
+    assert abs(s.context_tokens - 2000) < 200  # hay fills the rest, a sentence or so over
+    where = s.context.index(s.answer) / len(s.context)
+    assert abs(where - depth) < 0.25
+    # deterministic in its arguments, different across seeds
+    assert make_long_answer_sample(tok, 2000, depth, seed=3, hay=HAY) == s
+    assert make_long_answer_sample(tok, 2000, depth, seed=4, hay=HAY).answer != s.answer
+
+
+def test_distractors_are_about_other_people(tok) -> None:
+    s = make_long_answer_sample(tok, 1500, 0.3, seed=1, hay=HAY, distractors=3)
+    assert len(set(s.distractor_names)) == 3 and s.name not in s.distractor_names
+    assert all(f"\n{n} was born" in s.context for n in (s.name, *s.distractor_names))
+    assert s.context.count(s.name) == s.answer.count(s.name)  # only the gold paragraph names them
+    assert f"\n{s.answer}\n" in s.context  # a paragraph of its own
+
+
+def test_default_hay_is_the_held_out_haystack(tok) -> None:
+    s = make_long_answer_sample(tok, 800, 0.5, seed=0, distractors=1)
+    assert s.answer in s.context and s.context_tokens >= 700
+
+
+def test_too_short_context_is_refused(tok) -> None:
+    with pytest.raises(ValueError, match="too short for 3 paragraphs"):
+        make_long_answer_sample(tok, 100, 0.5, seed=0, hay=HAY)
+
+
+def test_gen_length_covers_answer_and_eos_in_whole_blocks(tok) -> None:
+    s = make_long_answer_sample(tok, 1200, 0.5, seed=2, hay=HAY)
+    g = answer_gen_length(tok, s, 32)
+    assert g % 32 == 0 and g - 32 < _n(tok, format_answer(s.answer)) + 1 <= g
+
+
+def test_scores(tok) -> None:
+    answer = "Mira Halden was born in the city of Kelmar in 1950. Mira keeps a collection of 12 old maps."
+    assert score_passage(tok, " " + answer + " ", answer) == PassageScore(True, 1.0)
+    assert score_passage(tok, answer.replace("  ", " ").replace(". ", ".\n"), answer).exact
+    wrong = score_passage(tok, answer.replace("1950", "1951"), answer)
+    assert not wrong.exact and 0.8 < wrong.token_accuracy < 1.0
+    half = score_passage(tok, answer[: len(answer) // 2], answer)
+    assert not half.exact and 0.3 < half.token_accuracy < 0.7
+    assert score_passage(tok, "", answer).token_accuracy == 0.0
+    summary = summarize([PassageScore(True, 1.0), PassageScore(False, 0.5)])
+    assert summary == {"samples": 2, "exact_passage_rate": 0.5, "token_accuracy": 0.75}
+    with pytest.raises(ValueError):
+        summarize([])
