@@ -3,10 +3,13 @@ response. The in-process engine runs it (``worker.py``); the decode server runs 
 requests at once in batched rounds instead (``rounds.py``, ``scheduler.py``).
 
 The loop is :func:`pdllm.shared.generation.sampler.denoise` (the shared unmasking logic) driven by a
-logits function that forwards ``[query suffix, response]`` at positions after the static prefix. What the
-tokens attend to is decided by a :class:`DecodePolicy`: the default attends to every static segment every
-step; decode-side methods (FOCUS eviction, DyLLM salient tokens, Sparse-dLLM, Polestar refresh, Fast-dLLM
-dual cache) are other policies over the same :class:`StaticKV`, not copies of this loop.
+logits function that forwards ``[query suffix, response]`` at positions after the static prefix. Which
+*static* KV the tokens attend to is decided by a :class:`DecodePolicy`: the default attends to every static
+segment every step; methods that evict or pick static KV (FOCUS-style eviction, DyLLM-style salient
+tokens) would be other policies over the same :class:`StaticKV`. Reusing the KV of the forwarded rows
+themselves across steps (Fast-dLLM prefix / dual cache, Sparse-dLLM, Polestar-Cache) is not a static-KV
+policy: those are decode policies of ``shared/generation/policies``, a loop around this attention
+backend (``policy_sessions.static_policy_logits``) that leaves the static KV as it is.
 """
 
 from __future__ import annotations

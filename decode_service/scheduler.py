@@ -7,8 +7,10 @@ lets finished builds join, then runs **one** batched forward that advances every
 denoising step (:func:`~.rounds.decode_round`) and publishes partial outputs; finished requests leave
 before the next round. On CUDA builds run on their own stream and rounds on a high-priority one, so a
 build (~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes
-before the round. Sessions that cannot share a round (vanilla: full attention over the whole prompt) are
-stepped alone in the same iteration. gRPC handler threads only wait on their job's event queue.
+before the round. Sessions that cannot share a round are stepped alone in the same iteration, one step
+each (``policy_sessions.step_alone``): vanilla (full attention over the whole prompt) and any request with
+a decode policy (its reference loop, not batched yet). gRPC handler threads only wait on their job's
+event queue.
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
 batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
@@ -36,6 +38,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
+from pdllm.decode_service.policy_sessions import step_alone
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
@@ -366,21 +369,8 @@ class DecodeScheduler:
             else:
                 self.step_seconds.observe(time.perf_counter() - start)
                 self.rounds += 1
-        stepped: list[DecodeJob] = []
-        for job in alone:
-            if job.cancelled.is_set() or self._stop:  # a vanilla step is long: none nobody waits for
-                continue
-            try:
-                start = time.perf_counter()
-                job.session.step()  # type: ignore[union-attr]
-                self.step_seconds.observe(time.perf_counter() - start)
-            except Exception as exc:
-                _log.exception("decode step failed", extra={"request_id": job.request_id})
-                job.events.put(exc)
-                failed.append(job)
-            else:
-                stepped.append(job)
-        finished = failed
+        stepped, failed_alone = step_alone(alone, lambda: self._stop, self.step_seconds.observe)
+        finished = failed + failed_alone
         for job in batched + stepped:
             session = job.session
             assert session is not None

@@ -8,8 +8,10 @@ the prefill worker's entries for causal prefill; recomputed when the tier misses
 the batched denoising rounds of all active requests. A request with a ``handoff`` instead pulls the KV a
 prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are checked against this worker's
 model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request
-carries the whole context and is stepped alone without any cache (the baseline). Partial outputs stream
-after every step when asked for.
+carries the whole context and is stepped alone. A request with a decode policy (``decode_policy``: a
+Fast-dLLM or Sparse-dLLM cache over the query + answer rows, or prompt + answer for vanilla) is stepped
+alone too, through the policy's reference loop: not batched yet (``policy_sessions.py``). Partial outputs
+stream after every step when asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import grpc
 
 from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
+from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.policy_sessions import pooled_static, static_policy_logits
 from pdllm.decode_service.request_checks import check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.worker import DecodeWorker
@@ -28,8 +32,9 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.policies import DecodePolicyConfig, PolicySession, make_policy
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
-from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
+from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn, vanilla_policy_logits
 from pdllm.shared.kv_transfer.payload import (
     CHUNK_KV,
     DECODE_KV,
@@ -39,7 +44,7 @@ from pdllm.shared.kv_transfer.payload import (
 )
 from pdllm.shared.kv_transfer.receiver import KvReceiver
 from pdllm.shared.layout import Request, decode_layout
-from pdllm.shared.rpc.convert import engine_config, generation_config
+from pdllm.shared.rpc.convert import decode_policy_config, engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
@@ -47,6 +52,13 @@ from pdllm.shared.stepwise import Steps, drain
 
 # A decode result's peak memory: its KV pages in the pool plus its build's transient growth (scheduler).
 DECODE_MEMORY_KIND = "kv-pages-plus-build"
+
+
+def policy_trace(cache: dict[str, int | str]) -> pb.DecodePolicyTrace:
+    """The trace's ``decode_policy`` from a result's policy counters (none: a session without a policy)."""
+    if not cache:
+        return pb.DecodePolicyTrace(policy="none")
+    return pb.DecodePolicyTrace(**cache)  # type: ignore[arg-type]
 
 
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
@@ -73,6 +85,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             try:
                 gen = generation_config(request.generation)
                 cfg = engine_config(request.method, self.worker.config)
+                policy = decode_policy_config(request.decode_policy)
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
             check_token_ids(request, self.worker.model.config.vocab_size)
@@ -88,7 +101,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                         f"worker (--max-vanilla-tokens), got {prompt}; use method 'pdllm' for long contexts",
                         code=grpc.StatusCode.INVALID_ARGUMENT,
                     )
-                start = lambda: self._vanilla_session(request, gen)  # noqa: E731
+                start = lambda: self._vanilla_session(request, gen, policy)  # noqa: E731
                 start_steps = None
                 kv_tokens = 0
             else:
@@ -99,6 +112,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 self._check_identity(request, cfg)
                 start = lambda: drain(self._pdllm_steps(request, gen, cfg, job))  # noqa: E731
                 start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, job, layers)  # noqa: E731
+                if policy.caches:  # stepped alone (not batched): its build ends in a policy session
+                    start = lambda: self._policy_session(request, gen, cfg, job, policy)  # noqa: E731
+                    start_steps = None
+                # Pages even for a policy session: the pool's budget bounds it, and a pulled KV lands there.
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
             job = DecodeJob(
                 request.request_id,
@@ -108,7 +125,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 kv_tokens,
                 start_steps=start_steps,
             )
-            if self.receiver is not None and start_steps is not None and request.HasField("handoff"):
+            if self.receiver is not None and kv_tokens and request.HasField("handoff"):
                 pool = self.scheduler.pool  # a decode KV lands in the job's reserved pages
                 job.fetch = lambda: start_pull(self.receiver, pool, request.handoff, job.pages)  # type: ignore[arg-type]
             self.scheduler.submit(job)
@@ -119,13 +136,41 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                     yield wpb.DecodeResponse(final=self._final(event, job))
 
     # ------------------------------------------------------------------ sessions (scheduler thread)
-    def _vanilla_session(self, request: wpb.DecodeRequest, gen: GenerationConfig) -> DenoiseSession:
+    def _vanilla_session(
+        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig
+    ) -> DenoiseSession:
         model = self.worker.model
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
+        cache_policy = make_policy(policy)
+        if cache_policy is not None:  # generate_vanilla's policy loop, a step per scheduler turn
+            return PolicySession(vanilla_policy_logits(model, prompt, gen, cache_policy))
         fn = vanilla_logits_fn(model, prompt, gen.gen_length)
         return DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, prompt.device)
+
+    def _policy_session(
+        self,
+        request: wpb.DecodeRequest,
+        gen: GenerationConfig,
+        cfg: EngineConfig,
+        job: DecodeJob,
+        policy: DecodePolicyConfig,
+    ) -> PolicySession:
+        """A pdllm session under a decode policy: the build, then the engine's policy loop over its static
+        KV (``static_policy_logits``, the in-process engine's very path), stepped alone."""
+        built = drain(self._pdllm_steps(request, gen, cfg, job))
+        static = built.static
+        if isinstance(static, PooledKV):  # a handoff landed in the job's pages
+            assert job.received is not None
+            static = pooled_static(self.scheduler.pool, job.pages, static, job.received.handoff)
+        job.cache_stats, job.kv_source = built.cache_stats, built.kv_source
+        cache_policy = make_policy(policy)
+        assert cache_policy is not None, "only a caching policy takes this path"
+        attention = self.worker.decode_attention
+        return PolicySession(
+            static_policy_logits(self.worker.model, built.query, static, gen, cache_policy, attention)
+        )
 
     def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
         """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""
@@ -203,4 +248,5 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             memory_kind=DECODE_MEMORY_KIND,
             kv_source=job.kv_source,
             handoff_s=job.received.seconds if job.received is not None else 0.0,
+            decode_policy=policy_trace(result.cache),
         )

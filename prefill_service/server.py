@@ -16,6 +16,7 @@ meet in the :class:`PrefillBatcher` queue and share batched chunk prefill forwar
 from __future__ import annotations
 
 import dataclasses
+import functools
 from concurrent.futures import CancelledError
 
 import grpc
@@ -43,10 +44,13 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         batching: BatchingConfig | None = None,
         run_batch: PrefillMany | None = None,
         sender: KvSender | None = None,
+        piece_tokens: int | None = None,
     ) -> None:
-        """``run_batch``: how a batch of jobs runs (default: ``worker.prefill_many`` on the batching thread;
-        ``serve --role all`` interleaves it with the decode rounds). ``sender``: holds handed-off KV for
-        decode workers to pull (None: ``offer_handoff`` is ignored)."""
+        """``run_batch``: how a batch of jobs runs (default: ``worker.prefill_many`` on the batching thread,
+        in chunk forwards of at most ``piece_tokens`` padded tokens: a batch whose callers have all gone
+        stops before its next forward, so that bounds how long it runs on; None: ``prefill_batch`` chunks a
+        forward whatever their length. ``serve --role all`` interleaves it with the decode rounds).
+        ``sender``: holds handed-off KV for decode workers to pull (None: ``offer_handoff`` is ignored)."""
         self.worker = worker
         self.sender = sender
         self.batch_requests = Histogram(
@@ -56,7 +60,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
             registry=registry,
         )
         self.batcher = PrefillBatcher(
-            run_batch or worker.prefill_many, batching, on_batch=self.batch_requests.observe
+            run_batch or functools.partial(worker.prefill_many, max_tokens=piece_tokens),
+            batching,
+            on_batch=self.batch_requests.observe,
         )
         # Chunk-level reuse: "hit" = step-3 KV found in the KV tier, "computed" = prefilled now.
         self.chunks = Counter(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pdllm.prefill_service.handoff import DecodeKVBuild, HandoffKV, handoff_kv
-from pdllm.prefill_service.scoring import score_chunks
+from pdllm.prefill_service.scoring import score_chunks_steps
 from pdllm.prefill_service.trace import MemoryMeter, Trace
 from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped, chunk_prefill_steps
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys, position_scheme
@@ -174,19 +174,23 @@ class PrefillWorker:
         )
         return PrefillJob(request, gen, cfg)
 
-    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Selection | Exception]:
+    def prefill_many(
+        self, jobs: Sequence[PrefillJob], max_tokens: int | None = None
+    ) -> list[Selection | Exception]:
         """Steps 3-5 for several requests at once: the chunks of all requests that share a chunk size are
-        prefilled in the same batched forwards (a chunk two requests share is forwarded once), then every
-        request is scored and selected on its own. Results equal :meth:`prefill` on each request alone; a
-        job's bad input gives its ValueError, a cancelled job :class:`PrefillCancelled`."""
-        return drain(self.prefill_many_steps(jobs))
+        prefilled in the same batched forwards (a chunk two requests share is forwarded once; at most
+        ``max_tokens`` padded tokens each, when given), then every request is scored and selected on its
+        own. Results equal :meth:`prefill` on each request alone; a job's bad input gives its ValueError, a
+        cancelled job :class:`PrefillCancelled`."""
+        return drain(self.prefill_many_steps(jobs, max_tokens))
 
     def prefill_many_steps(
         self, jobs: Sequence[PrefillJob], max_tokens: int | None = None
     ) -> Steps[list[Selection | Exception]]:
         """:meth:`prefill_many` in pieces: yields after every chunk-prefill forward (at most ``max_tokens``
-        padded tokens each, when given) and after every request's scoring; same results. A group whose jobs
-        are all cancelled stops before its next forward; a cancelled job is not scored."""
+        padded tokens each, when given) and after every scoring group (``scoring.py``); same results. A
+        group whose jobs are all cancelled stops before its next forward; a cancelled job stops being
+        scored before its next scoring group (and builds no handoff KV)."""
         out: list[Selection | Exception] = [ValueError("not run")] * len(jobs)
         groups: dict[tuple[int, int], list[int]] = {}
         for j, job in enumerate(jobs):
@@ -225,7 +229,12 @@ class PrefillWorker:
                 trace.cache_misses = len(idx) - trace.cache_hits
                 trace.prefill_skipped = trace.cache_misses == 0  # all its chunks came from the store
                 try:
-                    sel = self._score_select(jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx])
+                    sel = yield from self._score_select(
+                        jobs[j], trace, meter, bank.take(idx), [keys[i] for i in idx]
+                    )
+                except PrefillStopped as stopped:
+                    out[j] = PrefillCancelled(f"prefill cancelled by its caller during scoring ({stopped})")
+                    continue
                 except ValueError as exc:  # one request's problem is not its batch-mates'
                     out[j] = exc
                 else:
@@ -264,10 +273,12 @@ class PrefillWorker:
 
     def _score_select(
         self, job: PrefillJob, trace: Trace, meter: MemoryMeter, bank: ChunkBank, keys: list[str]
-    ) -> Selection:
+    ) -> Steps[Selection]:
+        """Steps 4-5 of ``job``, in scoring groups; PrefillStopped once its caller has gone."""
         model, device, cfg, request = self.model, self.device, job.config, job.request
-        with trace.phase("score", device):
-            scores = score_chunks(model, request, cfg, bank)
+        stop = lambda: job.is_cancelled  # noqa: E731
+        with trace.phase("score", device):  # (includes the time others ran between groups)
+            scores = yield from score_chunks_steps(model, request, cfg, bank, stop)
         with trace.phase("select", device):
             selected = select_top_k([s.total for s in scores], cfg.top_k)
         trace.chunk_scores = [
@@ -276,6 +287,8 @@ class PrefillWorker:
         trace.selected = selected
         sel = Selection(request, scores, selected, trace, meter, bank, keys, position_scheme("causal"), cfg)
         if job.offer_handoff:
+            if stop():
+                raise PrefillStopped("stopped before the handoff build")
             with trace.phase("handoff_build", device):
                 sel.handoff = handoff_kv(request, selected, bank.segment, job.gen, cfg, self.decode_kv_build)
         return sel

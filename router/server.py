@@ -45,7 +45,7 @@ from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc, workers_pb2_grpc
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.prompt import encode_prompt
-from pdllm.shared.rpc.convert import generation_params, method_params
+from pdllm.shared.rpc.convert import decode_policy_params, generation_params, method_params
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id, current_request_id
 from pdllm.shared.rpc.validation import (
@@ -151,6 +151,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 generation=gen,
                 method=method,
                 stream_partials=stream,
+                decode_policy=decode_policy_params(resolved),
             )
             if prefill is None:
                 decode_req.context_ids.extend(ids.context)

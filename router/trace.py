@@ -33,6 +33,7 @@ def request_trace(
         cache_hits=result.cache_hits,
         cache_misses=result.cache_misses,
         kv_source=result.kv_source,
+        decode_policy=result.decode_policy,  # what the decode worker ran, named by it
     )
     timings = trace.timings
     timings.CopyFrom(result.timings)

@@ -2,7 +2,8 @@
 
 Its own module to keep ``settings.py`` short; it uses that module's machinery, and ``settings`` re-exports
 what is here (``settings.DecodePolicySettings``), so callers name every setting group the same way.
-Not on the wire yet: ``generate`` only.
+Derived from it like the other groups: the ``pdllm.v1.DecodePolicyParams`` fields of a request (validation,
+wire <-> config conversion), the ``generate`` / ``eval`` / ``ask`` / ``serve`` flags.
 """
 
 from __future__ import annotations

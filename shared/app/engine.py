@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
+from pdllm.decode_service.decode import DecodePolicy
+from pdllm.decode_service.policy_sessions import static_policy_logits
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, denoise_with_policy, make_policy
+from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
 from pdllm.shared.model.transformer import DiffusionLM
@@ -132,20 +133,11 @@ class PrefillingEngine:
         policy: DecodePolicy | None,
         progress: bool,
     ) -> GenerationResult:
-        """Step 7 with a decode policy around the static-KV attention: eager and one request (the decode
-        worker's rounds and CUDA graphs take policies in a later slice)."""
-        if policy is not None and not policy.step_invariant:
-            raise ValueError("a decode policy composes with step-invariant static-KV policies only")
-        local, positions = local_inputs(self.model, query, static, gen)
-        # The split-S kernel assumes as many local K/V rows as query rows, which a cached step breaks;
-        # "buffer" is its eager stand-in (same SDPA over static + local K/V).
-        mode = self.decode_worker.decode_attention
-        inner = policy or StaticPolicy("buffer" if mode == "triton" else mode)
-        inner.begin(static, local.shape[0])
-        backend = inner.backend(0, local)
-        return denoise_with_policy(
-            self.model, local, positions, len(query), gen, cache_policy, backend, progress
-        )
+        """Step 7 with a decode policy around the static-KV attention: eager and one request, the loop a
+        decode worker steps for such a request (``decode_service/policy_sessions.py``; not batched yet)."""
+        attention = self.decode_worker.decode_attention
+        logits = static_policy_logits(self.model, query, static, gen, cache_policy, attention, policy)
+        return run_policy(logits, progress)
 
     def generate(
         self,

@@ -4,7 +4,8 @@ Reproduces the paper's lost-in-the-middle experiment (§6.4, Figure 6) on the sh
 task, length (multiples of the training length) and gold-fact depth, ``--samples`` seeded samples are
 answered by each method and scored by exact match. Writes ``<out>/<name>.json`` (top-level
 ``train_length``; one row per method/task/length/depth), a Markdown table and one heatmap PNG per task
-with the methods side by side.
+with the methods side by side. ``--decode-policy`` (and its knobs, from the settings schema) runs every
+method's decode under that policy (``shared/generation/policies``), named in the header and the rows.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pdllm.shared import settings as schema
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
+from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import LoadedModel, load_model
@@ -41,6 +44,8 @@ class EvalSettings:
     score_mode: str | None = None
     kv_mode: str | None = None
     chunk_boundary: str | None = None
+    block_length: int | None = None  # None: one block of gen_length
+    decode_policy: DecodePolicyConfig = DecodePolicyConfig()  # both methods' decode (none: the plain loops)
 
     def engine_config(self, loaded: LoadedModel, train_length: int, query_tokens: int) -> EngineConfig:
         model = loaded.serving.engine
@@ -66,12 +71,16 @@ Answerer = Callable[[Sample], str]
 def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Answerer:
     """A function sample -> decoded answer text for ``method`` on ``loaded``."""
     tok = loaded.tokenizer
-    gen = GenerationConfig(gen_length=settings.gen_length, steps=settings.gen_length)
+    gen = GenerationConfig(
+        gen_length=settings.gen_length, steps=settings.gen_length, block_length=settings.block_length
+    )
+    gen.validate()
+    policy = settings.decode_policy
     if method == "vanilla":
 
         def vanilla(sample: Sample) -> str:
             ids = encode_prompt(tok, sample.context, sample.question)
-            out = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen)
+            out = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, policy=policy)
             return tok.decode(out.token_ids, skip_special_tokens=True)
 
         return vanilla
@@ -86,7 +95,7 @@ def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, trai
         cfg = settings.engine_config(loaded, train_length, len(ids.query))
         if cfg not in engines:
             engines[cfg] = PrefillingEngine(loaded.model, tok, cfg)
-        out, _ = engines[cfg].generate(ids.context, ids.query, gen)
+        out, _ = engines[cfg].generate(ids.context, ids.query, gen, decode_policy=policy)
         return tok.decode(out.token_ids, skip_special_tokens=True)
 
     return pdllm
@@ -128,6 +137,7 @@ def run_grid(
                         rows.append(
                             {
                                 "method": method,
+                                "decode_policy": settings.decode_policy.name,
                                 "task": task,
                                 "context_length": length,
                                 "depth": depth,
@@ -148,6 +158,12 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _describe(policy: DecodePolicyConfig) -> str:
+    """The policy and the knobs set, e.g. ``sparse-dllm retention=0.25``."""
+    knobs = ("refresh_steps", "retention", "pool_kernel", "delay_steps")
+    return " ".join([policy.name, *(f"{k}={v}" for k in knobs if (v := getattr(policy, k)) is not None)])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdllm eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
@@ -165,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
     p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
     p.add_argument("--gen-length", type=int, default=8)
+    p.add_argument("--block-length", type=int, default=None, help="default: one block of --gen-length")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--score-mode", default=None, choices=["pseudo-label", "self-info", "query-only"])
@@ -172,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk-boundary", default=None, choices=["fixed", "sentence"], help="default: the model's"
     )
+    # --decode-policy and its knobs: flag, choices, help and PDLLM_<FLAG> from the settings schema.
+    schema.add_arguments(p.add_argument_group("decode policy (both methods)"), schema.DecodePolicySettings)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="longctx_eval")
     return p
@@ -189,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown task {t!r} (expected one of {', '.join(TASKS)})")
     if args.samples <= 0:
         raise ValueError("--samples must be positive")
+    # Checked before a long model load, named as the flags that set them.
+    gen = {"gen_length": args.gen_length, "steps": args.gen_length, "block_length": args.block_length}
+    schema.generation_config({k: v for k, v in gen.items() if v is not None}, label=schema.flag_label())
+    given = schema.from_args(args, schema.DecodePolicySettings)
+    policy = schema.decode_policy_config(given, label=schema.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")
@@ -201,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         score_mode=args.score_mode,
         kv_mode=args.kv_mode,
         chunk_boundary=args.chunk_boundary,
+        block_length=args.block_length,
+        decode_policy=policy,
     )
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -214,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "pdllm eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "pdllm": f"chunk_size={e.chunk_size} top_k~{e.top_k} score_mode={e.score_mode} kv_mode={e.kv_mode}"
         f" chunk_boundary={e.chunk_boundary}",
+        "decode_policy": _describe(policy),
     }
 
     def save(rows: list[dict]) -> Path:

@@ -115,7 +115,10 @@ def start_prefill(
         specs.append(
             service_spec(sender, workers_pb2_grpc.add_KvTransferServicer_to_server, "pdllm.v1.KvTransfer")
         )
-    servicer = PrefillServicer(worker, registry, batching, run_batch, sender)
+    # Its own thread (no run_batch): forwards of at most --prefill-piece-tokens, so a batch whose callers
+    # have all gone (deadline, cancel) stops within one such forward.
+    piece = args.prefill_piece_tokens or None
+    servicer = PrefillServicer(worker, registry, batching, run_batch, sender, piece)
     _register_kv_metrics(worker.store, registry)
     specs.insert(
         0, service_spec(servicer, workers_pb2_grpc.add_PrefillServicer_to_server, "pdllm.v1.Prefill")
@@ -225,7 +228,8 @@ def start_router(
     model_dir = resolve_model_dir(args.model)
     name = args.model_name or model_dir.name
     limits = ValidationLimits(models=(name,), max_prompt_bytes=args.max_prompt_bytes)
-    defaults = RequestDefaults.for_engine(read_serving_defaults(model_dir).engine, model=name)
+    engine = read_serving_defaults(model_dir).engine
+    defaults = RequestDefaults.for_engine(engine, model=name, **_policy_defaults(args))
     # all-in-one: no worker names
     routing = RouterConfig(max_queue=args.max_queue, name_workers=workers is None, build_on=args.build_on)
     servicer = RouterServicer(tokenizer, view, routing, limits, defaults)
@@ -249,8 +253,15 @@ def _any_channel(pools: dict, address: str) -> grpc.Channel:
     raise KeyError(address)
 
 
+def _policy_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The router's decode policy for requests that name none (checked before any model load)."""
+    given = settings.from_args(args, settings.DecodePolicySettings)
+    return dict(settings.validate(settings.DecodePolicySettings, given, label=settings.flag_label()))
+
+
 def start(args: argparse.Namespace) -> Deployment:
     """Start what ``args.role`` asks for; returns once every server is serving."""
+    _policy_defaults(args)
     config = server_config_from_args(args, args.role if args.role != "all" else "router")
     if args.role == "router":
         from pdllm.shared.model.loader import load_tokenizer, resolve_model_dir

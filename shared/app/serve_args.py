@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         unset="the checkpoint's pdllm.json, else {default}",
         names=SERVE_ENGINE_SETTINGS,
     )
+    # The router's decode policy for requests that name none (a request's DecodePolicyParams decide
+    # otherwise); workers take the policy each request carries.
+    settings.add_arguments(
+        p.add_argument_group("decode policy (router: the default of requests that name none)"),
+        settings.DecodePolicySettings,
+    )
     k = p.add_argument_group("KV tier")
     k.add_argument(
         "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"
@@ -104,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-piece-tokens",
         type=int,
         default=_env_default("--prefill-piece-tokens", 2048, int),
-        help="--role all: prefill runs between decode rounds in pieces of at most this many chunk tokens "
-        "(0: whole batches)",
+        help="chunk prefill forwards hold at most this many padded chunk tokens (at least one chunk): a "
+        "request whose caller has gone stops between them, and in --role all decode rounds run between them "
+        "(0: whole batches of prefill_batch chunks)",
     )
     pb.add_argument(
         "--overlap-pieces",

@@ -10,7 +10,7 @@ import torch
 
 from ..model.attention import DenseAttention
 from ..model.transformer import DiffusionLM
-from .policies import DecodePolicyConfig, denoise_with_policy, make_policy
+from .policies import CachePolicy, DecodePolicyConfig, PolicyLogits, make_policy, run_policy
 from .sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 
 
@@ -34,6 +34,19 @@ def prompt_tensor(model: DiffusionLM, prompt_ids: torch.Tensor | list[int]) -> t
     return prompt
 
 
+def vanilla_policy_logits(
+    model: DiffusionLM, prompt: torch.Tensor, config: GenerationConfig, policy: CachePolicy
+) -> PolicyLogits:
+    """The vanilla step under a decode policy: the local rows are prompt + response (dense attention over
+    them, no static KV). ``generate_vanilla`` and the decode worker's vanilla sessions both start here."""
+    mask = torch.full(
+        (config.gen_length,), model.config.mask_token_id, dtype=torch.long, device=prompt.device
+    )
+    local = torch.cat([prompt, mask])
+    positions = torch.arange(local.shape[0], device=prompt.device)[None]
+    return PolicyLogits(model, local, positions, prompt.numel(), config, policy, DenseAttention())
+
+
 @torch.inference_mode()
 def generate_vanilla(
     model: DiffusionLM,
@@ -48,14 +61,7 @@ def generate_vanilla(
     config.validate()
     cache_policy = make_policy(policy) if policy is not None else None
     if cache_policy is not None:
-        mask_id = model.config.mask_token_id
-        mask = torch.full((config.gen_length,), mask_id, dtype=torch.long, device=prompt.device)
-        local = torch.cat([prompt, mask])
-        positions = torch.arange(local.shape[0], device=prompt.device)[None]
-        inner = DenseAttention()
-        return denoise_with_policy(
-            model, local, positions, prompt.numel(), config, cache_policy, inner, progress
-        )
+        return run_policy(vanilla_policy_logits(model, prompt, config, cache_policy), progress)
     return denoise(
         config,
         mask_id=model.config.mask_token_id,

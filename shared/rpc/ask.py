@@ -46,11 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument_group("generation"), settings.GenerationSettings, unset="the server's"
     )
     settings.add_arguments(p.add_argument_group("method"), settings.MethodSettings, unset="the server's")
+    settings.add_arguments(
+        p.add_argument_group("decode policy"), settings.DecodePolicySettings, unset="the server's"
+    )
     return p
 
 
 _REQUEST_ARGS = ["instruction", "request_id", "model"]
 _REQUEST_ARGS += [*settings.GenerationSettings.model_fields, *settings.MethodSettings.model_fields]
+_REQUEST_ARGS += list(settings.DecodePolicySettings.model_fields)
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -71,6 +75,7 @@ def _summary(final: pb.GenerateResponse) -> str:
         f"chunks {trace.num_chunks}, selected {list(trace.selected_chunk_ids)}",
         f"cache hits {trace.cache_hits}, misses {trace.cache_misses}",
         f"steps {trace.steps}",
+        f"decode policy {trace.decode_policy.policy or '?'}",
         "timings " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()),
     ]
     return "trace: " + "; ".join(parts)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import generation_pb2_grpc as pb_grpc
+from pdllm.shared.decode_policy_settings import DecodePolicySettings
 from pdllm.shared.rpc.errors import PdllmError, error_from_rpc
 from pdllm.shared.rpc.validation import check_text
 from pdllm.shared.settings import GenerationSettings, MethodSettings
@@ -38,9 +39,14 @@ def build_generate_request(
     **values: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest with only the given settings set; the others (None or "") take server defaults.
-    ``values`` are the settings of ``shared/settings.py`` (``gen_length=16``, ``kv_mode="chunk-only"``)."""
-    groups = {"generation": GenerationSettings.model_fields, "method": MethodSettings.model_fields}
-    unknown = sorted(set(values) - {*groups["generation"], *groups["method"]})
+    ``values`` are the settings of ``shared/settings.py`` (``gen_length=16``, ``kv_mode="chunk-only"``,
+    ``decode_policy="dual-cache"``)."""
+    groups = {
+        "generation": GenerationSettings.model_fields,
+        "method": MethodSettings.model_fields,
+        "decode_policy": DecodePolicySettings.model_fields,
+    }
+    unknown = sorted(set(values) - {name for names in groups.values() for name in names})
     if unknown:
         raise TypeError(f"build_generate_request() got unexpected keyword argument(s) {unknown}")
     texts = {"context": context, "question": question, "request_id": request_id, "model": model}
@@ -61,6 +67,7 @@ def build_generate_request(
         instruction=instruction,
         generation=pb.GenerationParams(**given["generation"]),
         method=pb.MethodParams(**given["method"]),
+        decode_policy=pb.DecodePolicyParams(**given["decode_policy"]),
     )
 
 

@@ -1,7 +1,9 @@
-"""Conversions between wire parameters (pdllm.v1 GenerationParams / MethodParams) and engine configs.
+"""Conversions between wire parameters (pdllm.v1 GenerationParams / MethodParams / DecodePolicyParams) and
+engine configs.
 
-Workers call `generation_config` / `engine_config` on what the router sends; the router builds those
-messages from a validated request with `generation_params` / `method_params`, pinning every field. Unset
+Workers call `generation_config` / `engine_config` / `decode_policy_config` on what the router sends; the
+router builds those messages from a validated request with `generation_params` / `method_params` /
+`decode_policy_params`, pinning every field. Unset
 fields keep the base value (a worker's configured defaults), except `top_b` (unset = keep all). Which fields
 exist and what they may hold comes from the schema (`shared/settings.py`); invalid values raise its
 SettingError, a ValueError, for the caller to map to INVALID_ARGUMENT.
@@ -14,6 +16,8 @@ import dataclasses
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared import settings
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy_settings import DecodePolicySettings
+from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.validation import ResolvedRequest, set_fields
 from pdllm.shared.settings import GenerationSettings, MethodSettings
@@ -40,6 +44,13 @@ def engine_config(method: pb.MethodParams, base: EngineConfig | None = None) -> 
     return dataclasses.replace(base or EngineConfig(), **overrides)
 
 
+def decode_policy_config(params: pb.DecodePolicyParams) -> DecodePolicyConfig:
+    """DecodePolicyConfig from wire params, validated by the schema (unset: the schema's defaults, i.e.
+    policy "none"; a worker has no decode-policy defaults of its own: the router pins every field)."""
+    values = set_fields(params, DecodePolicySettings.model_fields)
+    return settings.decode_policy_config(values, label=lambda name: f"decode_policy.{name}")
+
+
 def generation_params(resolved: ResolvedRequest) -> pb.GenerationParams:
     """Every generation field pinned, so workers run exactly what the router validated."""
     return pb.GenerationParams(**{k: v for k, v in resolved.generation_settings() if v is not None})
@@ -47,3 +58,7 @@ def generation_params(resolved: ResolvedRequest) -> pb.GenerationParams:
 
 def method_params(resolved: ResolvedRequest) -> pb.MethodParams:
     return pb.MethodParams(**{k: v for k, v in resolved.method_settings() if v is not None})
+
+
+def decode_policy_params(resolved: ResolvedRequest) -> pb.DecodePolicyParams:
+    return pb.DecodePolicyParams(**{k: v for k, v in resolved.decode_policy_settings() if v is not None})

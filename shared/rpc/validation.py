@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared import settings
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy_settings import DecodePolicySettings
 from pdllm.shared.rpc.errors import InvalidRequestError
 from pdllm.shared.settings import GenerationFields, GenerationSettings, MethodSettings, SettingError
 
@@ -38,10 +39,11 @@ METHOD_FIELDS = {
 }
 
 
-class RequestDefaults(GenerationFields, MethodSettings):
+class RequestDefaults(GenerationFields, MethodSettings, DecodePolicySettings):
     """Values for the settings a request leaves unset, and the model name (method settings follow
     EngineConfig's). ``steps`` None: one per answer token; ``block_length`` None: a single block, also used
-    when the default does not divide the request's ``gen_length``."""
+    when the default does not divide the request's ``gen_length``. The decode-policy ones apply to a
+    request that names no policy (``serve --decode-policy``; default none)."""
 
     model: str = ""
 
@@ -65,8 +67,8 @@ class ValidationLimits:
 @dataclass(frozen=True)
 class ResolvedRequest:
     """A validated request with every default filled in: what the engine should run. Its settings read flat
-    (``resolved.gen_length``, ``resolved.kv_mode``); ``generation_settings()`` / ``method_settings()`` group
-    them."""
+    (``resolved.gen_length``, ``resolved.kv_mode``, ``resolved.decode_policy``); ``generation_settings()``
+    / ``method_settings()`` / ``decode_policy_settings()`` group them."""
 
     request_id: str
     model: str
@@ -75,9 +77,10 @@ class ResolvedRequest:
     instruction: str | None
     generation: GenerationSettings
     method_config: MethodSettings
+    policy_config: DecodePolicySettings = DecodePolicySettings()
 
     def __getattr__(self, name: str) -> Any:
-        for group in ("generation", "method_config"):
+        for group in ("generation", "method_config", "policy_config"):
             values = self.__dict__.get(group)
             if values is not None and name in type(values).model_fields:
                 return getattr(values, name)
@@ -88,6 +91,9 @@ class ResolvedRequest:
 
     def method_settings(self) -> MethodSettings:
         return self.method_config
+
+    def decode_policy_settings(self) -> DecodePolicySettings:
+        return self.policy_config
 
 
 def set_fields(message: Message, names: Iterable[str]) -> dict[str, Any]:
@@ -169,6 +175,21 @@ def resolve_method(
     return _check(MethodSettings, values | set_fields(m, MethodSettings.model_fields), "method", rid)
 
 
+def resolve_decode_policy(
+    p: pb.DecodePolicyParams, defaults: RequestDefaults, rid: str = ""
+) -> DecodePolicySettings:
+    """The request's decode-policy settings. A request that names a policy sets its knobs itself (unset
+    ones: the schema's, i.e. the paper's values); one that names none takes the server's policy and knobs,
+    its own knobs over them (a knob the resulting policy does not have is refused, not ignored)."""
+    given = set_fields(p, DecodePolicySettings.model_fields)
+    values = (
+        {}
+        if "decode_policy" in given
+        else {n: getattr(defaults, n) for n in DecodePolicySettings.model_fields}
+    )
+    return _check(DecodePolicySettings, values | given, "decode_policy", rid)
+
+
 def resolve_generate_request(
     req: pb.GenerateRequest,
     limits: ValidationLimits | None = None,
@@ -213,6 +234,7 @@ def resolve_generate_request(
         instruction=req.instruction if req.HasField("instruction") else None,
         generation=resolve_generation(req.generation, limits, defaults, rid),
         method_config=resolve_method(req.method, limits, defaults, rid),
+        policy_config=resolve_decode_policy(req.decode_policy, defaults, rid),
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from pdllm.shared.app.eval import main
 from pdllm.shared.eval.report import main as report_main
+from pdllm.shared.generation.policies import DecodePolicyConfig
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 
@@ -77,3 +78,40 @@ def test_shipped_defaults_without_file(ckpt, tmp_path) -> None:
     assert main([*argv, "--name", "b"]) == 0
     header = json.loads((tmp_path / "b.json").read_text())["pdllm"]
     assert "chunk_size=32" in header and "chunk_boundary=fixed" in header  # train_length // 4, engine default
+
+
+def test_decode_policy_reaches_both_methods(ckpt, tmp_path, monkeypatch) -> None:
+    """`--decode-policy` and its knobs pass through to generate_vanilla and the engine, and are recorded."""
+    from pdllm.shared.app import engine as engine_module
+    from pdllm.shared.app import eval as eval_module
+
+    seen: list[tuple[str, object]] = []
+    real_vanilla, real_generate = eval_module.generate_vanilla, engine_module.PrefillingEngine.generate
+
+    def vanilla(*args, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(("vanilla", policy))
+        return real_vanilla(*args, policy=policy, **kwargs)
+
+    def generate(self, *args, decode_policy=None, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(("pdllm", decode_policy))
+        return real_generate(self, *args, decode_policy=decode_policy, **kwargs)
+
+    monkeypatch.setattr(eval_module, "generate_vanilla", vanilla)
+    monkeypatch.setattr(engine_module.PrefillingEngine, "generate", generate)
+    argv = ["--model", str(ckpt), "--tasks", "needle", "--samples", "1", "--depths", "0.5"]
+    argv += ["--length-multiples", "1", "--gen-length", "4", "--block-length", "2", "--out", str(tmp_path)]
+    argv += ["--decode-policy", "sparse-dllm", "--sparse-retention", "0.25", "--name", "p"]
+    assert main(argv) == 0
+    want = DecodePolicyConfig("sparse-dllm", retention=0.25)
+    assert seen == [("vanilla", want), ("pdllm", want)]
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["decode_policy"] == "sparse-dllm retention=0.25"
+    assert {r["decode_policy"] for r in data["rows"]} == {"sparse-dllm"}
+
+
+def test_bad_decode_policy_knob_is_refused_before_loading(tmp_path) -> None:
+    argv = ["--model", str(tmp_path / "no-such-model"), "--tasks", "needle", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match=r"^--sparse-pool-kernel must be odd \(got 2\)"):
+        main([*argv, "--decode-policy", "sparse-dllm", "--sparse-pool-kernel", "2"])
+    with pytest.raises(ValueError, match=r"^--gen-length \(8\) must be divisible by --block-length \(3\)"):
+        main([*argv, "--block-length", "3"])

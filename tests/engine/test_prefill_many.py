@@ -100,3 +100,48 @@ def test_cancelled_jobs_stop_between_forwards_and_are_not_scored(monkeypatch: py
         stayed.selected
         == PrefillWorker(m, None, worker.config).prefill(tokens(40, 4), tokens(5, 4), GEN).selected
     )
+
+
+def test_a_job_cancelled_during_scoring_stops_before_its_next_scoring_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dataclasses
+    import threading
+
+    import pdllm.prefill_service.scoring as scoring
+    from pdllm.prefill_service.worker import PrefillCancelled
+
+    groups: list[int] = []
+    real = scoring._score_group
+    monkeypatch.setattr(
+        scoring, "_score_group", lambda *a, **k: (groups.append(a[4].stop - a[4].start), real(*a, **k))[1]
+    )
+    worker = PrefillWorker(model("dream"), None, EngineConfig(chunk_size=8, top_k=2, prefill_batch=1))
+    gone = threading.Event()
+    job = dataclasses.replace(worker.job(tokens(40, 1), tokens(5, 1), GEN), cancelled=gone)
+    steps = worker.prefill_many_steps([job])
+    while not groups:  # prefill (five forwards), then the first scoring group
+        next(steps)
+    gone.set()
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    assert isinstance(done.value.value[0], PrefillCancelled)
+    assert groups == [1]  # of five one-chunk groups
+
+
+def test_long_chunks_are_scored_fewer_at_a_time_with_the_same_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdllm.prefill_service.scoring as scoring
+
+    m, cfg = model("dream"), EngineConfig(chunk_size=8, top_k=2, prefill_batch=4)
+    whole = PrefillWorker(m, None, cfg).prefill(tokens(40, 1), tokens(5, 1), GEN)
+    groups: list[int] = []
+    real = scoring._score_group
+    monkeypatch.setattr(
+        scoring, "_score_group", lambda *a, **k: (groups.append(a[4].stop - a[4].start), real(*a, **k))[1]
+    )
+    monkeypatch.setattr(scoring, "SCORE_GROUP_TOKENS", 16)  # two 8-token chunks a group, not four
+    split = PrefillWorker(m, None, cfg).prefill(tokens(40, 1), tokens(5, 1), GEN)
+    assert groups == [2, 2, 1]
+    assert split.selected == whole.selected
+    for a, b in zip(split.scores, whole.scores):
+        assert a.total == pytest.approx(b.total, abs=1e-5)

@@ -9,6 +9,7 @@ import pytest
 
 from pdllm.decode_service import server as server_module
 from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.app.engine import PrefillingEngine
@@ -52,7 +53,7 @@ def _prefill_request(kv_mode: str, offer: bool, top_b: int = 0) -> wpb.PrefillRe
 
 
 def _decode(
-    decode, prefill_address: str, pre: wpb.PrefillResponse, req: wpb.PrefillRequest
+    decode, prefill_address: str, pre: wpb.PrefillResponse, req: wpb.PrefillRequest, policy: str = ""
 ) -> wpb.DecodeResult:
     dreq = wpb.DecodeRequest(
         request_id="r1",
@@ -60,6 +61,7 @@ def _decode(
         question_ids=req.question_ids,
         generation=req.generation,
         method=req.method,
+        decode_policy=pb.DecodePolicyParams(decode_policy=policy),
     )
     dreq.kv_spec.CopyFrom(pre.kv_spec)
     dreq.chunks.extend(pre.selected)
@@ -71,14 +73,14 @@ def _decode(
     return event.final
 
 
-def _run(servers, kv_mode: str, offer: bool, top_b: int = 0, edit=None) -> wpb.DecodeResult:  # type: ignore[no-untyped-def]
+def _run(servers, kv_mode: str, offer: bool, top_b: int = 0, edit=None, policy: str = "") -> wpb.DecodeResult:  # type: ignore[no-untyped-def]
     prefill, decode, _ = servers
     req = _prefill_request(kv_mode, offer, top_b)
     pre = workers_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address)).Prefill(req, timeout=60)
     assert pre.HasField("handoff") == offer
     if edit is not None:
         edit(pre)
-    return _decode(decode, prefill.address, pre, req)
+    return _decode(decode, prefill.address, pre, req, policy)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,19 @@ def test_pulled_decode_kv_lands_in_its_pages_with_no_pool_write(servers, monkeyp
     (transfer,) = pulls
     assert transfer.landed and transfer.kv is None and transfer.staged_bytes == 0
     assert list(pulled.token_ids) == list(built.token_ids)
+
+
+@pytest.mark.parametrize(("kv_mode", "top_b"), [("full-mask", 5), ("chunk-only", 4)])
+def test_a_decode_policy_reads_pulled_kv_like_its_own_build(servers, kv_mode: str, top_b: int) -> None:
+    """A dual-cache session (stepped alone, not batched) over a decode KV that landed in its pages
+    (full-mask) or a pulled chunk KV (chunk-only) answers as over the decode worker's own build."""
+    _, _, scheduler = servers
+    built = _run(servers, kv_mode, offer=False, top_b=top_b, policy="dual-cache")
+    pulled = _run(servers, kv_mode, offer=True, top_b=top_b, policy="dual-cache")
+    assert (built.kv_source, pulled.kv_source) == ("built", "handoff")
+    assert built.decode_policy.policy == pulled.decode_policy.policy == "dual-cache"
+    assert list(pulled.token_ids) == list(built.token_ids)
+    assert scheduler.pool.num_free == scheduler.pool.num_pages  # its pages went back
 
 
 def test_failed_pull_rebuilds_with_the_same_tokens_and_frees_pages(servers) -> None:

@@ -36,6 +36,16 @@ def _set(path: str, value: object) -> Edit:
     return edit
 
 
+def _both(*edits: Edit) -> Edit:
+    def edit(req: pb.GenerateRequest) -> None:
+        for e in edits:
+            e(req)
+
+    return edit
+
+
+SPARSE = _set("decode_policy.decode_policy", "sparse-dllm")
+
 BAD_INPUTS: list[tuple[str, Edit, str]] = [
     ("empty_context", _set("context", ""), "context must not be empty"),
     ("empty_context", _set("context", " \n\t "), "context must not be empty"),
@@ -108,5 +118,64 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
         "unknown_prefill_attention",
         _set("method.prefill_attention", "sparse"),
         "must be one of causal, bidirec",
+    ),
+    # Decode policies (issue 17): a policy that does not exist (Polestar-Cache is not built yet), knobs out
+    # of range, a knob the policy does not have, an even pooling kernel.
+    (
+        "unknown_decode_policy",
+        _set("decode_policy.decode_policy", "polestar"),
+        "decode_policy.decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm (got 'polestar')",
+    ),
+    (
+        "sparse_retention_range",
+        _both(SPARSE, _set("decode_policy.sparse_retention", 0.0)),
+        "decode_policy.sparse_retention must be in (0, 1] (got 0.0)",
+    ),
+    (
+        "sparse_retention_range",
+        _both(SPARSE, _set("decode_policy.sparse_retention", 1.5)),
+        "decode_policy.sparse_retention must be in (0, 1] (got 1.5)",
+    ),
+    (
+        "sparse_retention_range",
+        _both(SPARSE, _set("decode_policy.sparse_retention", float("nan"))),
+        "decode_policy.sparse_retention must be in (0, 1]",
+    ),
+    (
+        "sparse_pool_kernel_range",
+        _both(SPARSE, _set("decode_policy.sparse_pool_kernel", 0)),
+        "decode_policy.sparse_pool_kernel must be in [1, 255] (got 0)",
+    ),
+    (
+        "sparse_pool_kernel_even",
+        _both(SPARSE, _set("decode_policy.sparse_pool_kernel", 4)),
+        "decode_policy.sparse_pool_kernel must be odd (got 4)",
+    ),
+    (
+        "sparse_delay_steps_range",
+        _both(SPARSE, _set("decode_policy.sparse_delay_steps", -1)),
+        "decode_policy.sparse_delay_steps must be in [0, 4096] (got -1)",
+    ),
+    (
+        "cache_refresh_steps_range",
+        _both(
+            _set("decode_policy.decode_policy", "dual-cache"), _set("decode_policy.cache_refresh_steps", 0)
+        ),
+        "decode_policy.cache_refresh_steps must be in [1, 4096] (got 0)",
+    ),
+    (
+        "sparse_retention_without_sparse_dllm",
+        _both(_set("decode_policy.decode_policy", "dual-cache"), _set("decode_policy.sparse_retention", 0.5)),
+        "decode_policy.sparse_retention needs decode_policy.decode_policy sparse-dllm, not dual-cache",
+    ),
+    (
+        "sparse_pool_kernel_without_sparse_dllm",
+        _set("decode_policy.sparse_pool_kernel", 3),  # no policy named: the server's default, none
+        "decode_policy.sparse_pool_kernel needs decode_policy.decode_policy sparse-dllm, not none",
+    ),
+    (
+        "cache_refresh_steps_without_policy",
+        _set("decode_policy.cache_refresh_steps", 2),
+        "decode_policy.cache_refresh_steps needs a caching decode_policy.decode_policy",
     ),
 ]

@@ -43,6 +43,13 @@ def test_ask_errors_are_one_line_with_exit_codes(start_server: StartServer, tmp_
         err.startswith("error: INVALID_ARGUMENT: generation.gen_length (10) must be divisible")
         and err.count("\n") == 1
     )
+    # Decode-policy flags come from the schema too, and reach the server's validation.
+    policy = ["--decode-policy", "dual-cache", "--sparse-retention", "0.5"]
+    assert main([*base, "--token-file", str(token), *policy]) == 1
+    assert capsys.readouterr().err == (
+        "error: INVALID_ARGUMENT: decode_policy.sparse_retention needs decode_policy.decode_policy "
+        "sparse-dllm, not dual-cache\n"
+    )
     assert main([*base, "--token-file", str(tmp_path / "missing")]) == 2
     assert "cannot read token" in capsys.readouterr().err
     assert main(["--server", server.address, "--context", "bad \ud800", "--question", "q"]) == 2

@@ -8,8 +8,16 @@ import pytest
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.rpc.convert import engine_config, generation_config, generation_params, method_params
+from pdllm.shared.rpc.convert import (
+    decode_policy_config,
+    decode_policy_params,
+    engine_config,
+    generation_config,
+    generation_params,
+    method_params,
+)
 from pdllm.shared.rpc.validation import resolve_generate_request
 
 
@@ -76,3 +84,37 @@ def test_invalid_values_raise_value_error(gen, method) -> None:
             generation_config(gen)
         else:
             engine_config(method)
+
+
+def test_decode_policy_round_trips_and_unset_is_none() -> None:
+    req = pb.GenerateRequest(
+        context="c",
+        question="q",
+        decode_policy=pb.DecodePolicyParams(
+            decode_policy="sparse-dllm", sparse_retention=0.25, sparse_pool_kernel=5, cache_refresh_steps=8
+        ),
+    )
+    params = decode_policy_params(resolve_generate_request(req))
+    assert not params.HasField("sparse_delay_steps")  # unset stays unset: the paper's value
+    assert decode_policy_config(params) == DecodePolicyConfig(
+        "sparse-dllm", refresh_steps=8, retention=0.25, pool_kernel=5
+    )
+    assert decode_policy_config(pb.DecodePolicyParams()) == DecodePolicyConfig("none")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (pb.DecodePolicyParams(decode_policy="polestar"), "decode_policy.decode_policy must be one of"),
+        (pb.DecodePolicyParams(sparse_retention=0.5), "needs decode_policy.decode_policy sparse-dllm"),
+        (
+            pb.DecodePolicyParams(decode_policy="sparse-dllm", sparse_retention=2.0),
+            "decode_policy.sparse_retention must be in (0, 1]",
+        ),
+    ],
+)
+def test_invalid_decode_policy_raises_value_error(params: pb.DecodePolicyParams, message: str) -> None:
+    """A decode worker's own check (a router pins valid values; a direct caller may not)."""
+    with pytest.raises(ValueError) as info:
+        decode_policy_config(params)
+    assert message in str(info.value)

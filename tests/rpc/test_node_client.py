@@ -29,8 +29,10 @@ REQUEST = {
     "context": "The archive reopened in spring. The access code of Mira Halden is 4821. The maps date from 1912. "
     * 3,
     "question": "What is the badge number of Then Themvom?",
-    "generation": {"gen_length": 8, "steps": 8, "temperature": 1.0, "seed": 7},
+    "generation": {"gen_length": 8, "steps": 8, "block_length": 4, "temperature": 1.0, "seed": 7},
     "method": {"method": "pdllm", "chunk_size": 32, "top_k": 2},
+    # A message added after the first release (issue 17): proto-loader must find it in the shipped files.
+    "decode_policy": {"decode_policy": "dual-cache"},
 }
 
 
@@ -84,6 +86,8 @@ def test_node_client_matches_the_python_client(server) -> None:
     assert unary["token_ids"] == list(expected.token_ids)
     assert unary["finish_reason"] == expected.finish_reason
     assert unary["trace"]["method"] == "pdllm" and len(unary["trace"]["selected_chunk_ids"]) == 2
+    assert unary["trace"]["decode_policy"]["policy"] == "dual-cache"
+    assert unary["trace"]["decode_policy"]["refreshes"] == 2  # one per block
 
     stream = got["stream"]
     assert "error" not in stream, stream

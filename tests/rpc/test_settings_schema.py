@@ -1,8 +1,8 @@
 """One test per setting and bound, derived from the schema (`shared/settings.py`): a value just outside each
 bound (or a choice that does not exist) is refused everywhere the setting enters, each time naming it as
-that caller spells it: a public request (INVALID_ARGUMENT naming `generation.x` / `method.x`, in process and
-over gRPC), the engine's own configs (`x` / its EngineConfig name), `pdllm generate`'s flag (`--x`) and its
-environment variable (`PDLLM_X`). The bounds themselves are pinned below, so that dropping one from the
+that caller spells it: a public request (INVALID_ARGUMENT naming `generation.x` / `method.x` /
+`decode_policy.x`, in process and over gRPC), the engine's own configs (`x` / its EngineConfig name),
+`pdllm generate`'s flag (`--x`) and its environment variable (`PDLLM_X`). The bounds themselves are pinned below, so that dropping one from the
 schema fails a test rather than silently dropping its derived cases.
 """
 
@@ -22,15 +22,29 @@ from pdllm.shared.rpc.client import PdllmClient
 from pdllm.shared.rpc.errors import InvalidRequestError
 from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server
 from pdllm.shared.rpc.validation import ValidationLimits, resolve_generate_request
-from pdllm.shared.settings import EngineOnlySettings, GenerationSettings, MethodSettings, Settings
+from pdllm.shared.settings import (
+    DecodePolicySettings,
+    EngineOnlySettings,
+    GenerationSettings,
+    MethodSettings,
+    Settings,
+)
 from tests.model.tiny_checkpoint import make_tiny_checkpoint
 from tests.rpc.cases import valid_request
 from tests.rpc.fake_generation import MODEL, FakeGeneration, fake_spec
 
 LIMITS = ValidationLimits(models=(MODEL,), max_prompt_bytes=65536)
-GROUPS: dict[str, type[Settings]] = {"generation": GenerationSettings, "method": MethodSettings}
+GROUPS: dict[str, type[Settings]] = {
+    "generation": GenerationSettings,
+    "method": MethodSettings,
+    "decode_policy": DecodePolicySettings,
+}
 _BASE = resolve_generate_request(valid_request(), LIMITS)
-REQUEST_BASE = {**dict(_BASE.generation_settings()), **dict(_BASE.method_settings())}
+REQUEST_BASE = {
+    **dict(_BASE.generation_settings()),
+    **dict(_BASE.method_settings()),
+    **dict(_BASE.decode_policy_settings()),
+}
 
 
 def outside(cls: type[Settings], name: str, values: dict[str, Any], request: bool) -> list[Any]:
@@ -81,6 +95,11 @@ PUBLIC = {
     "method.retention_score": "one of bidirectional, query-to-chunk",
     "method.query_window": "in [1, 4096]",
     "method.prefill_attention": "one of causal, bidirectional",
+    "decode_policy.decode_policy": "one of none, prefix-cache, dual-cache, sparse-dllm",
+    "decode_policy.cache_refresh_steps": "in [1, 4096]",
+    "decode_policy.sparse_retention": "in (0, 1]",
+    "decode_policy.sparse_pool_kernel": "in [1, 255]",
+    "decode_policy.sparse_delay_steps": "in [0, 4096]",
 }
 
 
@@ -110,8 +129,10 @@ def test_engine_bounds_are_pinned() -> None:
         "temperature=10001.0", "seed=-1", "method='no-such-vanilla'", "chunk_size=0", "top_k=0", "top_b=0",
         "kv_mode='no-such-full-mask'", "score_mode='no-such-pseudo-label'", "pseudo_label_tokens=0",
         "pseudo_label_rounds=0", "pseudo_label_rounds=5", "retention_score='no-such-bidirectional'",
-        "query_window=0", "prefill_attention='no-such-causal'", "chunk_boundary='no-such-fixed'",
-        "prefill_batch=0", "retention_block=0",
+        "query_window=0", "prefill_attention='no-such-causal'", "decode_policy='no-such-none'",
+        "cache_refresh_steps=0", "cache_refresh_steps=4097", "sparse_retention=0.0", "sparse_retention=2.0",
+        "sparse_pool_kernel=0", "sparse_pool_kernel=256", "sparse_delay_steps=-1", "sparse_delay_steps=4097",
+        "chunk_boundary='no-such-fixed'", "prefill_batch=0", "retention_block=0",
     ]  # fmt: skip
 
 
@@ -142,6 +163,10 @@ def test_grpc_answers_invalid_argument(server: RpcServer, group: str, name: str,
 
 @pytest.mark.parametrize(("group", "name", "value"), CLI_CASES)
 def test_engine_configs_refuse_it(group: str, name: str, value: Any) -> None:
+    if group == "decode_policy":  # DecodePolicyConfig names its fields otherwise; its errors use the schema's
+        with pytest.raises(ValueError, match=f"^{name} must be "):
+            settings.decode_policy_config({name: value})
+        return
     engine = name if group == "generation" else settings.engine_name(settings.EngineSettings, name)
     with pytest.raises(ValueError, match=f"^{engine or name} must be "):
         if group == "generation":

@@ -8,6 +8,7 @@ from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.rpc.client import build_generate_request
 from pdllm.shared.rpc.errors import InvalidRequestError
 from pdllm.shared.rpc.validation import (
+    DecodePolicySettings,
     GenerationSettings,
     MethodSettings,
     RequestDefaults,
@@ -39,7 +40,25 @@ def test_valid_request_resolves_exactly() -> None:
         query_window=None,
         prefill_attention="causal",
     )
+    assert resolved.decode_policy_settings() == DecodePolicySettings(decode_policy="none")
     assert resolved.instruction is None and resolved.model == MODEL and resolved.request_id == "req-1"
+
+
+def test_decode_policy_takes_the_servers_only_when_the_request_names_none() -> None:
+    defaults = RequestDefaults(decode_policy="sparse-dllm", sparse_retention=0.25, cache_refresh_steps=4)
+    req = valid_request()
+    # Names none: the server's policy and knobs, its own knobs over them.
+    req.decode_policy.sparse_pool_kernel = 5
+    p = resolve_generate_request(req, LIMITS, defaults).decode_policy_settings()
+    assert p == DecodePolicySettings(
+        decode_policy="sparse-dllm", sparse_retention=0.25, cache_refresh_steps=4, sparse_pool_kernel=5
+    )
+    # Names one: none of the server's knobs (sparse ones would not even fit dual cache).
+    req = valid_request()
+    req.decode_policy.decode_policy = "dual-cache"
+    p = resolve_generate_request(req, LIMITS, defaults).decode_policy_settings()
+    assert p == DecodePolicySettings(decode_policy="dual-cache")
+    assert resolve_generate_request(req, LIMITS, defaults).decode_policy == "dual-cache"  # reads flat too
 
 
 def test_unset_fields_take_defaults_and_zero_is_kept_where_meaningful() -> None:

@@ -48,8 +48,22 @@ class MethodParams(_message.Message):
     prefill_attention: str
     def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ..., query_window: _Optional[int] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
 
+class DecodePolicyParams(_message.Message):
+    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps")
+    DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_REFRESH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_POOL_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_DELAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    decode_policy: str
+    cache_refresh_steps: int
+    sparse_retention: float
+    sparse_pool_kernel: int
+    sparse_delay_steps: int
+    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method")
+    __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method", "decode_policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +71,7 @@ class GenerateRequest(_message.Message):
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
+    DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     context: str
@@ -64,7 +79,8 @@ class GenerateRequest(_message.Message):
     instruction: str
     generation: GenerationParams
     method: MethodParams
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., context: _Optional[str] = ..., question: _Optional[str] = ..., instruction: _Optional[str] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., method: _Optional[_Union[MethodParams, _Mapping]] = ...) -> None: ...
+    decode_policy: DecodePolicyParams
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., context: _Optional[str] = ..., question: _Optional[str] = ..., instruction: _Optional[str] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., method: _Optional[_Union[MethodParams, _Mapping]] = ..., decode_policy: _Optional[_Union[DecodePolicyParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "model", "text", "token_ids", "finish_reason", "trace")
@@ -148,8 +164,22 @@ class PhaseTimings(_message.Message):
     handoff_s: float
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
+class DecodePolicyTrace(_message.Message):
+    __slots__ = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    REFRESHES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    forwards: int
+    refreshes: int
+    rows_forwarded: int
+    cache_bytes: int
+    def __init__(self, policy: _Optional[str] = ..., forwards: _Optional[int] = ..., refreshes: _Optional[int] = ..., rows_forwarded: _Optional[int] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+
 class Trace(_message.Message):
-    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens", "kv_source")
+    __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens", "kv_source", "decode_policy")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
     SCORE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +200,7 @@ class Trace(_message.Message):
     PREFILL_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SELECTED_KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     method: str
     kv_mode: str
     score_mode: str
@@ -190,4 +221,5 @@ class Trace(_message.Message):
     prefill_skipped: bool
     selected_kept_tokens: _containers.RepeatedScalarFieldContainer[int]
     kv_source: str
-    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., selected_kept_tokens: _Optional[_Iterable[int]] = ..., kv_source: _Optional[str] = ...) -> None: ...
+    decode_policy: DecodePolicyTrace
+    def __init__(self, method: _Optional[str] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., selected_chunk_ids: _Optional[_Iterable[int]] = ..., chunk_scores: _Optional[_Iterable[_Union[ChunkScore, _Mapping]]] = ..., kept_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., peak_memory_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., memory_kind: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., selected_kept_tokens: _Optional[_Iterable[int]] = ..., kv_source: _Optional[str] = ..., decode_policy: _Optional[_Union[DecodePolicyTrace, _Mapping]] = ...) -> None: ...

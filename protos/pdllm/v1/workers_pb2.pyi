@@ -170,7 +170,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., selected: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., chunk_scores: _Optional[_Iterable[_Union[_generation_pb2.ChunkScore, _Mapping]]] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids", "handoff")
+    __slots__ = ("request_id", "kv_spec", "chunks", "instruction_ids", "question_ids", "generation", "method", "stream_partials", "context_ids", "handoff", "decode_policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class DecodeRequest(_message.Message):
     STREAM_PARTIALS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_spec: KvSpec
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkHandle]
@@ -191,10 +192,11 @@ class DecodeRequest(_message.Message):
     stream_partials: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     handoff: KvHandoff
-    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
+    decode_policy: _generation_pb2.DecodePolicyParams
+    def __init__(self, request_id: _Optional[str] = ..., kv_spec: _Optional[_Union[KvSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkHandle, _Mapping]]] = ..., instruction_ids: _Optional[_Iterable[int]] = ..., question_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., method: _Optional[_Union[_generation_pb2.MethodParams, _Mapping]] = ..., stream_partials: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ..., decode_policy: _Optional[_Union[_generation_pb2.DecodePolicyParams, _Mapping]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "memory_kind", "kv_source", "handoff_s")
+    __slots__ = ("token_ids", "finish_reason", "steps", "timings", "cache_hits", "cache_misses", "peak_memory_bytes", "memory_kind", "kv_source", "handoff_s", "decode_policy")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,7 @@ class DecodeResult(_message.Message):
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     steps: int
@@ -215,7 +218,8 @@ class DecodeResult(_message.Message):
     memory_kind: str
     kv_source: str
     handoff_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., kv_source: _Optional[str] = ..., handoff_s: _Optional[float] = ...) -> None: ...
+    decode_policy: _generation_pb2.DecodePolicyTrace
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., steps: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.PhaseTimings, _Mapping]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., kv_source: _Optional[str] = ..., handoff_s: _Optional[float] = ..., decode_policy: _Optional[_Union[_generation_pb2.DecodePolicyTrace, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("partial", "final")

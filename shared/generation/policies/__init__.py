@@ -36,6 +36,10 @@ max-pooled attention over the rows outside the block at retention r). Next: Pole
 drift-triggered refresh of some cached rows: the plan will gain a per-layer "recompute these cached rows"
 field, which needs a layer hook in the model runtime).
 
+**On the decode worker (now).** A request's ``decode_policy`` (``pdllm.v1.DecodePolicyParams``) runs this
+reference loop, **not batched**: the scheduler steps its :class:`PolicySession` alone, one step per
+iteration, beside the batched rounds of the other requests (``decode_service/policy_sessions.py``).
+
 **Batched rounds (decided, not built yet).** A decode round of the server advances every active session
 by one step. Sessions are grouped by the *shape of their step's plan*, not by policy name: each round runs
 one forward per group, (a) full-row steps (no policy, and every policy's refresh steps), padded per shape
@@ -50,7 +54,7 @@ rewrites it in place), so the partial-step graphs stay replayable.
 
 from .base import CachePolicy, DecodePolicyConfig, RowSelector, StepContext, StepPlan
 from .fast_dllm import DualCache, PrefixCache
-from .runner import CacheStats, PolicyLogits, denoise_with_policy, make_policy
+from .runner import CacheStats, PolicyLogits, PolicySession, denoise_with_policy, make_policy, run_policy
 from .sparse_dllm import SaliencyKeep, SparseDLLM
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "DecodePolicyConfig",
     "DualCache",
     "PolicyLogits",
+    "PolicySession",
     "PrefixCache",
     "RowSelector",
     "SaliencyKeep",
@@ -67,4 +72,5 @@ __all__ = [
     "StepPlan",
     "denoise_with_policy",
     "make_policy",
+    "run_policy",
 ]

@@ -19,7 +19,7 @@ from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..sampler import GenerationConfig, GenerationResult, denoise
+from ..sampler import DenoiseSession, GenerationConfig, GenerationResult, denoise
 from .base import CachePolicy, DecodePolicyConfig, StepContext
 from .fast_dllm import DualCache, PrefixCache
 from .sparse_dllm import SparseDLLM
@@ -122,6 +122,39 @@ class PolicyLogits:
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache.num_bytes())
         return logits
 
+    def summary(self) -> dict[str, int | str]:
+        """The policy's name and counters: ``GenerationResult.cache``, the trace's ``decode_policy``."""
+        return {"policy": self.policy.name, **self.stats.as_dict()}
+
+
+class PolicySession(DenoiseSession):
+    """One request's :class:`PolicyLogits` loop advanced one step at a time: the decode worker steps it
+    once per scheduler turn, alone (the reference loop is not batched with other requests); its result
+    carries the policy's name and counters, as :func:`run_policy`'s does."""
+
+    def __init__(self, logits_fn: PolicyLogits) -> None:
+        config = logits_fn.model.config
+        super().__init__(
+            logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
+        )
+        self.policy_logits = logits_fn
+
+    def result(self) -> GenerationResult:
+        result = super().result()
+        result.cache = self.policy_logits.summary()
+        return result
+
+
+@torch.inference_mode()
+def run_policy(logits_fn: PolicyLogits, progress: bool = False) -> GenerationResult:
+    """:func:`denoise` driven by ``logits_fn`` to the end; the result's ``cache`` holds its
+    :meth:`~PolicyLogits.summary`."""
+    config = logits_fn.model.config
+    gen, device = logits_fn.gen, logits_fn.local.device
+    result = denoise(gen, config.mask_token_id, config.eos_token_id, logits_fn, device, progress)
+    result.cache = logits_fn.summary()
+    return result
+
 
 @torch.inference_mode()
 def denoise_with_policy(
@@ -136,8 +169,4 @@ def denoise_with_policy(
 ) -> GenerationResult:
     """:func:`denoise` with :class:`PolicyLogits`; the result's ``cache`` holds its :class:`CacheStats`."""
     gen.validate()
-    logits_fn = PolicyLogits(model, local, positions, response_start, gen, policy, inner)
-    mask_id, eos_id = model.config.mask_token_id, model.config.eos_token_id
-    result = denoise(gen, mask_id, eos_id, logits_fn, device=local.device, progress=progress)
-    result.cache = {"policy": policy.name, **logits_fn.stats.as_dict()}
-    return result
+    return run_policy(PolicyLogits(model, local, positions, response_start, gen, policy, inner), progress)

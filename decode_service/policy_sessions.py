@@ -1,0 +1,91 @@
+"""Requests with a decode policy on the decode worker: the policy's reference loop, one step per turn.
+
+A request whose ``DecodeRequest.decode_policy`` names a caching policy (``prefix-cache``, ``dual-cache``,
+``sparse-dllm``; ``shared/generation/policies``) is **not batched**: the scheduler steps its
+:class:`~pdllm.shared.generation.policies.PolicySession` alone, one denoising step per scheduler
+iteration, interleaved with the batched rounds of the other requests exactly like a vanilla request
+(:func:`step_alone`). Each step runs the plain, eager reference loop (:class:`PolicyLogits`: one host read
+per step, no CUDA graph), the very code the in-process engine and ``generate_vanilla`` run, so an answer
+over gRPC equals ``engine.generate(..., decode_policy=...)`` token for token. The batched fast path
+(sessions grouped by the shape of their step's plan, the package docstring of ``policies``) is the next
+slice.
+
+Composed with pdllm's chunk selection: the static chunk KV is built (or pulled from a prefill worker) as
+for any pdllm request and read by the same attention backend the engine uses (:func:`static_policy_logits`),
+the policy reusing only the query + answer rows. The request still reserves its pages in the KV pool (the
+pool's budget bounds these sessions too, and a handed-off decode KV lands there); a built static KV stays
+in its own tensors (the reference backends read segments, not pages), a landed one is read out of the
+pages once (:func:`pooled_static`). Its build runs whole (``--build-pieces`` applies to batched sessions).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
+from pdllm.decode_service.jobs import DecodeJob
+from pdllm.decode_service.kv_pool import DecodeKVPool, PooledKV
+from pdllm.kernels.paged_kv import ChunkPages
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.shared.generation.policies import CachePolicy, PolicyLogits
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.kv_transfer.payload import unpack_static
+from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.static_kv import StaticKV
+
+_log = logging.getLogger("pdllm.decode.scheduler")
+
+
+def static_policy_logits(
+    model: DiffusionLM,
+    query: list[int],
+    static: StaticKV,
+    gen: GenerationConfig,
+    cache_policy: CachePolicy,
+    decode_attention: str,
+    static_policy: DecodePolicy | None = None,
+) -> PolicyLogits:
+    """Step 7 of a pdllm request under ``cache_policy``: the policy's loop over the query + answer rows,
+    around the static-KV attention ``static_policy`` (default: every segment, in ``decode_attention``)."""
+    if static_policy is not None and not static_policy.step_invariant:
+        raise ValueError("a decode policy composes with step-invariant static-KV policies only")
+    local, positions = local_inputs(model, query, static, gen)
+    # The split-S kernel assumes as many local K/V rows as query rows, which a cached step breaks;
+    # "buffer" is its eager stand-in (same SDPA over static + local K/V).
+    inner = static_policy or StaticPolicy("buffer" if decode_attention == "triton" else decode_attention)
+    inner.begin(static, local.shape[0])
+    return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner.backend(0, local))
+
+
+def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: wpb.KvHandoff) -> StaticKV:
+    """A decode KV that ``handoff`` landed in ``pages``, copied out for the reference loop and split into
+    the segments it was built as (so it reads exactly like the same KV pulled into a tensor)."""
+    used = tuple(pages[: pool.pages_for(kv.num_tokens)])
+    return unpack_static(pool.pool.read_chunk(ChunkPages(used, kv.num_tokens)), handoff)
+
+
+def step_alone(
+    jobs: Sequence[DecodeJob], stopping: Callable[[], bool], observe: Callable[[float], None]
+) -> tuple[list[DecodeJob], list[DecodeJob]]:
+    """One step of each session that cannot share a round (vanilla, or a decode policy): (stepped, failed).
+    A failed job has its exception queued for its caller. None runs once the scheduler is ``stopping`` or
+    after its job was cancelled: such a step is long, and nobody would wait for it."""
+    stepped: list[DecodeJob] = []
+    failed: list[DecodeJob] = []
+    for job in jobs:
+        if job.cancelled.is_set() or stopping():
+            continue
+        assert job.session is not None
+        try:
+            start = time.perf_counter()
+            job.session.step()  # type: ignore[union-attr]  # alone: a DenoiseSession
+            observe(time.perf_counter() - start)
+        except Exception as exc:
+            _log.exception("decode step failed", extra={"request_id": job.request_id})
+            job.events.put(exc)
+            failed.append(job)
+        else:
+            stepped.append(job)
+    return stepped, failed
