@@ -42,6 +42,7 @@ is skipped (meta.skipped). ``decode_round`` copies the list of ``--decode-round-
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -76,6 +77,9 @@ BUILD_ON = {"1p1d-build-on-prefill": "prefill", "1p1d-auto": "auto"}  # others: 
 ROW_KEYS = ("layout", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
             "gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms", "step_p99_ms", "unloaded_step_ms",
             "peak_gib")  # fmt: skip
+# Per-row diagnostics kept in the JSON, not in the table (rows merged from older runs lack them): where
+# each request's decode KV came from (``trace.kv_source``) and its median handoff and build seconds.
+DIAG_KEYS = ("kv_sources", "handoff_s_p50", "build_s_p50")
 MIN_REQUESTS = 4
 
 
@@ -104,7 +108,9 @@ def stream_one(address: str, doc: tuple[str, str], gen: int, timeout_s: float) -
         partials = stamps[:-1]
         return {"ok": True, "start": start, "end": stamps[-1], "ttft_s": stamps[0] - start,
                 "gaps_s": [b - a for a, b in zip(partials, partials[1:], strict=False)],
-                "peak_bytes": final.trace.peak_memory_bytes, "cache_hits": final.trace.cache_hits}  # fmt: skip
+                "peak_bytes": final.trace.peak_memory_bytes, "cache_hits": final.trace.cache_hits,
+                "kv_source": final.trace.kv_source, "handoff_s": final.trace.timings.handoff_s,
+                "build_s": final.trace.timings.build_s}  # fmt: skip
     except Exception as exc:  # every failure is a finding: counted, reported in meta.errors
         return {"ok": False, "start": start, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
@@ -135,7 +141,11 @@ def cell_row(layout: str, gpus: int, conc: int, ctx: int, gen: int, b: dict, unl
             "gen_tokens_per_s": gen * len(ok) / b["wall_s"], "ttft_p50_s": pct(ttft, 0.5),
             "ttft_p99_s": pct(ttft, 0.99), "step_p50_ms": pct(gaps, 0.5) * 1e3,
             "step_p99_ms": pct(gaps, 0.99) * 1e3, "unloaded_step_ms": unloaded_ms,
-            "peak_gib": max((r["peak_bytes"] for r in ok), default=float("nan")) / 2**30}  # fmt: skip
+            "peak_gib": max((r["peak_bytes"] for r in ok), default=float("nan")) / 2**30,
+            # where each request's decode KV came from (built on decode, pulled, a failed pull rebuilt)
+            "kv_sources": dict(collections.Counter(r.get("kv_source", "") for r in ok)),
+            "handoff_s_p50": pct([r.get("handoff_s", 0.0) for r in ok], 0.5),
+            "build_s_p50": pct([r.get("build_s", 0.0) for r in ok], 0.5)}  # fmt: skip
 
 
 def start_layout(

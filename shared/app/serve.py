@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from pdllm.shared import settings
 from pdllm.shared.app.handoff import make_receiver, make_sender
-from pdllm.shared.app.serve_args import build_parser
+from pdllm.shared.app.serve_args import build_parser, piece_tokens
 from pdllm.shared.rpc.channels import worker_channel_factory
 from pdllm.shared.rpc.metrics import MergedRegistries, start_metrics_endpoint
 from pdllm.shared.rpc.options import server_config_from_args
@@ -117,7 +117,7 @@ def start_prefill(
         )
     # Its own thread (no run_batch): forwards of at most --prefill-piece-tokens, so a batch whose callers
     # have all gone (deadline, cancel) stops within one such forward.
-    piece = args.prefill_piece_tokens or None
+    piece = piece_tokens(args, "prefill")
     servicer = PrefillServicer(worker, registry, batching, run_batch, sender, piece)
     _register_kv_metrics(worker.store, registry)
     specs.insert(
@@ -286,7 +286,7 @@ def start(args: argparse.Namespace) -> Deployment:
     # One device thread: the prefill worker's batches run on the decode scheduler's thread, in pieces of
     # at most --prefill-piece-tokens between decode rounds (no other thread launches work during a capture).
     steps = engine.prefill_worker.prefill_many_steps
-    piece = args.prefill_piece_tokens or None
+    piece = piece_tokens(args, "all")
     run_batch = lambda jobs: scheduler.run_between_rounds(steps(jobs, piece))  # noqa: E731
     prefill, close_prefill = start_prefill(args, prefill_config, engine.prefill_worker, run_batch)
     args = argparse.Namespace(

@@ -19,8 +19,20 @@ ROLES = ("router", "prefill", "decode", "all")
 SERVE_ENGINE_SETTINGS = ("chunk_boundary",)
 
 
+# --prefill-piece-tokens by role. With --role all, decode rounds wait for each piece, so pieces are small;
+# a prefill worker of its own only needs a piece short enough to stop soon after its callers left, and
+# pieces of 2048 cost it 20% of its throughput (benchmarks/results/prefill_piece_tokens.md, H100).
+PIECE_TOKENS = {"all": 2048, "prefill": 16384}
+
+
 def _env_default(flag: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
     return env_value(flag, convert, default, os.environ)
+
+
+def piece_tokens(args: argparse.Namespace, role: str) -> int | None:
+    """The chunk tokens per prefill forward for ``role`` ("all" or "prefill"); None: whole batches."""
+    piece = args.prefill_piece_tokens
+    return (PIECE_TOKENS[role] if piece is None else piece) or None
 
 
 def _env_bool(raw: str) -> bool:
@@ -109,10 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument(
         "--prefill-piece-tokens",
         type=int,
-        default=_env_default("--prefill-piece-tokens", 2048, int),
+        default=_env_default("--prefill-piece-tokens", None, int),
         help="chunk prefill forwards hold at most this many padded chunk tokens (at least one chunk): a "
         "request whose caller has gone stops between them, and in --role all decode rounds run between them "
-        "(0: whole batches of prefill_batch chunks)",
+        f"(0: whole batches of prefill_batch chunks; default {PIECE_TOKENS['all']} with --role all, "
+        f"{PIECE_TOKENS['prefill']} with --role prefill)",
     )
     pb.add_argument(
         "--overlap-pieces",

@@ -14,7 +14,7 @@ forwards, 10.7 s, then scoring; more in `--role all`), i.e. 8 s or more past the
 seen DEADLINE_EXCEEDED must be answered, with no call left in flight, within 1 s of that moment (no slack
 added). What bounds it: the worker asks its callers before every chunk forward and every scoring group,
 the deadline reaches it at once (gRPC's call-termination callback, no polling), and a forward holds at most
-``--prefill-piece-tokens`` (2048) padded tokens, i.e. one 16K chunk here: 0.25 s, 0.47 s with a competing
+``--prefill-piece-tokens`` padded tokens (2048 in --role all, 16384 in --role prefill), i.e. one 16K chunk here: 0.25 s, 0.47 s with a competing
 2-thread load, the longest piece that can be under way at the deadline (a scoring group: under 0.07 s).
 Measured on that host: 0.06-0.23 s, at most 0.48 s under that load. Run through the router of
 `serve --role all` (the pieces run on the decode scheduler's thread) and against `serve --role prefill`

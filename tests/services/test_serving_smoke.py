@@ -8,7 +8,7 @@ import math
 import torch
 
 from benchmarks.serve_load import Clock, documents, smoke_config, wait_routable, write_checkpoint
-from benchmarks.serving import ROW_KEYS, burst, main, start_layout
+from benchmarks.serving import DIAG_KEYS, ROW_KEYS, burst, main, start_layout
 from pdllm.shared.model.loader import load_tokenizer
 
 TOP_KEYS = {"device", "date", "command", "rows", "decode_round", "meta"}
@@ -35,7 +35,8 @@ def test_serving_smoke_sweep_writes_schema_and_skips_two_gpu_layouts(tmp_path) -
         ("all-in-one", 4, 2048),
     ]
     for r in rows:
-        assert tuple(r) == ROW_KEYS
+        assert tuple(r) == ROW_KEYS + DIAG_KEYS
+        assert sum(r["kv_sources"].values()) == r["requests"]  # every answered request names one
         assert r["requests"] == 4 and r["failed"] == 0
         for key in POSITIVE:
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
