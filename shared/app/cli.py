@@ -66,6 +66,7 @@ def _read_context(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdllm.shared.model.loader import load_model
+    from pdllm.shared.model.sdar import check_runnable
     from pdllm.shared.prompt import encode_prompt
 
     label = settings.flag_label()
@@ -76,6 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    check_runnable(loaded.config.family, "generate")
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer files; `generate` needs text in and out")

@@ -31,6 +31,7 @@ from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import LoadedModel, load_model
+from pdllm.shared.model.sdar import check_runnable
 from pdllm.shared.prompt import encode_prompt
 
 
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     given = schema.from_args(args, schema.DecodePolicySettings)
     policy = schema.decode_policy_config(given, label=schema.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    check_runnable(loaded.config.family, "eval")
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")
     train_length = args.train_length or loaded.serving.train_length or loaded.config.max_position_embeddings

@@ -72,6 +72,7 @@ def _engine(args: argparse.Namespace) -> Any:
     from pdllm.shared.app.engine import PrefillingEngine
     from pdllm.shared.config import EngineConfig
     from pdllm.shared.model.loader import load_model
+    from pdllm.shared.model.sdar import check_runnable
 
     if args.cuda_graph and not str(args.device).startswith("cuda"):  # before a long model load
         raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
@@ -80,6 +81,7 @@ def _engine(args: argparse.Namespace) -> Any:
     given = settings.from_args(args, settings.EngineOnlySettings)
     settings.validate(settings.EngineOnlySettings, given, label=settings.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    check_runnable(loaded.config.family, "serve")
     config = EngineConfig.from_settings(loaded.serving.engine, **given)
     store = _kv_store(args, loaded.config, args.dtype)
     engine = PrefillingEngine(

@@ -1,1 +1,1 @@
-"""dLLM model runtime (Dream / LLaDA families) and checkpoint loading."""
+"""dLLM model runtime (Dream / LLaDA / SDAR families) and checkpoint loading."""

@@ -1,8 +1,9 @@
-"""Model configuration: one dataclass for both dLLM families, mapped from Hugging Face configs.
+"""Model configuration: one dataclass for every dLLM family, mapped from Hugging Face configs.
 
 Dream checkpoints use the Qwen2 layout (q/k/v bias, shifted logits); LLaDA checkpoints use the LLaMA
-layout (no bias, unshifted logits). Both are described by :class:`ModelConfig`; the family only decides
-the defaults that differ (logit shift, mask id, bias).
+layout (no bias, unshifted logits); SDAR checkpoints (block diffusion) use the Qwen3 layout (per-head
+q/k RMSNorm, unshifted logits) and attend block-causally. All are described by :class:`ModelConfig`; the
+family only decides the defaults that differ (logit shift, mask id, bias, q/k norm, block size).
 """
 
 from __future__ import annotations
@@ -11,10 +12,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Family = Literal["dream", "llada"]
+Family = Literal["dream", "llada", "sdar"]
+FAMILIES: tuple[str, ...] = ("dream", "llada", "sdar")
 
 LLADA_MASK_ID = 126336
 DREAM_MASK_ID = 151666
+SDAR_MASK_ID = 151669  # <|MASK|> in SDAR's Qwen3 tokenizer (its config.json names it as well)
+# SDAR's config.json calls its block size ``block_size`` (the training block: 4 in the released SDAR chat
+# checkpoints). A Qwen3 config without one (e.g. transformers' own Qwen3 save) gets this default.
+SDAR_DEFAULT_BLOCK_SIZE = 4
 
 
 class ModelConfigError(ValueError):
@@ -37,6 +43,13 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
+    # Qwen3/SDAR: o_proj has a bias exactly when q/k/v do (Qwen2/LLaMA never have one there).
+    output_bias: bool = False
+    # Qwen3/SDAR: RMSNorm over each head's q and k (one weight of head_dim per layer) before RoPE.
+    qk_norm: bool = False
+    # Block diffusion (SDAR): token i sees token j iff position(j) // block_size <= position(i) // block_size.
+    # None: the family attends bidirectionally (Dream, LLaDA).
+    block_size: int | None = None
     tie_word_embeddings: bool = False
     # Dream predicts token i from the hidden state at i-1; LLaDA predicts it from i.
     shift_logits: bool = False
@@ -49,8 +62,16 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.family not in ("dream", "llada"):
-            raise ModelConfigError(f"unknown model family {self.family!r} (expected 'dream' or 'llada')")
+        if self.family not in FAMILIES:
+            raise ModelConfigError(
+                f"unknown model family {self.family!r} (expected one of {', '.join(FAMILIES)})"
+            )
+        if (self.family == "sdar") != (self.block_size is not None):
+            raise ModelConfigError(
+                f"block_size={self.block_size} with family {self.family!r}: only SDAR has one"
+            )
+        if self.block_size is not None and self.block_size <= 0:
+            raise ModelConfigError(f"block_size must be positive, got {self.block_size}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -65,7 +86,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ Hugging Face mapping
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], model_id: str = "unnamed") -> ModelConfig:
-        """Map a ``config.json`` dict (Qwen2, Dream, LLaMA or LLaDA) onto a ModelConfig."""
+        """Map a ``config.json`` dict (Qwen2, Dream, LLaMA, LLaDA, Qwen3 or SDAR) onto a ModelConfig."""
         model_type = str(cfg.get("model_type", "")).lower()
         archs = [a.lower() for a in cfg.get("architectures") or []]
         # model_type decides the field names; architectures only disambiguate an unknown model_type.
@@ -73,13 +94,17 @@ class ModelConfig:
             return cls._from_qwen2_like(cfg, model_id)
         if model_type == "llama":
             return cls._from_llama(cfg, model_id)
+        # A plain Qwen3 config is read as SDAR (same layout and names): SDAR is a Qwen3 continually
+        # pre-trained for block diffusion, and transformers' Qwen3 is the reference its forward is held to.
+        if model_type in ("sdar", "qwen3") or any("sdar" in a for a in archs):
+            return cls._from_qwen3_like(cfg, model_id)
         if model_type == "llada" or any("llada" in a for a in archs):
             return cls._from_llada(cfg, model_id)
         if any("dream" in a for a in archs):
             return cls._from_qwen2_like(cfg, model_id)
         raise ModelConfigError(
             f"unknown architecture model_type={cfg.get('model_type')!r} architectures={cfg.get('architectures')}"
-            " (supported: Dream/Qwen2, LLaDA/LLaMA)"
+            " (supported: Dream/Qwen2, LLaDA/LLaMA, SDAR/Qwen3)"
         )
 
     @classmethod
@@ -104,6 +129,44 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             shift_logits=True,
             mask_token_id=cfg.get("mask_token_id", DREAM_MASK_ID),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=_first(cfg.get("eos_token_id")),
+            pad_token_id=cfg.get("pad_token_id"),
+            model_id=model_id,
+        )
+
+    @classmethod
+    def _from_qwen3_like(cls, cfg: dict[str, Any], model_id: str) -> ModelConfig:
+        layer_types = set(cfg.get("layer_types") or ["full_attention"])
+        if cfg.get("use_sliding_window") or layer_types != {"full_attention"}:
+            # SDAR checkpoints attend fully within the block-causal mask; a window would change the math.
+            raise ModelConfigError(
+                "sliding-window attention (use_sliding_window / layer_types) is not supported"
+            )
+        heads = _require(cfg, "num_attention_heads")
+        hidden = _require(cfg, "hidden_size")
+        theta, scaling = _rope(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            family="sdar",
+            vocab_size=_require(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_require(cfg, "intermediate_size"),
+            num_layers=_require(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            attention_bias=bias,
+            output_bias=bias,
+            qk_norm=True,
+            block_size=int(cfg.get("block_size") or SDAR_DEFAULT_BLOCK_SIZE),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            shift_logits=False,  # SDAR's loss scores each masked position's own hidden state
+            mask_token_id=cfg.get("mask_token_id", SDAR_MASK_ID),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=_first(cfg.get("eos_token_id")),
             pad_token_id=cfg.get("pad_token_id"),
@@ -167,7 +230,8 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face config this model is equivalent to (Qwen2 for Dream, LLaMA for LLaDA)."""
+        """The Hugging Face config this model is equivalent to (Qwen2 for Dream, LLaMA for LLaDA, SDAR's
+        Qwen3-based config for SDAR)."""
         common = {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -190,6 +254,13 @@ class ModelConfig:
             common["rope_scaling"] = dict(self.rope_scaling)
         if self.family == "dream":
             return {"model_type": "Dream", "architectures": ["DreamModel"], **common}
+        if self.family == "sdar":
+            sdar = {
+                "attention_bias": self.attention_bias,
+                "block_size": self.block_size,
+                "use_sliding_window": False,
+            }
+            return {"model_type": "sdar", "architectures": ["SDARForCausalLM"], **sdar, **common}
         return {"model_type": "llama", "architectures": ["LLaDAModelLM"], "attention_bias": False, **common}
 
 

@@ -1,9 +1,9 @@
-"""The dLLM transformer (Qwen2 layout for Dream, LLaMA layout for LLaDA), with explicit everything.
+"""The dLLM transformer (Qwen2 layout for Dream, LLaMA for LLaDA, Qwen3 for SDAR), with explicit everything.
 
-Parameter names follow Hugging Face's ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` so checkpoints load
-without renaming. The forward takes explicit position ids and an explicit attention backend (see
-``attention.py``); it never owns a cache, which is what lets chunked prefill, scoring and sparse decode
-reuse it unchanged.
+Parameter names follow Hugging Face's ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``
+so checkpoints load without renaming. The forward takes explicit position ids and an explicit attention
+backend (see ``attention.py``); it never owns a cache, which is what lets chunked prefill, scoring and
+sparse decode reuse it unchanged.
 
 Inference on CUDA takes a fused route (:func:`fused_route`): RMSNorm (+ residual add), RoPE and SiLU*up
 as single Triton kernels from ``pdllm.kernels`` and, after :meth:`DiffusionLM.pack_projections`, one GEMM
@@ -24,6 +24,7 @@ from pdllm.shared.stepwise import Steps, drain
 
 from .attention import AttentionBackend, DenseAttention
 from .config import ModelConfig, ModelConfigError
+from .sdar import BlockCausalAttention
 
 
 def fused_route(module: nn.Module, x: torch.Tensor) -> bool:
@@ -114,7 +115,10 @@ def _rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         max_position_embeddings=config.max_position_embeddings,
         **rope_kwargs,
     )
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    # Explicitly on CPU: the loader builds the model under ``torch.device("meta")``, where transformers'
+    # init functions would make meta tensors and then fail to copy them to the CPU.
+    with torch.device("cpu"):
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -139,7 +143,12 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.output_bias
+        )
+        # Qwen3/SDAR normalise each head's q and k (RMSNorm over head_dim) before RoPE.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.fused = True
         self.qkv: Packed | None = None  # set by pack_projections
 
@@ -151,8 +160,11 @@ class SelfAttention(nn.Module):
             q, k, v = self.qkv(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if fused_route(self, x):
             # expand: callers may pass one row of positions for a whole batch (eager broadcasts it)
@@ -213,7 +225,8 @@ class Backbone(nn.Module):
 
 
 class DiffusionLM(nn.Module):
-    """A masked-diffusion LM: bidirectional transformer + LM head, logits aligned to token positions."""
+    """A masked-diffusion LM: transformer + LM head, logits aligned to token positions. Attention is the
+    caller's backend; by default bidirectional (Dream, LLaDA) or block-causal (SDAR: ``block_size``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -257,7 +270,7 @@ class DiffusionLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[B, T, H]``. Default attention: full bidirectional."""
+        """Final-norm hidden states ``[B, T, H]``. Default attention: the family's (see the class)."""
         return drain(self.hidden_states_steps(input_ids, position_ids, attention))
 
     def hidden_states_steps(
@@ -275,7 +288,9 @@ class DiffusionLM(nn.Module):
             raise ValueError(f"layers_per_step must be positive, got {layers_per_step}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        attention = attention if attention is not None else DenseAttention()
+        if attention is None:
+            block = self.config.block_size
+            attention = DenseAttention() if block is None else BlockCausalAttention(position_ids, block)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
         for i, layer in enumerate(self.model.layers):

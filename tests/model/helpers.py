@@ -21,6 +21,8 @@ def tiny_config(family: str = "dream", **overrides) -> ModelConfig:
         rms_norm_eps=1e-6,
         attention_bias=family == "dream",
         shift_logits=family == "dream",
+        qk_norm=family == "sdar",
+        block_size=4 if family == "sdar" else None,
         mask_token_id=96,
         bos_token_id=1,
         eos_token_id=2,

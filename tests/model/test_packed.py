@@ -11,7 +11,7 @@ from pdllm.shared.model.transformer import Packed
 from .helpers import tiny_model
 
 
-@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("family", ["dream", "llada", "sdar"])
 def test_packed_logits_equal_unpacked(family: str) -> None:
     model = tiny_model(family, seed=4)
     ids = torch.randint(3, 90, (2, 33), generator=torch.Generator().manual_seed(0))
