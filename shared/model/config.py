@@ -109,30 +109,13 @@ class ModelConfig:
 
     @classmethod
     def _from_qwen2_like(cls, cfg: dict[str, Any], model_id: str) -> ModelConfig:
-        heads = _require(cfg, "num_attention_heads")
-        hidden = _require(cfg, "hidden_size")
-        theta, scaling = _rope(cfg)
         return cls(
             family="dream",
-            vocab_size=_require(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size"),
-            num_layers=_require(cfg, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **_hf_shape(cfg, max_positions=4096),
             attention_bias=True,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             shift_logits=True,
             mask_token_id=cfg.get("mask_token_id", DREAM_MASK_ID),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=_first(cfg.get("eos_token_id")),
-            pad_token_id=cfg.get("pad_token_id"),
-            model_id=model_id,
+            **_token_ids(cfg, model_id),
         )
 
     @classmethod
@@ -143,62 +126,28 @@ class ModelConfig:
             raise ModelConfigError(
                 "sliding-window attention (use_sliding_window / layer_types) is not supported"
             )
-        heads = _require(cfg, "num_attention_heads")
-        hidden = _require(cfg, "hidden_size")
-        theta, scaling = _rope(cfg)
         bias = bool(cfg.get("attention_bias", False))
         return cls(
             family="sdar",
-            vocab_size=_require(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size"),
-            num_layers=_require(cfg, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **_hf_shape(cfg, max_positions=32768),
             attention_bias=bias,
             output_bias=bias,
             qk_norm=True,
             block_size=int(cfg.get("block_size") or SDAR_DEFAULT_BLOCK_SIZE),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             shift_logits=False,  # SDAR's loss scores each masked position's own hidden state
             mask_token_id=cfg.get("mask_token_id", SDAR_MASK_ID),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=_first(cfg.get("eos_token_id")),
-            pad_token_id=cfg.get("pad_token_id"),
-            model_id=model_id,
+            **_token_ids(cfg, model_id),
         )
 
     @classmethod
     def _from_llama(cls, cfg: dict[str, Any], model_id: str) -> ModelConfig:
-        heads = _require(cfg, "num_attention_heads")
-        hidden = _require(cfg, "hidden_size")
-        theta, scaling = _rope(cfg)
         return cls(
             family="llada",
-            vocab_size=_require(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size"),
-            num_layers=_require(cfg, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **_hf_shape(cfg, max_positions=4096),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             shift_logits=False,
             mask_token_id=cfg.get("mask_token_id", LLADA_MASK_ID),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=_first(cfg.get("eos_token_id")),
-            pad_token_id=cfg.get("pad_token_id"),
-            model_id=model_id,
+            **_token_ids(cfg, model_id),
         )
 
     @classmethod
@@ -223,10 +172,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("weight_tying", False)),
             shift_logits=False,
             mask_token_id=cfg.get("mask_token_id", LLADA_MASK_ID),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=_first(cfg.get("eos_token_id")),
-            pad_token_id=cfg.get("pad_token_id"),
-            model_id=model_id,
+            **_token_ids(cfg, model_id),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -292,3 +238,33 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if scaling.get("rope_type", "default") == "default":
             scaling = None
     return float(theta if theta is not None else 10000.0), scaling
+
+
+def _hf_shape(cfg: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """The ModelConfig fields that Qwen2/Dream, Qwen3/SDAR and LLaMA configs name alike."""
+    heads = _require(cfg, "num_attention_heads")
+    hidden = _require(cfg, "hidden_size")
+    theta, scaling = _rope(cfg)
+    return {
+        "vocab_size": _require(cfg, "vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": _require(cfg, "intermediate_size"),
+        "num_layers": _require(cfg, "num_hidden_layers"),
+        "num_heads": heads,
+        "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or hidden // heads,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": cfg.get("max_position_embeddings", max_positions),
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+    }
+
+
+def _token_ids(cfg: dict[str, Any], model_id: str) -> dict[str, Any]:
+    return {
+        "bos_token_id": cfg.get("bos_token_id"),
+        "eos_token_id": _first(cfg.get("eos_token_id")),
+        "pad_token_id": cfg.get("pad_token_id"),
+        "model_id": model_id,
+    }
