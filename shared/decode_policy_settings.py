@@ -9,14 +9,14 @@ wire <-> config conversion), the ``generate`` / ``eval`` / ``ask`` / ``serve`` f
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pdllm.shared.settings import Label, SettingError, Settings, validate
+from pdllm.shared.settings import Label, Ref, SettingError, Settings, Spec, validate
 
-DecodePolicyName = Literal["none", "prefix-cache", "dual-cache", "sparse-dllm"]
-CACHING = "prefix-cache, dual-cache or sparse-dllm"
+DecodePolicyName = Literal["none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar"]
+CACHING = "prefix-cache, dual-cache, sparse-dllm or polestar"
 # Sparse-dLLM's own knobs: None takes the paper's value (``SPARSE_DEFAULTS``), so a knob that is set can be
 # told apart from one that is not, and refused under another policy instead of silently ignored.
 SPARSE_KNOBS = ("sparse_retention", "sparse_pool_kernel", "sparse_delay_steps")
@@ -25,6 +25,23 @@ SPARSE_DEFAULTS: dict[str, float | int] = {
     "sparse_pool_kernel": 3,
     "sparse_delay_steps": 1,
 }
+# Polestar-Cache's knobs, likewise (``POLESTAR_DEFAULTS``: the paper's C = 8, M = 2, T = 4; a drift
+# threshold of 0 selects the top-M clusters whatever their KL, as the paper's §4.2 does).
+POLESTAR_KNOBS = (
+    "polestar_clusters",
+    "polestar_top_clusters",
+    "polestar_update_threshold",
+    "polestar_drift_threshold",
+    "polestar_residual_format",
+)
+POLESTAR_DEFAULTS: dict[str, float | int | str] = {
+    "polestar_clusters": 8,
+    "polestar_top_clusters": 2,
+    "polestar_update_threshold": 4,
+    "polestar_drift_threshold": 0.0,
+    "polestar_residual_format": "int8",
+}
+ResidualFormat = Literal["int8", "fp8", "none"]
 
 
 class DecodePolicySettings(Settings):
@@ -65,6 +82,40 @@ class DecodePolicySettings(Settings):
         "paper's; 0: at the block's first step, as Fast-dLLM)",
     )
 
+    polestar_clusters: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="polestar: spherical k-means clusters C of the cached hidden states per layer, split "
+        "between the rows before and after the block by length (none: 8, the paper's)",
+    )
+    polestar_top_clusters: Annotated[int | None, Spec(le=Ref("polestar_clusters"))] = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="polestar: clusters M with the largest drift (KL proxy) refreshed per layer and update, "
+        "at most polestar_clusters (none: 2, the paper's)",
+    )
+    polestar_update_threshold: int | None = Field(
+        None,
+        ge=0,
+        le=4096,
+        description="polestar: a drift update runs once more than T tokens were unmasked since the last one "
+        "(none: 4, the paper's; 0: every step)",
+    )
+    polestar_drift_threshold: float | None = Field(
+        None,
+        ge=0,
+        le=1e6,
+        description="polestar: a cluster is refreshed only if its KL proxy is at least this (none: 0, "
+        "the paper's top-M rule alone)",
+    )
+    polestar_residual_format: ResidualFormat | None = Field(
+        None,
+        description="polestar: format of the hidden-state residuals offloaded to CPU memory: int8 or fp8 "
+        "(e4m3, per-row scale) or none (kept exact; none: int8)",
+    )
+
     def _rules(self, label: Label) -> None:
         policy = self.decode_policy
         if policy == "none" and self.cache_refresh_steps is not None:
@@ -75,6 +126,17 @@ class DecodePolicySettings(Settings):
             if policy != "sparse-dllm" and getattr(self, name) is not None:
                 message = f"{label(name)} needs {label('decode_policy')} sparse-dllm, not {policy}"
                 raise SettingError(name, f"{name}_without_sparse_dllm", message)
+        for name in POLESTAR_KNOBS:
+            if policy != "polestar" and getattr(self, name) is not None:
+                message = f"{label(name)} needs {label('decode_policy')} polestar, not {policy}"
+                raise SettingError(name, f"{name}_without_polestar", message)
+        # The schema bound (Spec) applies when polestar_clusters is set; unset, it is the paper's 8.
+        clusters = self.polestar_clusters or int(POLESTAR_DEFAULTS["polestar_clusters"])
+        top = self.polestar_top_clusters
+        if top is not None and top > clusters:
+            message = f"{label('polestar_top_clusters')} must be at most {label('polestar_clusters')} "
+            message += f"({clusters}), got {top}"
+            raise SettingError("polestar_top_clusters", "polestar_top_clusters_above_clusters", message)
         kernel = self.sparse_pool_kernel
         if kernel is not None and kernel % 2 == 0:
             # Stride-1 pooling padded by s // 2 keeps one score per candidate only for an odd s.
@@ -94,4 +156,5 @@ def decode_policy_config(values: Mapping[str, Any], *, label: Label = str) -> An
         retention=s.sparse_retention,
         pool_kernel=s.sparse_pool_kernel,
         delay_steps=s.sparse_delay_steps,
+        polestar={n: getattr(s, n) for n in POLESTAR_KNOBS if getattr(s, n) is not None},
     )

@@ -204,7 +204,9 @@ def spec(cls: type[Settings], name: str) -> Spec:
 
 def choices(cls: type[Settings], name: str) -> tuple[str, ...]:
     annotation = cls.model_fields[name].annotation
-    return get_args(annotation) if getattr(annotation, "__origin__", None) is Literal else ()
+    # An optional choice (``Literal[...] | None``: unset takes a policy's default) has the same options.
+    literal = [a for a in (annotation, *get_args(annotation)) if getattr(a, "__origin__", None) is Literal]
+    return get_args(literal[0]) if literal else ()
 
 
 def value_type(cls: type[Settings], name: str) -> type:

@@ -14,6 +14,11 @@ A cache may hold only some rows per layer (an eviction policy's ``keep``, Sparse
 then sees the held rows outside ``[lo, hi)`` and its own, in ascending row order, so a cache that holds
 every row gives exactly the full cache's K/V.
 
+A policy may also *recompute some cached rows* at a layer during a partial forward (Polestar-Cache's
+drift-triggered refresh): ``rows_hook`` is called per layer with the merged K/V (every local row, the cache
+holding every row) and returns them with some rows replaced; it writes those rows into the cache itself, so
+later steps read them too. How it gets those rows' inputs (cached hidden states) is its own business.
+
 K is cached after RoPE (each row at its own position), so cached and fresh rows mix in any order. The
 model's forward is unchanged (explicit positions, ``logits_at`` relative to the forwarded rows); this
 backend is its one seam, as for every other method.
@@ -30,6 +35,12 @@ from .attention import AttentionBackend
 
 # Per layer, from the refresh's q and k: the ascending local rows the cache keeps (None: all).
 KeepRows = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]
+# Per layer (layer, q, k, v, cache, inner, record): a refresh forward (``record``: every row, k/v already
+# stored) or a partial one (k/v merged over every local row); returns k/v with recomputed rows replaced.
+RowsHook = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, "LocalKVCache", AttentionBackend, bool],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 @dataclass
@@ -41,6 +52,9 @@ class LocalKVCache:
     values: list[torch.Tensor] = field(default_factory=list)
     # On the host: a partial step finds where its rows fall among them without a device sync.
     held: list[torch.Tensor | None] = field(default_factory=list)
+    # Per-session state a policy's ``rows_hook`` keeps beside the K/V (Polestar: clustered hidden states,
+    # drift proxies); the policy objects stay stateless, the session owns everything that changes.
+    aux: dict[str, object] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -75,8 +89,18 @@ class LocalKVCache:
         a, b = torch.searchsorted(held, torch.tensor([lo, hi])).tolist()
         return int(a), int(b)
 
+    def replace(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite the K/V of local ``rows`` at ``layer`` (a cache holding every row); out of place, so
+        a tensor handed out earlier keeps its values."""
+        if self.held[layer] is not None:
+            raise ValueError("rows are replaced in a cache that holds every row, not an evicting one")
+        self.keys[layer] = self.keys[layer].index_copy(2, rows, k)
+        self.values[layer] = self.values[layer].index_copy(2, rows, v)
+
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        tensors = (*self.keys, *self.values)
+        extra = sum(int(getattr(a, "num_bytes", lambda: 0)()) for a in self.aux.values())
+        return sum(t.numel() * t.element_size() for t in tensors) + extra
 
 
 @dataclass
@@ -86,7 +110,8 @@ class LocalCacheAttention:
 
     ``visible[layer]``: the local rows that layer's queries may see, ascending (None: all), over a cache
     that holds every row; the forwarded rows must be among them. ``keep`` (with ``record``): per layer, the
-    rows the cache holds (an evicting refresh; the refresh itself still attends to every row)."""
+    rows the cache holds (an evicting refresh; the refresh itself still attends to every row). ``rows_hook``:
+    per layer, recompute some cached rows (see the module docstring)."""
 
     inner: AttentionBackend
     cache: LocalKVCache
@@ -95,6 +120,7 @@ class LocalCacheAttention:
     record: bool = False
     visible: Sequence[torch.Tensor | None] | None = None
     keep: KeepRows | None = None
+    rows_hook: RowsHook | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.record:
@@ -110,6 +136,8 @@ class LocalCacheAttention:
             a, b = self.cache.split(layer, self.lo, self.hi)
             k = torch.cat([ck[:, :, :a], k, ck[:, :, b:]], dim=2)
             v = torch.cat([cv[:, :, :a], v, cv[:, :, b:]], dim=2)
+        if self.rows_hook is not None:
+            k, v = self.rows_hook(layer, q, k, v, self.cache, self.inner, self.record)
         keep = self.visible[layer] if self.visible is not None else None
         if keep is not None:
             k, v = k.index_select(2, keep), v.index_select(2, keep)

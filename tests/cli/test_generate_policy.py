@@ -59,7 +59,10 @@ def test_no_policy_reports_none(tiny_dir, capsys) -> None:
     [
         (["--cache-refresh-steps", "0", "--decode-policy", "dual-cache"], "--cache-refresh-steps must be in [1, 4096] (got 0)"),
         (["--cache-refresh-steps", "5000", "--decode-policy", "dual-cache"], "--cache-refresh-steps must be in [1, 4096] (got 5000)"),
-        (["--cache-refresh-steps", "2"], "--cache-refresh-steps needs a caching --decode-policy (prefix-cache, dual-cache or sparse-dllm), not none"),
+        (["--decode-policy", "polestar", "--polestar-clusters", "0"], "--polestar-clusters must be in [1, 1024] (got 0)"),
+        (["--decode-policy", "polestar", "--polestar-clusters", "2", "--polestar-top-clusters", "3"], "--polestar-top-clusters must be in [1, 2], at most --polestar-clusters (got 3)"),
+        (["--polestar-update-threshold", "2"], "--polestar-update-threshold needs --decode-policy polestar, not none"),
+        (["--cache-refresh-steps", "2"], "--cache-refresh-steps needs a caching --decode-policy (prefix-cache, dual-cache, sparse-dllm or polestar), not none"),
     ],
 )  # fmt: skip
 def test_bad_knob_is_one_clear_line(tiny_dir, capsys, extra: list[str], message: str) -> None:
@@ -70,13 +73,13 @@ def test_bad_knob_is_one_clear_line(tiny_dir, capsys, extra: list[str], message:
 
 def test_unknown_policy_is_refused(tiny_dir, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(_generate(tiny_dir, "--decode-policy", "polestar"))
+        main(_generate(tiny_dir, "--decode-policy", "lru-cache"))
     assert exc.value.code == 2
-    assert "--decode-policy: invalid choice: 'polestar'" in capsys.readouterr().err
+    assert "--decode-policy: invalid choice: 'lru-cache'" in capsys.readouterr().err
 
 
 def test_unknown_policy_from_the_environment_names_the_variable(tiny_dir, capsys, monkeypatch) -> None:
-    monkeypatch.setenv("PDLLM_DECODE_POLICY", "polestar")
+    monkeypatch.setenv("PDLLM_DECODE_POLICY", "lru-cache")
     assert main(_generate(tiny_dir, "--method", "vanilla")) == 2
     err = capsys.readouterr().err
     assert "--decode-policy ($PDLLM_DECODE_POLICY) must be one of none, prefix-cache, dual-cache" in err

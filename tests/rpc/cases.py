@@ -123,8 +123,8 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
     # of range, a knob the policy does not have, an even pooling kernel.
     (
         "unknown_decode_policy",
-        _set("decode_policy.decode_policy", "polestar"),
-        "decode_policy.decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm (got 'polestar')",
+        _set("decode_policy.decode_policy", "lru-cache"),
+        "decode_policy.decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm, polestar (got 'lru-cache')",
     ),
     (
         "sparse_retention_range",

@@ -105,7 +105,7 @@ def test_decode_policy_round_trips_and_unset_is_none() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        (pb.DecodePolicyParams(decode_policy="polestar"), "decode_policy.decode_policy must be one of"),
+        (pb.DecodePolicyParams(decode_policy="lru-cache"), "decode_policy.decode_policy must be one of"),
         (pb.DecodePolicyParams(sparse_retention=0.5), "needs decode_policy.decode_policy sparse-dllm"),
         (
             pb.DecodePolicyParams(decode_policy="sparse-dllm", sparse_retention=2.0),

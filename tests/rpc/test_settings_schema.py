@@ -95,11 +95,16 @@ PUBLIC = {
     "method.retention_score": "one of bidirectional, query-to-chunk",
     "method.query_window": "in [1, 4096]",
     "method.prefill_attention": "one of causal, bidirectional",
-    "decode_policy.decode_policy": "one of none, prefix-cache, dual-cache, sparse-dllm",
+    "decode_policy.decode_policy": "one of none, prefix-cache, dual-cache, sparse-dllm, polestar",
     "decode_policy.cache_refresh_steps": "in [1, 4096]",
     "decode_policy.sparse_retention": "in (0, 1]",
     "decode_policy.sparse_pool_kernel": "in [1, 255]",
     "decode_policy.sparse_delay_steps": "in [0, 4096]",
+    "decode_policy.polestar_clusters": "in [1, 1024]",
+    "decode_policy.polestar_top_clusters": "in [1, 1024]",
+    "decode_policy.polestar_update_threshold": "in [0, 4096]",
+    "decode_policy.polestar_drift_threshold": "in [0, 1e+06]",
+    "decode_policy.polestar_residual_format": "one of int8, fp8, none",
 }
 
 
@@ -132,6 +137,9 @@ def test_engine_bounds_are_pinned() -> None:
         "query_window=0", "prefill_attention='no-such-causal'", "decode_policy='no-such-none'",
         "cache_refresh_steps=0", "cache_refresh_steps=4097", "sparse_retention=0.0", "sparse_retention=2.0",
         "sparse_pool_kernel=0", "sparse_pool_kernel=256", "sparse_delay_steps=-1", "sparse_delay_steps=4097",
+        "polestar_clusters=0", "polestar_clusters=1025", "polestar_top_clusters=0", "polestar_top_clusters=1025",
+        "polestar_update_threshold=-1", "polestar_update_threshold=4097", "polestar_drift_threshold=-1.0",
+        "polestar_drift_threshold=1000001.0", "polestar_residual_format='no-such-int8'",
         "chunk_boundary='no-such-fixed'", "prefill_batch=0", "retention_block=0",
     ]  # fmt: skip
 

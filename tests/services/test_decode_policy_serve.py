@@ -140,7 +140,19 @@ def test_stream_of_a_policy_request(deployment, loaded) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"decode_policy": "polestar"}, "decode_policy.decode_policy must be one of none, prefix-cache"),
+        ({"decode_policy": "lru-cache"}, "decode_policy.decode_policy must be one of none, prefix-cache"),
+        (
+            {"decode_policy": "polestar", "polestar_clusters": 0},
+            "decode_policy.polestar_clusters must be in [1, 1024] (got 0)",
+        ),
+        (
+            {"decode_policy": "polestar", "polestar_clusters": 2, "polestar_top_clusters": 3},
+            "decode_policy.polestar_top_clusters must be in [1, 2], at most decode_policy.polestar_clusters",
+        ),
+        (
+            {"decode_policy": "dual-cache", "polestar_update_threshold": 2},
+            "decode_policy.polestar_update_threshold needs decode_policy.decode_policy polestar",
+        ),
         (
             {"decode_policy": "sparse-dllm", "sparse_retention": 1.5},
             "decode_policy.sparse_retention must be in (0, 1] (got 1.5)",

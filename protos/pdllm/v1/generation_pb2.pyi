@@ -49,18 +49,28 @@ class MethodParams(_message.Message):
     def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ..., query_window: _Optional[int] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
 
 class DecodePolicyParams(_message.Message):
-    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps")
+    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps", "polestar_clusters", "polestar_top_clusters", "polestar_update_threshold", "polestar_drift_threshold", "polestar_residual_format")
     DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     CACHE_REFRESH_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_RETENTION_FIELD_NUMBER: _ClassVar[int]
     SPARSE_POOL_KERNEL_FIELD_NUMBER: _ClassVar[int]
     SPARSE_DELAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    POLESTAR_CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    POLESTAR_TOP_CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    POLESTAR_UPDATE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    POLESTAR_DRIFT_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    POLESTAR_RESIDUAL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     decode_policy: str
     cache_refresh_steps: int
     sparse_retention: float
     sparse_pool_kernel: int
     sparse_delay_steps: int
-    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ...) -> None: ...
+    polestar_clusters: int
+    polestar_top_clusters: int
+    polestar_update_threshold: int
+    polestar_drift_threshold: float
+    polestar_residual_format: str
+    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ..., polestar_clusters: _Optional[int] = ..., polestar_top_clusters: _Optional[int] = ..., polestar_update_threshold: _Optional[int] = ..., polestar_drift_threshold: _Optional[float] = ..., polestar_residual_format: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method", "decode_policy")

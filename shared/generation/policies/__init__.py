@@ -32,9 +32,11 @@ policy-driven loop is a logits function like any other, driven by ``denoise``.
 **Policies so far.** ``none`` (the plain loops, untouched), Fast-dLLM's ``prefix-cache`` and
 ``dual-cache`` (``fast_dllm.py``: refresh at each block's first step, optionally every N steps),
 ``sparse-dllm`` (``sparse_dllm.py``: the cache taken one step late, ``keep`` = the block queries'
-max-pooled attention over the rows outside the block at retention r). Next: Polestar-Cache (per-layer
-drift-triggered refresh of some cached rows: the plan will gain a per-layer "recompute these cached rows"
-field, which needs a layer hook in the model runtime).
+max-pooled attention over the rows outside the block at retention r), ``polestar`` (``polestar.py``,
+reference path: the dual cache plus, per layer, a drift-triggered recompute of some cached rows from their
+kept hidden states: ``StepPlan.rows_hook``, called by ``local_cache.LocalCacheAttention`` at every layer
+with the merged K/V; it reads layer inputs through forward pre-hooks on the model's layers, so the model's
+forward is unchanged; its per-session state lives in ``LocalKVCache.aux``).
 
 **On the decode worker (now).** A request's ``decode_policy`` (``pdllm.v1.DecodePolicyParams``) runs this
 reference loop, **not batched**: the scheduler steps its :class:`PolicySession` alone, one step per
@@ -54,6 +56,7 @@ rewrites it in place), so the partial-step graphs stay replayable.
 
 from .base import CachePolicy, DecodePolicyConfig, RowSelector, StepContext, StepPlan
 from .fast_dllm import DualCache, PrefixCache
+from .polestar import Polestar
 from .runner import CacheStats, PolicyLogits, PolicySession, denoise_with_policy, make_policy, run_policy
 from .sparse_dllm import SaliencyKeep, SparseDLLM
 
@@ -63,6 +66,7 @@ __all__ = [
     "DecodePolicyConfig",
     "DualCache",
     "PolicyLogits",
+    "Polestar",
     "PolicySession",
     "PrefixCache",
     "RowSelector",

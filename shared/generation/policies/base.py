@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from pdllm.shared.decode_policy_settings import SPARSE_DEFAULTS, DecodePolicySettings
+from pdllm.shared.decode_policy_settings import (
+    POLESTAR_DEFAULTS,
+    POLESTAR_KNOBS,
+    SPARSE_DEFAULTS,
+    DecodePolicySettings,
+)
+from pdllm.shared.model.local_cache import RowsHook
 from pdllm.shared.settings import Label, validate
 
 _DEFAULTS = DecodePolicySettings()
@@ -26,6 +33,8 @@ class DecodePolicyConfig:
     retention: float | None = None
     pool_kernel: int | None = None
     delay_steps: int | None = None
+    # Polestar-Cache's knobs by setting name (``polestar_clusters``, ...); unset ones take the paper's.
+    polestar: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -39,6 +48,10 @@ class DecodePolicyConfig:
             "sparse_pool_kernel": self.pool_kernel,
             "sparse_delay_steps": self.delay_steps,
         }
+        unknown = set(self.polestar) - set(POLESTAR_KNOBS)
+        if unknown:
+            raise ValueError(f"unknown polestar knobs {sorted(unknown)}; known: {list(POLESTAR_KNOBS)}")
+        values |= dict(self.polestar)
         validate(DecodePolicySettings, values, label=label)
 
     def sparse(self) -> tuple[float, int, int]:
@@ -49,6 +62,10 @@ class DecodePolicyConfig:
             int(SPARSE_DEFAULTS["sparse_pool_kernel"] if s is None else s),
             int(SPARSE_DEFAULTS["sparse_delay_steps"] if d is None else d),
         )
+
+    def polestar_knobs(self) -> dict[str, Any]:
+        """Polestar-Cache's knobs, the paper's values where unset."""
+        return {n: self.polestar.get(n, POLESTAR_DEFAULTS[n]) for n in POLESTAR_KNOBS}
 
     @property
     def caches(self) -> bool:
@@ -70,6 +87,8 @@ class StepContext:
     # Rows just before the block whose hidden states its logits need: 1 for shifted-logit models (Dream
     # predicts token i from the state at i - 1), 0 otherwise (LLaDA).
     lead: int
+    # Tokens of the block already unmasked when the step runs (Polestar-Cache's update trigger counts them).
+    unmasked: int = 0
 
 
 class RowSelector(Protocol):
@@ -95,6 +114,9 @@ class StepPlan:
     visible: Sequence[torch.Tensor | None] | None = None
     record: bool = True
     keep: RowSelector | None = None
+    # Per layer, recompute some cached rows (``local_cache.RowsHook``; Polestar-Cache), on refresh and
+    # partial steps; ``attach`` (when it has one) wraps the forward, e.g. to read layer inputs.
+    rows_hook: RowsHook | None = None
 
     @classmethod
     def full(cls, ctx: StepContext) -> StepPlan:
@@ -121,6 +143,12 @@ class CachePolicy(Protocol):
     name: str
 
     def plan(self, ctx: StepContext) -> StepPlan: ...
+
+
+class AttachableHook(Protocol):
+    """A ``rows_hook`` that needs the model around the forward (layer inputs, layer weights)."""
+
+    def attach(self, model: Any, positions: Any) -> AbstractContextManager[None]: ...
 
 
 def refresh_due(ctx: StepContext, refresh_steps: int | None) -> bool:

@@ -11,6 +11,7 @@ logits of the masked positions.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,6 +23,7 @@ from pdllm.shared.model.transformer import DiffusionLM
 from ..sampler import DenoiseSession, GenerationConfig, GenerationResult, denoise
 from .base import CachePolicy, DecodePolicyConfig, StepContext
 from .fast_dllm import DualCache, PrefixCache
+from .polestar import Polestar
 from .sparse_dllm import SparseDLLM
 
 
@@ -35,6 +37,16 @@ def make_policy(config: DecodePolicyConfig) -> CachePolicy | None:
     if config.name == "sparse-dllm":
         retention, kernel, delay = config.sparse()
         return SparseDLLM(retention, kernel, delay, config.refresh_steps)
+    if config.name == "polestar":
+        k = config.polestar_knobs()
+        return Polestar(
+            clusters=int(k["polestar_clusters"]),
+            top_clusters=int(k["polestar_top_clusters"]),
+            update_threshold=int(k["polestar_update_threshold"]),
+            drift_threshold=float(k["polestar_drift_threshold"]),
+            residual_format=str(k["polestar_residual_format"]),
+            refresh_steps=config.refresh_steps,
+        )
     return None
 
 
@@ -90,6 +102,8 @@ class PolicyLogits:
         if block != self._block:
             self._block, self._step_in_block = block, 0
         start = self.response_start + block * self.gen.block
+        block_tokens = self.local[start : start + self.gen.block]
+        unmasked = int((block_tokens != self.model.config.mask_token_id).sum())
         return StepContext(
             step=self.stats.forwards,
             block=block,
@@ -98,6 +112,7 @@ class PolicyLogits:
             block_end=start + self.gen.block,
             rows=self.local.shape[0],
             lead=self.lead,
+            unmasked=unmasked,
         )
 
     def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -111,10 +126,13 @@ class PolicyLogits:
             backend = self.inner
         else:
             backend = LocalCacheAttention(
-                self.inner, self.cache, lo, hi, plan.refresh, plan.visible, plan.keep
+                self.inner, self.cache, lo, hi, plan.refresh, plan.visible, plan.keep, plan.rows_hook
             )
         rows_at = (at + (self.response_start - lo))[None]
-        logits = self.model(self.local[None, lo:hi], self.positions[:, lo:hi], backend, logits_at=rows_at)[0]
+        attach = getattr(plan.rows_hook, "attach", None)
+        with attach(self.model, self.positions) if attach is not None else nullcontext():
+            logits = self.model(self.local[None, lo:hi], self.positions[:, lo:hi], backend, logits_at=rows_at)
+        logits = logits[0]
         self._step_in_block += 1
         self.stats.forwards += 1
         self.stats.refreshes += int(plan.refresh and plan.record)
