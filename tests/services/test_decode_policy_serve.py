@@ -36,6 +36,13 @@ POLICIES = [
         {"decode_policy": "sparse-dllm", "sparse_retention": 0.5, "sparse_delay_steps": 0},
         DecodePolicyConfig("sparse-dllm", retention=0.5, delay_steps=0),
     ),
+    (  # updates every step (threshold 0), so its recompute counters are not zero
+        {
+            "decode_policy": "polestar",
+            **(knobs := {"polestar_clusters": 2, "polestar_top_clusters": 1, "polestar_update_threshold": 0}),
+        },
+        DecodePolicyConfig("polestar", polestar=knobs),
+    ),
 ]
 
 
@@ -75,7 +82,7 @@ def _ask(address: str, **values: Any):
 
 def _trace_counters(response) -> dict[str, Any]:
     p = response.trace.decode_policy
-    names = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes")
+    names = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes", "updates", "rows_recomputed")
     return {name: getattr(p, name) for name in names}
 
 
@@ -86,6 +93,8 @@ def test_pdllm_with_a_policy_equals_the_engine(deployment, loaded, wire, policy,
     expected = _engine_answer(loaded, kv_mode, policy)
     assert list(response.token_ids) == expected.token_ids
     assert _trace_counters(response) == expected.cache  # the policy that ran and what it saved
+    recomputes = policy.name == "polestar"  # the only policy here that recomputes cached rows
+    assert (response.trace.decode_policy.rows_recomputed > 0) == recomputes
     assert response.trace.method == "pdllm" and len(response.trace.selected_chunk_ids) == 2
 
 

@@ -175,18 +175,22 @@ class PhaseTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class DecodePolicyTrace(_message.Message):
-    __slots__ = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes")
+    __slots__ = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes", "updates", "rows_recomputed")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     REFRESHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     policy: str
     forwards: int
     refreshes: int
     rows_forwarded: int
     cache_bytes: int
-    def __init__(self, policy: _Optional[str] = ..., forwards: _Optional[int] = ..., refreshes: _Optional[int] = ..., rows_forwarded: _Optional[int] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+    updates: int
+    rows_recomputed: int
+    def __init__(self, policy: _Optional[str] = ..., forwards: _Optional[int] = ..., refreshes: _Optional[int] = ..., rows_forwarded: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., updates: _Optional[int] = ..., rows_recomputed: _Optional[int] = ...) -> None: ...
 
 class Trace(_message.Message):
     __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens", "kv_source", "decode_policy")

@@ -53,12 +53,15 @@ def make_policy(config: DecodePolicyConfig) -> CachePolicy | None:
 @dataclass
 class CacheStats:
     """What a policy saved: forwards, refreshes among them (forwards whose K/V became the cache), local
-    rows forwarded in all, peak cache bytes."""
+    rows forwarded in all, peak cache bytes; and for policies that recompute cached rows selectively
+    (Polestar-Cache), the steps that did and the cached rows they recomputed, summed over layers."""
 
     forwards: int = 0
     refreshes: int = 0
     rows_forwarded: int = 0
     cache_bytes: int = 0
+    updates: int = 0
+    rows_recomputed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -138,6 +141,11 @@ class PolicyLogits:
         self.stats.refreshes += int(plan.refresh and plan.record)
         self.stats.rows_forwarded += hi - lo
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache.num_bytes())
+        # A selective policy keeps its counters in its per-session state (the cache's aux).
+        self.stats.updates = sum(int(getattr(a, "updates", 0)) for a in self.cache.aux.values())
+        self.stats.rows_recomputed = sum(
+            int(getattr(a, "rows_recomputed", 0)) for a in self.cache.aux.values()
+        )
         return logits
 
     def summary(self) -> dict[str, int | str]:
