@@ -77,7 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    check_runnable(loaded.config.family, "generate")
+    if args.method != "vanilla":  # vanilla decodes SDAR block by block (generation/block_diffusion.py)
+        check_runnable(loaded.config.family, f"generate --method {args.method}")
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer files; `generate` needs text in and out")
@@ -89,6 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         prompt = ids.vanilla(loaded.config.bos_token_id)
         result = generate_vanilla(loaded.model, prompt, gen, progress=True, policy=policy)
+        timings.update(result.timings)  # SDAR: the prompt's block-causal prefill
         timings["decode"] = result.decode_seconds
     else:
         from pdllm.shared.app.engine import PrefillingEngine

@@ -31,6 +31,7 @@ from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
+from pdllm.shared.model.sdar import check_runnable
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 
@@ -54,6 +55,7 @@ class PrefillingEngine:
         sentence_ends: Collection[int] | None = None,
         kv_write_policy: KVWritePolicy = DEFAULT_KV_WRITE_POLICY,
     ) -> None:
+        check_runnable(model.config.family, "the pdllm engine (chunk selection)")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()

@@ -69,8 +69,25 @@ def step_schedule(block_length: int, steps_per_block: int) -> list[int]:
     return [base + 1 if i < rem else base for i in range(steps)]
 
 
+def uniform_spans(config: GenerationConfig) -> list[tuple[int, int]]:
+    """The response's semi-autoregressive blocks, ``config.block`` tokens each: ``[lo, hi)`` per block."""
+    return [(b * config.block, (b + 1) * config.block) for b in range(config.num_blocks)]
+
+
+def _check_spans(spans: list[tuple[int, int]], gen_length: int) -> None:
+    ends = [0] + [hi for _, hi in spans]
+    tiled = all(lo == end and lo < hi for (lo, hi), end in zip(spans, ends))
+    if not spans or not tiled or ends[-1] != gen_length:
+        raise ValueError(f"block spans {spans} do not tile the response [0, {gen_length}) in order")
+
+
 class DenoiseState:
-    """One request's response under iterative unmasking (response-relative positions 0..gen_length-1)."""
+    """One request's response under iterative unmasking (response-relative positions 0..gen_length-1).
+
+    ``spans``: the blocks, decoded in order (default :func:`uniform_spans`). Block diffusion (SDAR) aligns
+    its blocks to absolute positions, so its first and last answer blocks may be shorter; each block gets
+    ``config.steps // config.num_blocks`` steps, capped at its length, like a uniform block does.
+    """
 
     def __init__(
         self,
@@ -78,28 +95,35 @@ class DenoiseState:
         mask_id: int,
         eos_id: int | None,
         device: torch.device | str = "cpu",
+        spans: list[tuple[int, int]] | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self.mask_id = mask_id
         self.eos_id = eos_id
         self.tokens = torch.full((config.gen_length,), mask_id, dtype=torch.long, device=device)
+        self.spans = uniform_spans(config) if spans is None else list(spans)
+        _check_spans(self.spans, config.gen_length)
         self.block = 0
         self.step_in_block = 0
         self.steps_taken = 0
-        self._schedule = step_schedule(config.block, config.steps // config.num_blocks)
+        self._steps_per_block = config.steps // config.num_blocks
+        self._schedule = step_schedule(self._span_length(), self._steps_per_block)
         self.generator = torch.Generator().manual_seed(config.seed)
         self._stopped = False
 
+    def _span_length(self) -> int:
+        lo, hi = self.spans[self.block]
+        return hi - lo
+
     @property
     def done(self) -> bool:
-        return self._stopped or self.block >= self.config.num_blocks
+        return self._stopped or self.block >= len(self.spans)
 
     def positions(self) -> torch.Tensor:
         """Masked positions of the current block: the rows the next logits must cover, in order."""
-        lo = self.block * self.config.block
-        window = self.tokens[lo : lo + self.config.block]
-        return (window == self.mask_id).nonzero().flatten() + lo
+        lo, hi = self.spans[self.block]
+        return (self.tokens[lo:hi] == self.mask_id).nonzero().flatten() + lo
 
     def update(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply one step's logits (``[len(positions()), V]``); returns the newly unmasked positions."""
@@ -127,15 +151,17 @@ class DenoiseState:
         self.tokens[picked] = tokens[chosen]
         self.steps_taken += 1
         self.step_in_block += 1
-        lo = self.block * self.config.block
-        if not bool((self.tokens[lo : lo + self.config.block] == self.mask_id).any()):
+        lo, hi = self.spans[self.block]
+        if not bool((self.tokens[lo:hi] == self.mask_id).any()):
             self._finish_block()
         return picked
 
     def _finish_block(self) -> None:
-        end = (self.block + 1) * self.config.block
+        end = self.spans[self.block][1]
         self.block += 1
         self.step_in_block = 0
+        if self.block < len(self.spans):
+            self._schedule = step_schedule(self._span_length(), self._steps_per_block)
         if self.config.stop_at_eos and self.eos_id is not None:
             self._stopped = bool((self.tokens[:end] == self.eos_id).any())
 

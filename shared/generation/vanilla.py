@@ -10,6 +10,7 @@ import torch
 
 from ..model.attention import DenseAttention
 from ..model.transformer import DiffusionLM
+from .block_diffusion import generate_block_diffusion
 from .policies import CachePolicy, DecodePolicyConfig, PolicyLogits, make_policy, run_policy
 from .sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 
@@ -56,10 +57,20 @@ def generate_vanilla(
     policy: DecodePolicyConfig | None = None,
 ) -> GenerationResult:
     """Generate ``config.gen_length`` tokens after ``prompt_ids`` (1-D) with full bidirectional attention;
-    ``policy``: a decode policy over prompt + response (None or ``none``: every step recomputes all)."""
+    ``policy``: a decode policy over prompt + response (None or ``none``: every step recomputes all).
+    Block-diffusion models (SDAR) decode block by block over their exact cache (``block_diffusion``)."""
     prompt = prompt_tensor(model, prompt_ids)
     config.validate()
     cache_policy = make_policy(policy) if policy is not None else None
+    if model.config.block_size is not None:
+        # Block diffusion (SDAR): full attention would be the wrong model; decode block by block instead.
+        if cache_policy is not None and policy is not None:
+            raise ValueError(
+                f"decode policy {policy.name!r} does not run on SDAR (block-diffusion) "
+                "models yet: their vanilla decoding already keeps the exact cache of finished blocks; "
+                "use --decode-policy none"
+            )
+        return generate_block_diffusion(model, prompt, config, progress)
     if cache_policy is not None:
         return run_policy(vanilla_policy_logits(model, prompt, config, cache_policy), progress)
     return denoise(

@@ -81,11 +81,12 @@ class BlockCausalAttention:
 
 
 def check_runnable(family: str, command: str) -> None:
-    """SDAR loads, but the decode loops (vanilla, chunk selection, serving) are Dream/LLaDA's full-attention
-    ones; running them on an SDAR model would silently decode with the wrong attention. Fail clearly."""
+    """SDAR decodes in the plain path (``generate --method vanilla``: block by block over the exact cache of
+    finished blocks), but chunk selection, eval and serving run Dream/LLaDA's full-attention decode loops;
+    running them on an SDAR model would silently decode with the wrong attention. Fail clearly."""
     if family == "sdar":
         raise ValueError(
-            f"SDAR (block-diffusion) checkpoints load in the model runtime, but `{command}` cannot decode "
-            "them yet: block-by-block decoding over the exact cache of finished blocks is the next slice "
-            "of issue 18"
+            f"SDAR (block-diffusion) checkpoints decode with `pdllm generate --method vanilla`, but `{command}` "
+            "cannot decode them yet: its decode loop attends bidirectionally over the whole sequence "
+            "(chunk selection with a block-causal prefill is the next slice of issue 18)"
         )

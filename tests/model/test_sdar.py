@@ -186,6 +186,6 @@ def test_sdar_config_defaults_and_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="sliding-window"):
         load_model(tmp_path, load_tokenizer=False)
-    with pytest.raises(ValueError, match="`generate` cannot decode them yet"):
-        check_runnable("sdar", "generate")
+    with pytest.raises(ValueError, match="`eval` cannot decode them yet"):
+        check_runnable("sdar", "eval")
     check_runnable("dream", "generate")

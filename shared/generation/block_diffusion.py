@@ -1,0 +1,172 @@
+"""Block-by-block decoding for block-diffusion models (SDAR): the plain generation path for that family.
+
+A block-diffusion model attends causally across blocks of ``model.config.block_size`` positions (aligned to
+absolute position 0) and bidirectionally inside a block (``model/sdar.py``). So a finished block's K/V
+never change, and decoding keeps them as an exact cache, like an autoregressive model does:
+
+1. The prompt's whole generation blocks are prefilled block-causally (in pieces of whole blocks) and
+   their K/V recorded. The prompt's last partial block is *not* cached: it is decoded together with the
+   first answer tokens (its prompt tokens stay fixed), as SDAR itself aligns blocks.
+2. Each generation block (``config.block_length``, a multiple of the model's block size; blocks aligned to
+   absolute multiples of it, so the first and last answer blocks may be shorter) is denoised with the
+   shared sampler (:class:`~.sampler.DenoiseState`: schedule or threshold, EOS stop), every step one
+   forward over the block alone against the cache of all earlier blocks.
+3. A finished block gets one more forward, over its final tokens, to record its K/V: the last
+   denoising step computed K/V from a block that still held masks, so those are not the block's K/V.
+
+Memory: the cache is preallocated for prompt + answer per layer (no re-concatenation per block).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..model.attention import RecordKV
+from ..model.sdar import BlockCausalAttention
+from ..model.transformer import DiffusionLM
+from .sampler import DenoiseState, GenerationConfig, GenerationResult
+
+# Prompt tokens per prefill forward (rounded down to whole generation blocks): bounds the [T, T] mask and
+# the activations of a long prompt without changing any value (the pieces are exact, like the blocks).
+PREFILL_PIECE_TOKENS = 2048
+
+
+def generation_block(config: GenerationConfig, model_block: int) -> int:
+    """The generation block length, checked against the model's block size (a multiple of it, or equal).
+
+    A generation block must hold whole model blocks: its boundary is where K/V get cached, and a model
+    block split across two generation blocks would have its first part cached before it saw its second.
+    """
+    block = config.block
+    if block % model_block:
+        named = "block_length" if config.block_length is not None else "block_length (unset: gen_length)"
+        raise ValueError(
+            f"{named} is {block}, but this SDAR (block-diffusion) model has block size {model_block}: the "
+            f"generation block length must be a multiple of {model_block} (e.g. --block-length {model_block})"
+        )
+    return block
+
+
+def answer_spans(prompt_length: int, gen_length: int, block: int) -> list[tuple[int, int]]:
+    """The answer's generation blocks as response-relative ``[lo, hi)``, aligned to absolute multiples of
+    ``block``: the first one finishes the prompt's last partial block, the last one stops at the answer's
+    end (no padding masks past ``gen_length``)."""
+    spans: list[tuple[int, int]] = []
+    lo = 0
+    while lo < gen_length:
+        hi = min(gen_length, ((prompt_length + lo) // block + 1) * block - prompt_length)
+        spans.append((lo, hi))
+        lo = hi
+    return spans
+
+
+class BlockKVCache:
+    """The exact K/V of positions ``[0, length)`` per layer, in buffers sized for the whole sequence."""
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self.length = 0
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+
+    def attention(self, positions: torch.Tensor) -> BlockCausalAttention:
+        """Block-causal attention for a forward at ``positions`` (all >= ``length``) over the cache."""
+        if self.length == 0:
+            return BlockCausalAttention(positions, self.block_size)
+        n = self.length
+        prefix = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._keys, self._values, strict=True)]
+        return BlockCausalAttention(
+            positions, self.block_size, prefix, torch.arange(n, device=positions.device)
+        )
+
+    def append(self, record: RecordKV) -> None:
+        """Add a forward's recorded K/V (its tokens must be the next positions, ``length`` onwards)."""
+        t = record.keys[0].shape[2]
+        if self.length + t > self.capacity:
+            raise ValueError(f"cache of {self.capacity} positions cannot take {t} more after {self.length}")
+        if not self._keys:
+            for k in record.keys:
+                b, h, _, d = k.shape
+                self._keys.append(k.new_empty((b, h, self.capacity, d)))
+                self._values.append(k.new_empty((b, h, self.capacity, d)))
+        n = self.length
+        for buf, k in zip(self._keys, record.keys, strict=True):
+            buf[:, :, n : n + t] = k
+        for buf, v in zip(self._values, record.values, strict=True):
+            buf[:, :, n : n + t] = v
+        self.length += t
+
+
+def record_span(model: DiffusionLM, cache: BlockKVCache, seq: torch.Tensor, lo: int, hi: int) -> None:
+    """One forward over ``seq[lo:hi]`` (whole blocks, final tokens) that appends its K/V to the cache."""
+    if lo != cache.length:
+        raise ValueError(f"recording [{lo}, {hi}) but the cache ends at {cache.length}")
+    positions = torch.arange(lo, hi, device=seq.device)
+    record = RecordKV(cache.attention(positions))
+    model.hidden_states(seq[lo:hi][None], positions[None], attention=record)  # no LM head: K/V only
+    cache.append(record)
+
+
+@torch.inference_mode()
+def generate_block_diffusion(
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    config: GenerationConfig,
+    progress: bool = False,
+    prefill_piece: int = PREFILL_PIECE_TOKENS,
+) -> GenerationResult:
+    """Generate ``config.gen_length`` tokens after ``prompt`` (1-D, on the model's device) block by block
+    over the exact cache of earlier blocks. ``timings['prefill']``: seconds to cache the prompt."""
+    model_block = model.config.block_size
+    if model_block is None:
+        raise ValueError(f"{model.config.family} is not a block-diffusion model (no block_size)")
+    config.validate()
+    block = generation_block(config, model_block)
+    p, device = prompt.numel(), prompt.device
+    spans = answer_spans(p, config.gen_length, block)
+    state = DenoiseState(config, model.config.mask_token_id, model.config.eos_token_id, device, spans)
+    seq = torch.cat([prompt, state.tokens])
+    cache = BlockKVCache(seq.numel(), model_block)
+
+    start = time.perf_counter()
+    cached_prompt = p // block * block  # the last partial block is decoded with the answer
+    piece = max(block, prefill_piece // block * block)
+    for lo in range(0, cached_prompt, piece):
+        record_span(model, cache, seq, lo, min(cached_prompt, lo + piece))
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    total = config.gen_length if config.threshold is not None else min(config.steps, config.gen_length)
+    with tqdm(total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False) as bar:
+        while not state.done:
+            b = state.block
+            lo, hi = cache.length, p + spans[b][1]
+            seq[p:hi] = state.tokens[: hi - p]
+            positions = torch.arange(lo, hi, device=device)
+            rows = state.positions() + (p - lo)  # the block's masked slots, as indices into the window
+            logits = model(
+                seq[lo:hi][None], positions[None], attention=cache.attention(positions), logits_at=rows[None]
+            )[0]
+            state.update(logits)
+            bar.update(1)
+            if state.block != b and not state.done:  # finished, and a later block will attend to it
+                seq[p:hi] = state.tokens[: hi - p]
+                record_span(model, cache, seq, lo, hi)
+    _sync(device)
+    return GenerationResult(
+        token_ids=state.result(),
+        raw_tokens=state.tokens.tolist(),
+        steps=state.steps_taken,
+        decode_seconds=time.perf_counter() - start,
+        timings={"prefill": prefill_s},
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
