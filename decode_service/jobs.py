@@ -13,6 +13,7 @@ import torch
 
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.rounds import BatchSession
+from pdllm.shared.generation.policies import CachePolicy
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV
@@ -44,6 +45,8 @@ class StaticDecode:
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
+    # A batched decode policy (policy_rounds.BATCHED_POLICIES): the session joins the rounds under it.
+    cache_policy: CachePolicy | None = None
 
 
 Session = BatchSession | DenoiseSession
@@ -59,6 +62,8 @@ class DecodeJob:
     stream_partials: bool = True
     # Static KV tokens the session will hold in the pool (an upper bound; 0: it holds none).
     kv_tokens: int = 0
+    # Pool slots beyond the static KV (a batched decode policy's cache of the query + answer rows).
+    cache_tokens: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     session: Session | None = None
@@ -81,6 +86,11 @@ class DecodeJob:
     transfer: Transfer | None = None  # the pull, from launch until it finished
     received: Transfer | None = None  # the finished pull
     kv_source: str = "built"
+
+    @property
+    def pool_tokens(self) -> int:
+        """Slots the job reserves in the KV pool."""
+        return self.kv_tokens + self.cache_tokens
 
     def pull_over(self) -> bool:
         """Its pull has finished, or it was cancelled and the pull no longer writes into its pages (a

@@ -1,14 +1,13 @@
 """Requests with a decode policy on the decode worker: the policy's reference loop, one step per turn.
 
-A request whose ``DecodeRequest.decode_policy`` names a caching policy (``prefix-cache``, ``dual-cache``,
-``sparse-dllm``; ``shared/generation/policies``) is **not batched**: the scheduler steps its
+A request whose ``DecodeRequest.decode_policy`` names a policy the batched rounds do not run
+(``sparse-dllm``, ``polestar``, or any policy on a vanilla request; ``shared/generation/policies``; the
+prefix and dual cache are batched, ``policy_rounds.py``) is **not batched**: the scheduler steps its
 :class:`~pdllm.shared.generation.policies.PolicySession` alone, one denoising step per scheduler
 iteration, interleaved with the batched rounds of the other requests exactly like a vanilla request
 (:func:`step_alone`). Each step runs the plain, eager reference loop (:class:`PolicyLogits`: one host read
 per step, no CUDA graph), the very code the in-process engine and ``generate_vanilla`` run, so an answer
-over gRPC equals ``engine.generate(..., decode_policy=...)`` token for token. The batched fast path
-(sessions grouped by the shape of their step's plan, the package docstring of ``policies``) is the next
-slice.
+over gRPC equals ``engine.generate(..., decode_policy=...)`` token for token.
 
 Composed with pdllm's chunk selection: the static chunk KV is built (or pulled from a prefill worker) as
 for any pdllm request and read by the same attention backend the engine uses (:func:`static_policy_logits`),

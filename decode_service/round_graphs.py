@@ -2,9 +2,10 @@
 
 The graph covers the transformer body (embedding to final norm); the LM head over the round's masked rows
 runs after the replay (two launches), so the number of masked rows, which shrinks every step, is not part
-of the shape. A round's shape is (sessions, packed tokens, longest local sequence, widest page table),
-each rounded up to a bucket (:meth:`RoundShape.of`): sessions and the two per-session maxima to powers of
-two, tokens to at most 1/8 above the real count. Padding is inert: padded sessions have no query rows and
+of the shape. A round's shape is (sessions, packed tokens, longest local sequence, widest page table,
+K/V rows stored into the pool: a decode policy's refresh), each rounded up to a bucket
+(:meth:`RoundShape.of`): sessions and the two per-session maxima to powers of two, tokens and stored rows
+to at most 1/8 above the real count (padded stores repeat the first one). Padding is inert: padded sessions have no query rows and
 no KV, padded tokens belong to no session (the attention kernel never reads or writes for them, and every
 other op is row-wise). So every round whose shape falls in a bucket replays that bucket's graph after
 copying its packed inputs into the graph's buffers: no capture per request or per step, no copy of any
@@ -49,6 +50,7 @@ class RoundShape:
     tokens: int
     q_len: int
     pages: int
+    writes: int = 0  # rows whose K/V the round stores in the pool (a decode policy's refresh)
 
     @classmethod
     def of(cls, packed: PackedRound) -> RoundShape:
@@ -57,6 +59,7 @@ class RoundShape:
             tokens=eighths(len(packed.ids)),
             q_len=pow2(packed.max_q_len),
             pages=pow2(max(len(p) for p in packed.page_table)),
+            writes=eighths(len(packed.writes)) if packed.writes else 0,
         )
 
 
@@ -79,6 +82,7 @@ class CapturedRound:
         self.q_offsets = torch.zeros(shape.batch + 1, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(shape.batch, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(shape.batch, shape.pages, dtype=torch.int32, device=device)
+        self.writes = torch.zeros(3, shape.writes, dtype=torch.long, device=device)
         self.attention = PagedBatchAttention(
             pool.kv,
             self.page_table,
@@ -87,6 +91,7 @@ class CapturedRound:
             shape.q_len,
             shape.pages * pool.page_size,
             kernel,
+            (self.writes[0], self.writes[1], self.writes[2]) if shape.writes else None,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         if not capture:
@@ -123,6 +128,11 @@ class CapturedRound:
         self.q_offsets.copy_(ints[: s.batch + 1])
         self.kv_lens.copy_(ints[s.batch + 1 : 2 * s.batch + 1])
         self.page_table.copy_(ints[2 * s.batch + 1 :].view(s.batch, s.pages))
+        if s.writes:
+            # Padding repeats the first write: the same value stored twice in the same slot.
+            pad = [packed.writes[0]] * (s.writes - len(packed.writes))
+            rows, pages, slots = zip(*(packed.writes + pad), strict=True)
+            self.writes.copy_(to_device([*rows, *pages, *slots], torch.long, device).view(3, -1))
         longs = to_device(packed.positions + packed.ids + packed.rows, torch.long, device)
         self.positions[:t].copy_(longs[:t])
         self.ids[:t].copy_(longs[t : 2 * t] if packed.device_ids is None else packed.device_ids)

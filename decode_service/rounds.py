@@ -88,12 +88,33 @@ class BatchSession:
             decode_seconds=self.seconds,
         )
 
+    def round_rows(self) -> RoundRows:
+        """What this session puts into the next round: every local row, over its static KV."""
+        return RoundRows(0, len(self.query) + self.state.config.gen_length, self.kv_tokens)
+
+
+@dataclass(frozen=True)
+class RoundRows:
+    """One session's part of a round: local rows ``[lo, hi)`` (query + response coordinates) forwarded,
+    ``kv_len`` pool slots (of its page table) its queries read besides their own K/V, and ``writes``:
+    ``(local row, page, slot in page)`` whose fresh K/V the forward also stores in the pool (a decode
+    policy's cache, ``policy_rounds.py``)."""
+
+    lo: int
+    hi: int
+    kv_len: int
+    writes: tuple[tuple[int, int, int], ...] = ()
+
 
 class PagedBatchAttention:
     """Every session's queries attend to its own static KV (pool pages) and to its own local tokens.
 
     ``kernel``: "triton" (the split-S kernel, CUDA or the Triton interpreter) or "torch" (the kernel's
     pure-torch reference, for CPU). All sizes are fixed on the host, so no call reads the device.
+
+    ``writes`` (optional, three long tensors ``[W]``: packed row, pool page, slot in page): rows whose
+    fresh K/V each layer also stores in the pool, where later rounds read them as paged KV (a decode
+    policy's cache of local rows). Stored slots are never among those this round reads.
     """
 
     def __init__(
@@ -105,16 +126,22 @@ class PagedBatchAttention:
         max_q_len: int,
         max_kv_len: int,
         kernel: str,
+        writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if kernel not in ROUND_ATTENTIONS:
             raise ValueError(f"round attention must be one of {ROUND_ATTENTIONS}, got {kernel!r}")
         self.kv, self.page_table, self.kv_lens, self.q_offsets = kv, page_table, kv_lens, q_offsets
         self.max_q_len, self.max_kv_len, self.kernel = max_q_len, max_kv_len, kernel
+        self.writes = writes
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qt = q[0].transpose(0, 1)
         kl = k[0].transpose(0, 1).contiguous()
         vl = v[0].transpose(0, 1).contiguous()
+        if self.writes is not None:
+            rows, pages, slots = self.writes
+            self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)
+            self.kv[layer, 1][pages, :, slots] = vl.index_select(0, rows)
         args = (qt, self.kv[layer, 0], self.kv[layer, 1], self.page_table, self.kv_lens, self.q_offsets)
         if self.kernel == "triton":
             from pdllm.kernels.split_s_attention import split_s_attention
@@ -143,7 +170,11 @@ class PackedRound:
     q_offsets: list[int]
     page_table: list[list[int]]
     kv_lens: list[int]
-    starts: list[int] = field(default_factory=list)  # each session's response position 0 in ``ids``
+    # each session's response position 0 in ``ids`` (before the first packed row when its rows start
+    # inside the response) and the response positions ``[r0, r1)`` among its packed rows
+    starts: list[int] = field(default_factory=list)
+    responses: list[tuple[int, int]] = field(default_factory=list)
+    writes: list[tuple[int, int, int]] = field(default_factory=list)  # (packed row, page, slot)
     device_ids: torch.Tensor | None = None
     device_rows: torch.Tensor | None = None
 
@@ -151,8 +182,10 @@ class PackedRound:
     def pack(cls, sessions: list[BatchSession]) -> PackedRound:
         out = cls([], [], [], [], [0], [], [])
         for s in sessions:
+            part = s.round_rows()
             base = out.q_offsets[-1]
-            start = base + len(s.query)
+            q = len(s.query)
+            start = base + q - part.lo
             state = s.state
             if isinstance(state, DeviceDenoiseState):
                 local = s.query + [state.mask_id] * state.config.gen_length
@@ -161,14 +194,16 @@ class PackedRound:
                 masked = state.positions()
                 local = s.query + state.tokens.tolist()
                 rows = (masked + start).tolist()
-            out.ids += local
-            out.positions += range(s.query_start, s.query_start + len(local))
+            out.ids += local[part.lo : part.hi]
+            out.positions += range(s.query_start + part.lo, s.query_start + part.hi)
             out.rows += rows
             out.counts.append(len(rows))
             out.starts.append(start)
-            out.q_offsets.append(base + len(local))
+            out.responses.append((max(0, part.lo - q), part.hi - q))
+            out.q_offsets.append(base + part.hi - part.lo)
             out.page_table.append(s.pages)
-            out.kv_lens.append(s.kv_tokens)
+            out.kv_lens.append(part.kv_len)
+            out.writes += [(base + row - part.lo, page, slot) for row, page, slot in part.writes]
         return out
 
     def table(self, sessions: int, width: int) -> torch.Tensor:
@@ -206,8 +241,20 @@ class EagerRoundForward:
         ids, positions, rows = longs[:t], longs[t : 2 * t], longs[2 * t :]
         ids = ids if packed.device_ids is None else packed.device_ids
         rows = rows if packed.device_rows is None else packed.device_rows
+        writes = None
+        if packed.writes:
+            w_rows, w_pages, w_slots = zip(*packed.writes, strict=True)
+            w = to_device([*w_rows, *w_pages, *w_slots], torch.long, device).view(3, -1)
+            writes = (w[0], w[1], w[2])
         attention = PagedBatchAttention(
-            self.pool.kv, page_table, kv_lens, q_offsets, packed.max_q_len, max(packed.kv_lens), self.kernel
+            self.pool.kv,
+            page_table,
+            kv_lens,
+            q_offsets,
+            packed.max_q_len,
+            max(packed.kv_lens),
+            self.kernel,
+            writes,
         )
         hidden = self.model.hidden_states(ids[None], positions[None], attention)
         return self.model.logits_from_hidden(hidden, rows[None])[0]
@@ -265,9 +312,17 @@ def _device_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The round's ``ids`` and ``rows`` on the device, device sessions' tokens and masked rows in place."""
     device = batch.tokens.device
-    slots = [packed.starts[i] + j for i in on_device for j in range(sessions[i].state.config.gen_length)]
     ids = to_device(packed.ids, torch.long, device)
-    ids.index_copy_(0, to_device(slots, torch.long, device), batch.tokens)
+    slots, source, offset = [], [], 0
+    for i in on_device:
+        r0, r1 = packed.responses[i]
+        slots += range(packed.starts[i] + r0, packed.starts[i] + r1)
+        source += range(offset + r0, offset + r1)
+        offset += sessions[i].state.config.gen_length
+    tokens = batch.tokens
+    if len(source) < offset:  # some sessions forward only part of their response
+        tokens = tokens.index_select(0, to_device(source, torch.long, device))
+    ids.index_copy_(0, to_device(slots, torch.long, device), tokens)
     if len(on_device) == len(sessions):
         return ids, batch.rows
     rows = to_device(packed.rows, torch.long, device)

@@ -8,8 +8,9 @@ denoising step (:func:`~.rounds.decode_round`) and publishes partial outputs; fi
 before the next round. On CUDA builds run on their own stream and rounds on a high-priority one, so a
 build (~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes
 before the round. Sessions that cannot share a round are stepped alone in the same iteration, one step
-each (``policy_sessions.step_alone``): vanilla (full attention over the whole prompt) and any request with
-a decode policy (its reference loop, not batched yet). gRPC handler threads only wait on their job's
+each (``policy_sessions.step_alone``): vanilla (full attention over the whole prompt) and requests whose
+decode policy the rounds do not batch (its reference loop); prefix- and dual-cache sessions take part in
+the rounds (``policy_rounds.py``). gRPC handler threads only wait on their job's
 event queue.
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
@@ -38,6 +39,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
+from pdllm.decode_service.policy_rounds import batch_session
 from pdllm.decode_service.policy_sessions import step_alone
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.model.transformer import DiffusionLM
@@ -130,7 +132,7 @@ class DecodeScheduler:
 
     def submit(self, job: DecodeJob) -> DecodeJob:
         try:
-            self.pool.check_fits(job.kv_tokens)
+            self.pool.check_fits(job.pool_tokens)
         except PoolTooSmallError as exc:
             raise PdllmError(
                 str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED, request_id=job.request_id
@@ -233,8 +235,8 @@ class DecodeScheduler:
             busy = len(self._active) + len(self._building)
             while self._waiting and busy + len(admitted) < self.config.max_active:
                 job = self._waiting[0]
-                if job.kv_tokens:
-                    pages = self.pool.reserve(job.kv_tokens, run=job.fetch is not None)
+                if job.pool_tokens:
+                    pages = self.pool.reserve(job.pool_tokens, run=job.fetch is not None)
                     if pages is None:  # wait for pages; first come, first served
                         break
                     job.pages = pages
@@ -337,8 +339,8 @@ class DecodeScheduler:
             built = job.built
             if isinstance(built, StaticDecode):
                 static, job.cache_stats, job.kv_source = built.static, built.cache_stats, built.kv_source
-                job.session = BatchSession.start(
-                    self.model, built.query, static.query_start, static.num_tokens, job.pages, built.gen
+                job.session = batch_session(
+                    self.model, built, static.query_start, static.num_tokens, job.pages, self.pool.page_size
                 )
             else:
                 job.session = built

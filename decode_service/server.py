@@ -8,10 +8,11 @@ the prefill worker's entries for causal prefill; recomputed when the tier misses
 the batched denoising rounds of all active requests. A request with a ``handoff`` instead pulls the KV a
 prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are checked against this worker's
 model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request
-carries the whole context and is stepped alone. A request with a decode policy (``decode_policy``: a
-Fast-dLLM or Sparse-dLLM cache over the query + answer rows, or prompt + answer for vanilla) is stepped
-alone too, through the policy's reference loop: not batched yet (``policy_sessions.py``). Partial outputs
-stream after every step when asked for.
+carries the whole context and is stepped alone. A pdllm request with Fast-dLLM's prefix or dual cache
+(``decode_policy``) joins the batched rounds under it, its cache of query + answer K/V in pool pages
+reserved after its static KV (``policy_rounds.py``); any other decode policy (Sparse-dLLM, Polestar-Cache,
+or any policy on a vanilla request) is stepped alone through the policy's reference loop
+(``policy_sessions.py``). Partial outputs stream after every step when asked for.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.policy_rounds import BATCHED_POLICIES, cache_slots
 from pdllm.decode_service.policy_sessions import pooled_static, static_policy_logits
 from pdllm.decode_service.request_checks import check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
@@ -32,7 +34,7 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig, PolicySession, make_policy
+from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicySession, make_policy
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn, vanilla_policy_logits
 from pdllm.shared.kv_transfer.payload import (
@@ -89,6 +91,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
             check_token_ids(request, self.worker.model.config.vocab_size)
+            cache_tokens = 0
             if request.method.method == "vanilla":
                 if not request.context_ids:
                     raise PdllmError(
@@ -110,13 +113,16 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                         "pdllm decode needs at least one chunk", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
                 self._check_identity(request, cfg)
-                start = lambda: drain(self._pdllm_steps(request, gen, cfg, job))  # noqa: E731
-                start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, job, layers)  # noqa: E731
-                if policy.caches:  # stepped alone (not batched): its build ends in a policy session
+                batched = make_policy(policy) if policy.name in BATCHED_POLICIES else None
+                start = lambda: drain(self._pdllm_steps(request, gen, cfg, job, None, batched))  # noqa: E731
+                start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, job, layers, batched)  # noqa: E731
+                if policy.caches and batched is None:  # stepped alone: its build ends in a policy session
                     start = lambda: self._policy_session(request, gen, cfg, job, policy)  # noqa: E731
                     start_steps = None
                 # Pages even for a policy session: the pool's budget bounds it, and a pulled KV lands there.
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
+                if batched is not None:
+                    cache_tokens = cache_slots(len(request.question_ids), gen)
             job = DecodeJob(
                 request.request_id,
                 start,
@@ -124,6 +130,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 request.stream_partials,
                 kv_tokens,
                 start_steps=start_steps,
+                cache_tokens=cache_tokens,
             )
             if self.receiver is not None and kv_tokens and request.HasField("handoff"):
                 pool = self.scheduler.pool  # a decode KV lands in the job's reserved pages
@@ -201,9 +208,11 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         cfg: EngineConfig,
         job: DecodeJob,
         layers_per_step: int | None = None,
+        cache_policy: CachePolicy | None = None,
     ) -> Steps[StaticDecode]:
         """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
-        from the job's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages)."""
+        from the job's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages).
+        ``cache_policy``: a batched decode policy the session then runs under."""
         chunks = [list(h.token_ids) for h in request.chunks]
         req = Request(
             instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
@@ -211,13 +220,15 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         layout = decode_layout(req, list(range(len(chunks))), gen.gen_length)
         pulled = use_pulled(job.received, layout, job.kv_tokens)
         if pulled.static is not None:
-            return StaticDecode(req.query, pulled.static, gen, kv_source=pulled.source)
+            return StaticDecode(
+                req.query, pulled.static, gen, kv_source=pulled.source, cache_policy=cache_policy
+            )
         local, stats = pulled.local, (0, 0)
         if pulled.source != "handoff" and cfg.kv_mode == "chunk-only":
             local, hits = self.worker.chunk_kv(chunks, cfg)
             stats = (hits, len(chunks) - hits)
         static = yield from self.worker.build_steps(req, layout, cfg, local, layers_per_step)
-        return StaticDecode(req.query, static, gen, stats, pulled.source)
+        return StaticDecode(req.query, static, gen, stats, pulled.source, cache_policy)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:

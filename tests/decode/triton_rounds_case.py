@@ -1,4 +1,5 @@
-"""Run under TRITON_INTERPRET=1 (by test_rounds.py): rounds through the split-S kernel == torch rounds."""
+"""Run under TRITON_INTERPRET=1 (by test_rounds.py): rounds through the split-S kernel == torch rounds,
+with a dual-cache session among them (its cached steps read their cache as paged KV)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import decode_round  # noqa: E402
+from pdllm.shared.generation.policies import DecodePolicyConfig  # noqa: E402
 from tests.decode.helpers import CASES, alone, pool_for, session  # noqa: E402
+from tests.decode.test_policy_rounds import POLICY_CASES, policy_session, reference  # noqa: E402
 from tests.engine.helpers import model  # noqa: E402
 
 
@@ -20,6 +23,9 @@ def main() -> None:
     pool = pool_for(m)
     forward = GraphedRoundForward(m, pool, "triton", capture=False)  # padded buckets + the kernel
     sessions = [session(m, pool, case, seed) for seed, case in enumerate(cases)]
+    dual = DecodePolicyConfig(name="dual-cache")
+    sessions.append(policy_session(m, pool, POLICY_CASES[1], 5, dual))
+    want.append(reference(m, POLICY_CASES[1], 5, dual)[0])
     active = list(sessions)
     while active:
         decode_round(forward, active)

@@ -38,20 +38,18 @@ kept hidden states: ``StepPlan.rows_hook``, called by ``local_cache.LocalCacheAt
 with the merged K/V; it reads layer inputs through forward pre-hooks on the model's layers, so the model's
 forward is unchanged; its per-session state lives in ``LocalKVCache.aux``).
 
-**On the decode worker (now).** A request's ``decode_policy`` (``pdllm.v1.DecodePolicyParams``) runs this
-reference loop, **not batched**: the scheduler steps its :class:`PolicySession` alone, one step per
-iteration, beside the batched rounds of the other requests (``decode_service/policy_sessions.py``).
-
-**Batched rounds (decided, not built yet).** A decode round of the server advances every active session
-by one step. Sessions are grouped by the *shape of their step's plan*, not by policy name: each round runs
-one forward per group, (a) full-row steps (no policy, and every policy's refresh steps), padded per shape
-bucket as today, and (b) partial steps, keyed by the number of forwarded rows (dual cache: block length
-(+1 on Dream), the same every cached step, so it buckets and graph-captures well; prefix cache: shrinking
-as blocks complete, bucketed like query lengths; sparse-dllm: the dual cache's rows over
-``floor((N - b) r)`` cached entries per layer, fixed per request). Mixing a 33-row cached step into a 1,000-row forward
-would pad it away and lose what the cache saves; two forwards per round cost one more launch sequence.
-Each session's local KV cache lives at a fixed address beside its static KV in the paged pool (a refresh
-rewrites it in place), so the partial-step graphs stay replayable.
+**On the decode worker.** Prefix- and dual-cache sessions of pdllm requests run in the **batched
+rounds** (``decode_service/policy_rounds.py``): one forward per round for every active session, whatever
+its policy. Rows are packed ragged, so a session contributes what its plan forwards (a cached dual-cache
+step: the block, +1 row on Dream) and nothing is padded to the longest session. Each session's cache of
+local K/V lives in pool pages reserved after its static KV, written by its refresh steps inside the round's
+forward, and read by its cached steps as paged KV through the same split-S call as the static KV, so the
+round graphs (one per padded shape bucket) replay for them too. Those sessions equal this reference loop
+token for token (``tests/decode/test_policy_rounds.py``). Policies whose plans go beyond row ranges
+(``keep``, ``visible``, ``rows_hook``, ``record=False``: Sparse-dLLM, Polestar-Cache) and any policy on a
+vanilla request still run this reference loop, stepped alone beside the rounds
+(``decode_service/policy_sessions.py``). Sparse-dLLM fits the same layout next (a fixed
+``floor((N - b) r)`` kept rows per layer, compacted into the cache slots at its recording step).
 """
 
 from .base import CachePolicy, DecodePolicyConfig, RowSelector, StepContext, StepPlan

@@ -1,0 +1,168 @@
+"""Decode policies in batched rounds (``decode_service/policy_rounds.py``) against the reference loop."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from pdllm.decode_service.jobs import DecodeJob, Final
+from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots
+from pdllm.decode_service.round_graphs import GraphedRoundForward
+from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round
+from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.model.transformer import DiffusionLM
+from tests.decode.helpers import CASES, Case, alone, pool_for, prefill, session, static_decode
+from tests.engine.helpers import model
+
+# Several blocks in every case, so refreshes and cached steps alternate.
+POLICY_CASES = [
+    replace(CASES[0], gen=GenerationConfig(gen_length=8, steps=8, block_length=4)),
+    CASES[1],
+    replace(CASES[2], gen=GenerationConfig(gen_length=8, steps=8, block_length=2, temperature=0.8, seed=3)),
+    replace(CASES[3], gen=GenerationConfig(gen_length=10, steps=10, block_length=5, threshold=0.3)),
+    CASES[4],
+]
+
+
+def reference(m: DiffusionLM, case: Case, seed: int, policy: DecodePolicyConfig) -> tuple[list[int], dict]:
+    """The engine's eager policy loop (``PolicyLogits``): the specification."""
+    engine, sel = prefill(m, case, seed)
+    result = engine.decode(sel, case.gen, decode_policy=policy)
+    return result.raw_tokens, dict(result.cache)
+
+
+def policy_session(
+    m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int, policy: DecodePolicyConfig, device_sampler=True
+) -> PolicyBatchSession:
+    built = static_decode(m, case, seed)
+    s = built.static
+    pages = pool.reserve(s.num_tokens + cache_slots(len(built.query), case.gen))
+    assert pages is not None
+    pool.write(pages, s.tensor())
+    cache_policy = make_policy(policy)
+    assert cache_policy is not None
+    return PolicyBatchSession.start_policy(
+        m,
+        built.query,
+        s.query_start,
+        s.num_tokens,
+        pages,
+        case.gen,
+        cache_policy,
+        pool.page_size,
+        device_sampler,
+    )
+
+
+def run_rounds(forward, sessions: list[BatchSession]) -> int:  # type: ignore[no-untyped-def]
+    """Sessions join one per round and leave when done, so rounds mix sessions at different steps."""
+    active, waiting, rounds = [], list(sessions), 0
+    while active or waiting:
+        if waiting:
+            active.append(waiting.pop(0))
+        decode_round(forward, active)
+        rounds += 1
+        active = [s for s in active if not s.done]
+    return rounds
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("name", ["dual-cache", "prefix-cache"])
+@pytest.mark.parametrize("kind", ["eager", "padded"])
+def test_policy_sessions_in_rounds_equal_the_reference_loop(family: str, name: str, kind: str) -> None:
+    m = model(family)
+    policy = DecodePolicyConfig(name=name)
+    want = [reference(m, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
+    plain_want = alone(m, CASES[1], 7)
+    pool = pool_for(m, pages=128)
+    if kind == "eager":
+        forward = EagerRoundForward(m, pool, "torch")
+    else:
+        forward = GraphedRoundForward(m, pool, "torch", capture=False)
+    sessions = [policy_session(m, pool, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
+    plain = session(m, pool, CASES[1], 7)  # a session without a policy shares the rounds
+    rounds = run_rounds(forward, [sessions[0], plain, *sessions[1:]])
+    assert plain.state.tokens.tolist() == plain_want
+    for s, (tokens, cache), case in zip(sessions, want, POLICY_CASES, strict=True):
+        result = s.result()
+        assert result.raw_tokens == tokens, case
+        assert result.cache == cache, case  # the policy's counters too
+    assert rounds < sum(s.state.steps_taken for s in sessions)
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_refresh_every_step_equals_plain_decoding(family: str) -> None:
+    m = model(family)
+    pool = pool_for(m, pages=128)
+    forward = EagerRoundForward(m, pool, "torch")
+    for seed, case in enumerate(POLICY_CASES[:2]):
+        s = policy_session(m, pool, case, seed, DecodePolicyConfig(name="dual-cache", refresh_steps=1))
+        run_rounds(forward, [s])
+        assert s.state.tokens.tolist() == alone(m, case, seed)
+        assert s.stats.refreshes == s.stats.forwards and s.cached_rows == 0
+        pool.release(s.pages)
+
+
+def test_host_sampler_sessions_equal_the_reference_loop() -> None:
+    m = model("dream")
+    pool = pool_for(m, pages=128)
+    policy = DecodePolicyConfig(name="dual-cache")
+    case = POLICY_CASES[1]
+    s = policy_session(m, pool, case, 1, policy, device_sampler=False)
+    run_rounds(EagerRoundForward(m, pool, "torch"), [s])
+    assert s.state.tokens.tolist() == reference(m, case, 1, policy)[0]
+
+
+def test_unbatched_policies_and_short_page_lists_are_refused() -> None:
+    m = model("dream")
+    pool = pool_for(m, pages=128)
+    case = POLICY_CASES[0]
+    built = static_decode(m, case, 0)
+    s = built.static
+    sparse = make_policy(DecodePolicyConfig(name="sparse-dllm"))
+    dual = make_policy(DecodePolicyConfig(name="dual-cache"))
+    assert sparse is not None and dual is not None
+    pages = pool.reserve(s.num_tokens)
+    assert pages is not None
+    with pytest.raises(ValueError, match="not batched"):
+        PolicyBatchSession.start_policy(
+            m, built.query, s.query_start, s.num_tokens, pages, case.gen, sparse, 16
+        )
+    with pytest.raises(ValueError, match="needs .* pages"):
+        PolicyBatchSession.start_policy(
+            m, built.query, s.query_start, s.num_tokens, pages, case.gen, dual, 16
+        )
+
+
+def test_scheduler_runs_policy_jobs_in_its_batched_rounds() -> None:
+    m = model("dream")
+    pool = pool_for(m, pages=128)
+    sched = DecodeScheduler(m, pool, EagerRoundForward(m, pool, "torch"), start_thread=False)
+    policy = DecodePolicyConfig(name="dual-cache")
+    jobs = []
+    for seed, case in enumerate(POLICY_CASES[:3]):
+        built = replace(static_decode(m, case, seed), cache_policy=make_policy(policy))
+        job = DecodeJob(
+            f"r{seed}",
+            lambda b=built: b,  # type: ignore[misc]
+            threading.Event(),
+            stream_partials=False,
+            kv_tokens=built.static.num_tokens,
+            cache_tokens=cache_slots(len(built.query), case.gen),
+        )
+        jobs.append(sched.submit(job))
+    sched.run_once()
+    assert all(isinstance(j.session, PolicyBatchSession) for j in jobs) and sched.rounds == 1
+    while sched.active:
+        sched.run_once()
+    for seed, (job, case) in enumerate(zip(jobs, POLICY_CASES[:3], strict=True)):
+        final = job.events.get_nowait()
+        assert isinstance(final, Final) and job.events.empty()
+        assert final.result.raw_tokens == reference(m, case, seed, policy)[0]
+        assert final.result.cache["policy"] == "dual-cache"
+    assert pool.num_free == pool.num_pages  # the cache pages went back too
