@@ -98,9 +98,13 @@ class CapturedRound:
             return
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        writes, self.attention.writes = self.attention.writes, None
         with torch.cuda.stream(stream):
-            self._forward()  # warm-up: Triton compiles and autotunes outside the capture
+            # Warm-up: Triton compiles and autotunes outside the capture. It runs on the zeroed buffers,
+            # so it must not store K/V: its stores would land in page 0, another session's KV.
+            self._forward()
         torch.cuda.current_stream(device).wait_stream(stream)
+        self.attention.writes = writes
         self.graph = torch.cuda.CUDAGraph()
         gc.collect()  # no graph may be destroyed by the collector in the middle of this capture
         gc.disable()
