@@ -1,4 +1,4 @@
-"""``pdllm eval``: exact-match accuracy over context length x needle depth, vanilla vs pdllm.
+"""``pdllm eval``: accuracy over context length x gold depth (retrieval, long answers), vanilla vs pdllm.
 
 Reproduces the paper's lost-in-the-middle experiment (§6.4, Figure 6) on the shipped model: for each
 task, length (multiples of the training length) and gold-fact depth, ``--samples`` seeded samples are
@@ -6,6 +6,13 @@ answered by each method and scored by exact match. Writes ``<out>/<name>.json`` 
 ``train_length``; one row per method/task/length/depth), a Markdown table and one heatmap PNG per task
 with the methods side by side. ``--decode-policy`` (and its knobs, from the settings schema) runs every
 method's decode under that policy (``shared/generation/policies``), named in the header and the rows.
+
+``--tasks long-answer`` (``shared/eval/long_answer.py``, issue 17) asks for a planted 128-256-token
+paragraph verbatim: rows score the exact-passage rate (``accuracy``) and ``token_accuracy``; its generation
+length is sized per sample (passage + EOS rounded up to whole blocks of ``--block-length``, else of 32), so
+``--gen-length`` applies to the short-answer tasks only. ``--agreement`` decodes every sample a second time
+with policy ``none`` and adds ``agreement``: the share of answer tokens the policy's decoding shares with
+the no-cache one (by definition 1 under ``none``, where nothing is decoded twice).
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ from tqdm import tqdm
 
 from pdllm.shared import settings as schema
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.eval.long_answer import (
+    LONG_ANSWER,
+    PASSAGE_TOKENS,
+    LongAnswerSample,
+    answer_gen_length,
+    make_eval_sample,
+    score_passage,
+    token_agreement,
+)
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
 from pdllm.shared.generation.policies import DecodePolicyConfig
@@ -33,6 +49,11 @@ from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.model.sdar import check_runnable
 from pdllm.shared.prompt import encode_prompt
+
+EVAL_TASKS = (*TASKS, LONG_ANSWER)
+# Long-answer generation lengths are whole multiples of this where no --block-length is given.
+LONG_ANSWER_ROUND = 32
+AnySample = Sample | LongAnswerSample
 
 
 @dataclass(frozen=True)
@@ -48,14 +69,13 @@ class EvalSettings:
     block_length: int | None = None  # None: one block of gen_length
     decode_policy: DecodePolicyConfig = DecodePolicyConfig()  # both methods' decode (none: the plain loops)
 
-    def engine_config(self, loaded: LoadedModel, train_length: int, query_tokens: int) -> EngineConfig:
+    def engine_config(
+        self, loaded: LoadedModel, train_length: int, query_tokens: int, gen_length: int | None = None
+    ) -> EngineConfig:
         model = loaded.serving.engine
         c = self.chunk_size or model.get("chunk_size") or max(train_length // 4, 16)
-        k = (
-            self.top_k
-            or model.get("top_k")
-            or max(1, (train_length - query_tokens - self.gen_length) // (c + 1))
-        )
+        gen = gen_length or self.gen_length
+        k = self.top_k or model.get("top_k") or max(1, (train_length - query_tokens - gen) // (c + 1))
         return EngineConfig.from_settings(
             model,
             chunk_size=c,
@@ -67,22 +87,29 @@ class EvalSettings:
 
 
 Answerer = Callable[[Sample], str]
+# (sample, generation settings, decode policy) -> answer token ids, trimmed at EOS.
+Decoder = Callable[[AnySample, GenerationConfig, DecodePolicyConfig], list[int]]
 
 
-def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Answerer:
-    """A function sample -> decoded answer text for ``method`` on ``loaded``."""
-    tok = loaded.tokenizer
-    gen = GenerationConfig(
-        gen_length=settings.gen_length, steps=settings.gen_length, block_length=settings.block_length
-    )
+def generation(settings: EvalSettings, tokenizer: object, sample: AnySample) -> GenerationConfig:
+    """The sample's generation settings: the flags', or for long-answer its passage's length in blocks."""
+    n = settings.gen_length
+    if isinstance(sample, LongAnswerSample):
+        n = answer_gen_length(tokenizer, sample, settings.block_length or LONG_ANSWER_ROUND)
+    gen = GenerationConfig(gen_length=n, steps=n, block_length=settings.block_length)
     gen.validate()
-    policy = settings.decode_policy
+    return gen
+
+
+def make_decoder(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Decoder:
+    """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``."""
+    tok = loaded.tokenizer
     if method == "vanilla":
 
-        def vanilla(sample: Sample) -> str:
+        def vanilla(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
             ids = encode_prompt(tok, sample.context, sample.question)
             out = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, policy=policy)
-            return tok.decode(out.token_ids, skip_special_tokens=True)
+            return out.token_ids
 
         return vanilla
     if method != "pdllm":
@@ -91,19 +118,40 @@ def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, trai
 
     engines: dict[EngineConfig, PrefillingEngine] = {}
 
-    def pdllm(sample: Sample) -> str:
+    def pdllm(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
         ids = encode_prompt(tok, sample.context, sample.question)
-        cfg = settings.engine_config(loaded, train_length, len(ids.query))
+        cfg = settings.engine_config(loaded, train_length, len(ids.query), gen.gen_length)
         if cfg not in engines:
             engines[cfg] = PrefillingEngine(loaded.model, tok, cfg)
         out, _ = engines[cfg].generate(ids.context, ids.query, gen, decode_policy=policy)
-        return tok.decode(out.token_ids, skip_special_tokens=True)
+        return out.token_ids
 
     return pdllm
 
 
+def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Answerer:
+    """A function sample -> decoded answer text for ``method`` on ``loaded`` (under the settings' policy)."""
+    decode = make_decoder(loaded, method, settings, train_length)  # settings are checked per sample
+
+    def answer(sample: AnySample) -> str:
+        gen = generation(settings, loaded.tokenizer, sample)
+        return loaded.tokenizer.decode(decode(sample, gen, settings.decode_policy), skip_special_tokens=True)
+
+    return answer
+
+
 def exact_match(prediction: str, answer: str) -> bool:
     return prediction.strip() == answer.strip()
+
+
+def eval_sample(task: str, length: int, depth: float, seed: int, tokenizer: object) -> AnySample:
+    if task == LONG_ANSWER:
+        return make_eval_sample(tokenizer, length, depth, seed)
+    return make_sample(task, length, depth, seed, tokenizer)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def run_grid(
@@ -117,36 +165,58 @@ def run_grid(
     train_length: int,
     progress: bool = True,
     on_cell: Callable[[list[dict]], None] | None = None,
+    agreement: bool = False,
 ) -> list[dict]:
-    """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results."""
-    answerers = {m: make_answerer(loaded, m, settings, train_length) for m in methods}
+    """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results.
+    ``agreement``: also decode with policy ``none`` and report the share of tokens both decodings share."""
+    tok = loaded.tokenizer
+    decoders = {m: make_decoder(loaded, m, settings, train_length) for m in methods}
+    policy = settings.decode_policy
+    twice = agreement and policy.name != "none"  # under none the reference is the decoding itself
     rows: list[dict] = []
-    total = len(methods) * len(tasks) * len(lengths) * len(depths) * samples
-    with tqdm(total=total, disable=not progress, desc="eval", unit="sample", file=sys.stderr) as bar:
+    total = len(methods) * len(tasks) * len(lengths) * len(depths) * samples * (2 if twice else 1)
+    with tqdm(total=total, disable=not progress, desc="eval", unit="decode", file=sys.stderr) as bar:
         for task in tasks:
             for length in lengths:
                 for depth in depths:
-                    cell = [
-                        make_sample(task, length, depth, seed, loaded.tokenizer) for seed in range(samples)
-                    ]
+                    cell = [eval_sample(task, length, depth, seed, tok) for seed in range(samples)]
                     for method in methods:
                         start = time.perf_counter()
-                        hits = 0
+                        exact: list[float] = []
+                        token_acc: list[float] = []
+                        agree: list[float] = []
                         for s in cell:
-                            hits += exact_match(answerers[method](s), s.answer)
+                            gen = generation(settings, tok, s)
+                            ids = decoders[method](s, gen, policy)
+                            text = tok.decode(ids, skip_special_tokens=True)
+                            if isinstance(s, LongAnswerSample):
+                                score = score_passage(tok, text, s.answer)
+                                exact.append(score.exact)
+                                token_acc.append(score.token_accuracy)
+                            else:
+                                exact.append(exact_match(text, s.answer))
                             bar.update(1)
-                        rows.append(
-                            {
-                                "method": method,
-                                "decode_policy": settings.decode_policy.name,
-                                "task": task,
-                                "context_length": length,
-                                "depth": depth,
-                                "accuracy": hits / samples,
-                                "samples": samples,
-                                "seconds": round(time.perf_counter() - start, 3),
-                            }
-                        )
+                            if twice:
+                                ref = decoders[method](s, gen, DecodePolicyConfig())
+                                agree.append(token_agreement(ids, ref))
+                                bar.update(1)
+                            elif agreement:
+                                agree.append(1.0)
+                        row = {
+                            "method": method,
+                            "decode_policy": policy.name,
+                            "task": task,
+                            "context_length": length,
+                            "depth": depth,
+                            "accuracy": _mean(exact),
+                            "samples": samples,
+                            "seconds": round(time.perf_counter() - start, 3),
+                        }
+                        if token_acc:
+                            row["token_accuracy"] = round(_mean(token_acc), 4)
+                        if agree:
+                            row["agreement"] = round(_mean(agree), 4)
+                        rows.append(row)
                     bar.set_postfix_str(
                         " ".join(f"{r['method']}={r['accuracy']:.2f}" for r in rows[-len(methods) :])
                     )
@@ -171,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--methods", default="vanilla,pdllm")
-    p.add_argument("--tasks", default="needle,multidoc")
+    p.add_argument("--tasks", default="needle,multidoc", help=f"comma-separated: {', '.join(EVAL_TASKS)}")
     p.add_argument(
         "--train-length",
         type=int,
@@ -181,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length-multiples", default="0.5,1,2,4,8,16", help="context lengths / train length")
     p.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
     p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
-    p.add_argument("--gen-length", type=int, default=8)
+    p.add_argument("--gen-length", type=int, default=8, help="short-answer tasks (long-answer: per sample)")
     p.add_argument("--block-length", type=int, default=None, help="default: one block of --gen-length")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -192,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # --decode-policy and its knobs: flag, choices, help and PDLLM_<FLAG> from the settings schema.
     schema.add_arguments(p.add_argument_group("decode policy (both methods)"), schema.DecodePolicySettings)
+    p.add_argument(
+        "--agreement",
+        action="store_true",
+        help="also decode with --decode-policy none; report the share of answer tokens both decodings share",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="longctx_eval")
     return p
@@ -205,12 +280,16 @@ def main(argv: list[str] | None = None) -> int:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r} (expected one of {', '.join(METHODS)})")
     for t in tasks:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r} (expected one of {', '.join(TASKS)})")
+        if t not in EVAL_TASKS:
+            raise ValueError(f"unknown task {t!r} (expected one of {', '.join(EVAL_TASKS)})")
+    if not tasks:
+        raise ValueError(f"--tasks is empty (expected some of {', '.join(EVAL_TASKS)})")
     if args.samples <= 0:
         raise ValueError("--samples must be positive")
-    # Checked before a long model load, named as the flags that set them.
-    gen = {"gen_length": args.gen_length, "steps": args.gen_length, "block_length": args.block_length}
+    # Checked before a long model load, named as the flags that set them. Long-answer sizes its generation
+    # length itself, in whole blocks: only the block length is checked for it.
+    n = args.gen_length if set(tasks) - {LONG_ANSWER} else args.block_length or LONG_ANSWER_ROUND
+    gen = {"gen_length": n, "steps": n, "block_length": args.block_length}
     schema.generation_config({k: v for k, v in gen.items() if v is not None}, label=schema.flag_label())
     given = schema.from_args(args, schema.DecodePolicySettings)
     policy = schema.decode_policy_config(given, label=schema.flag_label())
@@ -220,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")
     train_length = args.train_length or loaded.serving.train_length or loaded.config.max_position_embeddings
     lengths = [int(round(m * train_length)) for m in _floats(args.length_multiples)]
+    short = [n for n in lengths if n < PASSAGE_TOKENS[1]]
+    if LONG_ANSWER in tasks and short:
+        raise ValueError(
+            f"{LONG_ANSWER} needs contexts of at least {PASSAGE_TOKENS[1]} tokens (one passage); --length-multiples"
+            f" {args.length_multiples} x train length {train_length} gives {', '.join(map(str, short))}"
+        )
     settings = EvalSettings(
         gen_length=args.gen_length,
         chunk_size=args.chunk_size,
@@ -244,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         f" chunk_boundary={e.chunk_boundary}",
         "decode_policy": _describe(policy),
     }
+    if LONG_ANSWER in tasks:
+        block = args.block_length or LONG_ANSWER_ROUND
+        header[LONG_ANSWER] = f"gen length per sample: passage + EOS rounded up to a multiple of {block}"
+    if args.agreement:
+        header["agreement"] = "token agreement with the same method decoded under --decode-policy none"
 
     def save(rows: list[dict]) -> Path:
         return write_tables(
@@ -260,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         settings,
         train_length,
         on_cell=save,
+        agreement=args.agreement,
     )
     table = save(rows)
     for path in write_heatmaps(rows, args.out, args.name):

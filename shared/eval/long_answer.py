@@ -7,12 +7,14 @@ about other invented people elsewhere; the answer is the gold paragraph verbatim
 retrieval tasks (``tasks.format_query`` / ``format_answer``). Scored per sample by :func:`score_passage`:
 exact passage (whitespace-normalized) and token accuracy (answer tokens reproduced at their position).
 
-Evaluation only for now: the shipped model never trained on it (adding it to the training mix and
-retraining is the issue's next step, shipped only if the needle accuracy holds).
+``pdllm eval --tasks long-answer`` scores it (:func:`make_eval_sample`: distractors as many as the context
+holds, up to two). Training rows (``shared/training/data.py``, ``DataConfig.long_answer_weight``) use the
+same passages and :func:`plant_paragraphs`, over the training sentences of the haystack.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +22,9 @@ from typing import Any
 
 from .tasks import KEYS, _code, _person, _word, format_answer, format_query, split_train_eval_sentences
 
+LONG_ANSWER = "long-answer"  # the task's name in ``pdllm eval --tasks`` and in the report rows
 PASSAGE_TOKENS = (128, 256)
+MAX_DISTRACTORS = 2
 _FIELDS = ("tidal mapping", "glass chemistry", "river law", "bridge design", "seed banking", "bell casting")
 _THINGS = ("maps", "clocks", "field notebooks", "brass keys", "postcards", "lanterns")
 _TRAITS = ("patient", "exact", "quiet", "stubborn", "generous", "curious", "careful", "cheerful")
@@ -110,7 +114,7 @@ def make_long_answer_sample(
     paragraphs at random places; deterministic in all arguments."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-    sentences = list(hay) if hay is not None else split_train_eval_sentences()[1]
+    sentences = list(hay) if hay is not None else held_out_sentences()
     rng = random.Random(f"long_answer:{context_tokens}:{depth}:{seed}")
     name, gold = make_passage(tokenizer, rng, bounds)
     others: dict[str, str] = {}
@@ -127,23 +131,65 @@ def make_long_answer_sample(
         used += _count(tokenizer, s)
         prose.append(s)
         i += 1
-    # Paragraphs go between sentences: the gold one at its depth, the distractors anywhere else.
-    slots = [(round(depth * len(prose)), gold)] + [(rng.randint(0, len(prose)), p) for p in others.values()]
-    parts = list(prose)
-    for at, paragraph in sorted(slots, key=lambda s: -s[0]):
-        if at < len(parts):  # the prose after a paragraph opens a line of its own
-            parts[at] = parts[at].lstrip(" ")
-        parts.insert(at, "\n" + paragraph + "\n")
-    context = "".join(parts)
+    context = plant_paragraphs(prose, gold, list(others.values()), depth, rng)
     return LongAnswerSample(
         context=context,
-        question=f"Quote the paragraph about {name}.",
+        question=question_about(name),
         answer=gold,
         name=name,
         distractor_names=tuple(others),
         depth=depth,
         context_tokens=_count(tokenizer, context),
         passage_tokens=_count(tokenizer, gold),
+    )
+
+
+def question_about(name: str) -> str:
+    return f"Quote the paragraph about {name}."
+
+
+def plant_paragraphs(
+    prose: Sequence[str], gold: str, others: Sequence[str], depth: float, rng: random.Random
+) -> str:
+    """The context text: ``prose`` sentences (each with its leading separator) with each paragraph on lines
+    of its own between two sentences, the gold one at ``depth``, the others at random places. Evaluation
+    and training both lay contexts out here, so the model trains on the format it is scored on."""
+    slots = [(round(depth * len(prose)), gold)] + [(rng.randint(0, len(prose)), p) for p in others]
+    parts = list(prose)
+    for at, paragraph in sorted(slots, key=lambda s: -s[0]):
+        if at < len(parts):  # the prose after a paragraph opens a line of its own
+            parts[at] = parts[at].lstrip(" ")
+        parts.insert(at, "\n" + paragraph + "\n")
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def held_out_sentences() -> tuple[str, ...]:
+    """The held-out tail of the haystack (read once: every evaluation sample draws from it)."""
+    return tuple(split_train_eval_sentences()[1])
+
+
+def distractors_for(context_tokens: int) -> int:
+    """Distractor paragraphs an evaluation context of this size gets: as many as fit beside the gold one at
+    the longest passage length, up to :data:`MAX_DISTRACTORS` (0 at 256-511 tokens, 1 at 512-767, 2 from
+    768 on), so that every length from one passage up can be evaluated."""
+    return max(0, min(MAX_DISTRACTORS, context_tokens // PASSAGE_TOKENS[1] - 1))
+
+
+def make_eval_sample(tokenizer: Any, context_tokens: int, depth: float, seed: int) -> LongAnswerSample:
+    """The sample ``pdllm eval --tasks long-answer`` scores: held-out prose, :func:`distractors_for`."""
+    if context_tokens < PASSAGE_TOKENS[1]:
+        raise ValueError(
+            f"{LONG_ANSWER}: context length {context_tokens} is too short; it needs at least "
+            f"{PASSAGE_TOKENS[1]} tokens (one passage of up to {PASSAGE_TOKENS[1]})"
+        )
+    return make_long_answer_sample(
+        tokenizer,
+        context_tokens,
+        depth,
+        seed,
+        hay=held_out_sentences(),
+        distractors=distractors_for(context_tokens),
     )
 
 
@@ -173,3 +219,10 @@ def summarize(scores: Sequence[PassageScore]) -> dict[str, float]:
         "exact_passage_rate": sum(s.exact for s in scores) / n,
         "token_accuracy": sum(s.token_accuracy for s in scores) / n,
     }
+
+
+def token_agreement(got: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of positions where two decodings (token ids, trimmed at EOS) hold the same token, over the
+    longer of the two: a policy that stops early or runs on disagrees there. Two empty answers agree."""
+    n = max(len(got), len(reference))
+    return sum(a == b for a, b in zip(got, reference, strict=False)) / n if n else 1.0

@@ -16,25 +16,39 @@ import torch
 METHODS = ("vanilla", "pdllm")
 
 
+# Per-cell metrics and their table titles; a task gets a table for each metric its rows carry.
+METRICS = (
+    ("accuracy", "exact match, %"),
+    ("token_accuracy", "token accuracy, %"),
+    ("agreement", "token agreement with no-cache decoding, %"),
+)
+# The long-answer task's `accuracy` is the exact-passage rate.
+TITLES = {("long-answer", "accuracy"): "exact passage, %"}
+
+
 def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
     lines = [f"# {header['title']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "title"]
     for task in sorted({r["task"] for r in rows}):
         depths = sorted({r["depth"] for r in rows if r["task"] == task})
-        lines += ["", f"## {task} (exact match, %)", ""]
-        lines.append("| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
-        lines.append("| --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
-        for method in sorted({r["method"] for r in rows}):
-            for length in sorted({r["context_length"] for r in rows if r["task"] == task}):
-                got = {
-                    r["depth"]: r["accuracy"]
-                    for r in rows
-                    if (r["task"], r["method"], r["context_length"]) == (task, method, length)
-                }
-                if got:
-                    body = " | ".join(f"{100 * got[d]:.0f}" if d in got else "—" for d in depths)
-                    mean = 100 * sum(got.values()) / len(got)
-                    lines.append(f"| {method} | {length} | {body} | {mean:.1f} |")
+        for metric, title in METRICS:
+            if not any(metric in r for r in rows if r["task"] == task):
+                continue
+            lines += ["", f"## {task} ({TITLES.get((task, metric), title)})", ""]
+            lines.append("| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
+            lines.append("| --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
+            for method in sorted({r["method"] for r in rows}):
+                for length in sorted({r["context_length"] for r in rows if r["task"] == task}):
+                    got = {
+                        r["depth"]: r[metric]
+                        for r in rows
+                        if (r["task"], r["method"], r["context_length"]) == (task, method, length)
+                        and metric in r
+                    }
+                    if got:
+                        body = " | ".join(f"{100 * got[d]:.0f}" if d in got else "—" for d in depths)
+                        mean = 100 * sum(got.values()) / len(got)
+                        lines.append(f"| {method} | {length} | {body} | {mean:.1f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -66,7 +80,7 @@ def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
             im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
             ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
-            ax.set_xlabel("gold fact depth")
+            ax.set_xlabel("gold paragraph depth" if task == "long-answer" else "gold fact depth")
             if ax is axes[0][0]:
                 ax.set_ylabel("context tokens")
             ax.set_title(f"{method} — {task}")
@@ -74,7 +88,8 @@ def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
                 for j in range(len(depths)):
                     if not torch.isnan(grid[i, j]):
                         ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=6)
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact match")
+        label = TITLES.get((task, "accuracy"), METRICS[0][1]).removesuffix(", %")
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=label)
         path = out_dir / f"{name}_{task}.png"
         fig.savefig(path, dpi=130, bbox_inches="tight")
         plt.close(fig)

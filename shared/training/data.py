@@ -13,6 +13,11 @@ attention kernels) and one sequence length:
   (self-information of the question, pseudo-label likelihood). Half the chunks lack the gold fact, so
   the likelihood of the question and answer learns to depend on it.
 
+Long-answer rows ("Quote the paragraph about <name>.", ``eval/long_answer.py``; issue 17) take the share
+``long_answer_weight`` of the ``diff_task`` / ``sft`` / ``causal`` task rows that can hold a passage. The
+weight is a field of its own, not a sixth ``task_weights`` entry, so configs without it draw exactly the
+rows they drew before (no random number is drawn for it at weight 0).
+
 The answer region is the answer followed by EOS up to a random generation length, as the decoder sees it.
 Batches are produced on CPU worker processes by slicing the pre-tokenized haystack.
 """
@@ -25,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..eval.tasks import TRAIN_TASKS, TaskFactory, fact_text
+from ..eval.long_answer import MAX_DISTRACTORS, PASSAGE_TOKENS, make_passage, plant_paragraphs, question_about
+from ..eval.tasks import TRAIN_TASKS, TaskFactory, fact_text, format_answer, format_query
 
 MODES = ("text", "diff_task", "sft", "chunk", "causal", "recall")
 # Every query and answer is shorter (measured: query <= 27 tokens, answer <= 8); slack becomes extra prose.
@@ -34,6 +40,11 @@ GEN_RESERVE = 9
 # Context tokens a task needs at least (distractor facts take up to ~100 tokens).
 MIN_ROOM = {"needle_distractors": 160, "multidoc": 120, "two_hop": 64, "multi_needle": 200}
 MAX_EXTRA_QA = 3
+# Tokens a planted paragraph adds beyond its own: the newlines around it and the re-tokenized start of the
+# sentence after it (measured over the haystack: 2 in 94% of places, 3 in 4%, 4 in <1%; more is caught below).
+PARAGRAPH_SLACK = 4
+# A passage needs a window of lengths this wide to be written reliably (template sentences are <= 30 tokens).
+MIN_PASSAGE_WINDOW = 48
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,9 @@ class DataConfig:
     p_causal_negative: float = 0.5
     p_causal_recall: float = 0.3  # causal rows drawn from the recall layout (induction: copy 2nd mention)
     recall_facts: tuple[int, int] = (3, 10)
+    # Share of the diff_task / sft / causal task rows that are long-answer rows, among rows long enough
+    # to hold a passage twice (in the context and as the answer); 0 draws nothing (older configs).
+    long_answer_weight: float = 0.0
 
 
 @dataclass
@@ -91,12 +105,69 @@ class BatchBuilder:
     def _gen(self, answer: list[int], rng: random.Random) -> list[int]:
         return answer + [self.eos] * (1 + rng.randint(0, self.cfg.max_extra_gen))
 
+    def _passage_max(self, t: int) -> int:
+        """Longest passage a row of ``t`` tokens holds twice, beside the question and the EOS padding."""
+        fixed = 1 + QUERY_RESERVE + 2 + self.cfg.max_extra_gen + PARAGRAPH_SLACK
+        return min(PASSAGE_TOKENS[1], (t - fixed) // 2)
+
+    def _long(self, t: int, rng: random.Random) -> bool:
+        """Whether this task row is a long-answer row (no draw at weight 0 or where no passage fits)."""
+        w = self.cfg.long_answer_weight
+        fits = self._passage_max(t) >= PASSAGE_TOKENS[0] + MIN_PASSAGE_WINDOW
+        return w > 0 and fits and rng.random() < w
+
+    def _long_answer(self, t: int, rng: random.Random, pad: bool) -> tuple[torch.Tensor, int, int]:
+        """[BOS] prose with planted paragraphs, question, gold paragraph, EOS (``pad``: up to
+        ``max_extra_gen`` more): exactly ``t`` tokens. Returns (ids, answer start, answer tokens).
+
+        Prose is whole sentences of the factory's haystack (the training split), the layout is
+        ``plant_paragraphs``'s (as evaluated); distractor paragraphs fill the room the gold one leaves, up
+        to ``MAX_DISTRACTORS``; the remaining few tokens are prose ending at a sentence boundary in front.
+        """
+        tok, lo = self.f.tokenizer, PASSAGE_TOKENS[0]
+        name, gold = make_passage(tok, rng, (lo, self._passage_max(t)))
+        query = self.f.encode(format_query(question_about(name)))
+        answer = self.f.encode(format_answer(gold))
+        tail = query + answer + [self.eos] * (1 + (rng.randint(0, self.cfg.max_extra_gen) if pad else 0))
+        room = t - 1 - len(tail)  # context tokens
+        free = room - len(self.f.encode(gold)) - PARAGRAPH_SLACK
+        others: list[str] = []
+        for _ in range(2 * MAX_DISTRACTORS):
+            if len(others) == MAX_DISTRACTORS or free - PARAGRAPH_SLACK < lo + MIN_PASSAGE_WINDOW:
+                break
+            other, text = make_passage(tok, rng, (lo, min(PASSAGE_TOKENS[1], free - PARAGRAPH_SLACK)))
+            if other != name:
+                others.append(text)
+                free -= len(self.f.encode(text)) + PARAGRAPH_SLACK
+        hay, prose = self.f.hay, []
+        i = rng.randrange(hay.num_sentences)
+        while (n := int(hay.offsets[i + 1] - hay.offsets[i])) <= free:  # whole sentences while they fit
+            free -= n
+            prose.append(hay.sentences[i])
+            i = (i + 1) % hay.num_sentences
+        depth = rng.random()
+        ctx = self.f.encode(plant_paragraphs(prose, gold, others, depth, rng))
+        while len(ctx) > room and prose:  # rare: a layout longer than PARAGRAPH_SLACK allows
+            prose.pop()
+            ctx = self.f.encode(plant_paragraphs(prose, gold, others, depth, rng))
+        pieces = [
+            torch.tensor([self.bos]),
+            self._hay(room - len(ctx), rng),
+            torch.tensor(ctx),
+            torch.tensor(tail),
+        ]
+        return torch.cat(pieces), t - len(tail) + len(query), len(answer)
+
     def _vanilla(self, t: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[BOS] context (question answer)* question answer-region, exactly ``t`` tokens.
 
         Returns (ids, generation-region mask, answer-token mask). Only multi_needle has extra question /
         answer pairs; their answers are targets too (several retrievals per sequence).
         """
+        if self._long(t, rng):
+            ids, start, n_answer = self._long_answer(t, rng, pad=True)
+            pos = torch.arange(t)
+            return ids, pos >= start, (pos >= start) & (pos < start + n_answer)
         room = t - 1 - QUERY_RESERVE - GEN_RESERVE - self.cfg.max_extra_gen
         task = self._task(rng, room)
         pairs = 1 + MAX_EXTRA_QA if task == "multi_needle" else 1
@@ -145,7 +216,11 @@ class BatchBuilder:
         seg.append(torch.full((len(query) + len(gen),), -1, dtype=torch.int16))
         return torch.cat(pieces), t - len(gen), len(answer), torch.cat(seg)
 
-    def _causal(self, t: int, rng: random.Random) -> tuple[torch.Tensor, int]:
+    def _causal(self, t: int, rng: random.Random) -> tuple[torch.Tensor, int, int]:
+        if self._long(t, rng):
+            # Always with the gold paragraph: a 128-256-token answer without its source is noise to learn,
+            # and chunk scoring reads only the answer's first tokens (the name, which the question holds).
+            return self._long_answer(t, rng, pad=False)
         n_ctx = t - 1 - QUERY_RESERVE - GEN_RESERVE
         task = self._task(rng, n_ctx)
         ctx, query, answer, spans = self.f.build_ids(task, n_ctx, rng.random(), rng)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +66,23 @@ def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
         pad_token_id=tokenizer.pad_token_id,
         model_id=cfg.name,
     )
+
+
+def smoke_variant(cfg: TrainConfig) -> TrainConfig:
+    """``--smoke --config FILE``: FILE's data mix (modes, tasks, sequence length, phases) at the scale of
+    ``configs/smoke.json`` (its model, steps, optimizer, CPU, no workers), so that a minute on a CPU runs
+    every row type the config draws. Batches hold one full-length row; the causal phase and the length
+    curriculum are cut to the first half of the run so that both phases are exercised."""
+    smoke = load_config(CONFIG_DIR / "smoke.json")
+    half = smoke.max_steps // 2
+    data = dataclasses.replace(
+        cfg.data,
+        tokens_per_batch=cfg.data.seq_len,
+        causal_phase_steps=min(cfg.data.causal_phase_steps, half),
+        curriculum_steps=min(cfg.data.curriculum_steps, half),
+    )
+    keep = ("name", "seed")  # the rest comes from smoke.json
+    return dataclasses.replace(smoke, data=data, **{k: getattr(cfg, k) for k in keep})
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -261,7 +279,11 @@ def train(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train the shipped masked-diffusion model")
     parser.add_argument("--config", type=Path, help="training config JSON (see shared/training/configs/)")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU config (configs/smoke.json), < 60 s")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU run (configs/smoke.json), < 60 s; with --config: that config's data mix at smoke scale",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/train"), help="output directory")
     parser.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget for training")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the config's)")
@@ -271,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --config FILE or --smoke")
     try:
         cfg = load_config(args.config or CONFIG_DIR / "smoke.json")
+        if args.smoke and args.config is not None:
+            cfg = smoke_variant(cfg)
     except TrainConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

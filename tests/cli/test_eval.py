@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from pdllm.shared.app.eval import main
+from pdllm.shared.eval.long_answer import LongAnswerSample, held_out_sentences, make_long_answer_sample
 from pdllm.shared.eval.report import main as report_main
 from pdllm.shared.generation.policies import DecodePolicyConfig
 
@@ -115,3 +116,98 @@ def test_bad_decode_policy_knob_is_refused_before_loading(tmp_path) -> None:
         main([*argv, "--decode-policy", "sparse-dllm", "--sparse-pool-kernel", "2"])
     with pytest.raises(ValueError, match=r"^--gen-length \(8\) must be divisible by --block-length \(3\)"):
         main([*argv, "--block-length", "3"])
+
+
+LONG = ["--tasks", "long-answer", "--samples", "1", "--depths", "0.5", "--train-length", "256"]
+
+
+def short_passages(tokenizer, context_tokens: int, depth: float, seed: int) -> LongAnswerSample:
+    hay = held_out_sentences()
+    return make_long_answer_sample(
+        tokenizer, context_tokens, depth, seed, hay, distractors=1, bounds=(40, 60)
+    )
+
+
+def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) -> None:
+    """long-answer on a random model: exact-passage rate, token accuracy and agreement with no-cache
+    decoding per cell, in the JSON rows and as Markdown tables; each sample decoded twice (policy, none)."""
+    from pdllm.shared.app import eval as eval_module
+
+    policies: list[str] = []
+    real = eval_module.generate_vanilla
+
+    def vanilla(*args, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+        policies.append(policy.name)
+        return real(*args, policy=policy, **kwargs)
+
+    monkeypatch.setattr(eval_module, "generate_vanilla", vanilla)
+    # Shorter passages than the task's 128-256 tokens keep the random model's full-length decodes cheap.
+    monkeypatch.setattr(eval_module, "make_eval_sample", short_passages)
+    argv = ["--model", str(ckpt), *LONG, "--length-multiples", "1", "--block-length", "32"]
+    argv += ["--decode-policy", "dual-cache", "--agreement", "--out", str(tmp_path), "--name", "la"]
+    assert main(argv) == 0  # --gen-length 8 (the default) does not divide 32: long-answer sizes its own
+    data = json.loads((tmp_path / "la.json").read_text())
+    assert "multiple of 32" in data["long-answer"] and "none" in data["agreement"]
+    rows = data["rows"]
+    assert [(r["method"], r["task"], r["context_length"]) for r in rows] == [
+        ("vanilla", "long-answer", 256),
+        ("pdllm", "long-answer", 256),
+    ]
+    for r in rows:
+        assert r["decode_policy"] == "dual-cache"
+        assert (
+            0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["token_accuracy"] <= 1.0 and 0.0 <= r["agreement"] <= 1.0
+        )
+    assert policies == ["dual-cache", "none"]  # vanilla: the policy's decoding, then the reference
+    md = (tmp_path / "la.md").read_text()
+    for title in ("exact passage", "token accuracy", "token agreement with no-cache decoding"):
+        assert f"## long-answer ({title}, %)" in md
+    assert (tmp_path / "la_long-answer.png").stat().st_size > 0
+
+
+def test_agreement_under_policy_none_decodes_once(ckpt, tmp_path, monkeypatch) -> None:
+    from pdllm.shared.app import eval as eval_module
+
+    calls: list[str] = []
+    real = eval_module.generate_vanilla
+
+    def vanilla(*args, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(policy.name)
+        return real(*args, policy=policy, **kwargs)
+
+    monkeypatch.setattr(eval_module, "generate_vanilla", vanilla)
+    argv = [
+        "--model",
+        str(ckpt),
+        "--tasks",
+        "needle",
+        "--samples",
+        "2",
+        "--depths",
+        "0",
+        "--methods",
+        "vanilla",
+    ]
+    argv += [
+        "--length-multiples",
+        "1",
+        "--gen-length",
+        "4",
+        "--agreement",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "n",
+    ]
+    assert main(argv) == 0
+    (row,) = json.loads((tmp_path / "n.json").read_text())["rows"]
+    assert calls == ["none", "none"] and row["agreement"] == 1.0 and "token_accuracy" not in row
+
+
+def test_long_answer_bad_input_is_a_clear_error(ckpt, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'long_answer' \(expected one of .*long-answer"):
+        main(["--model", str(ckpt), "--tasks", "needle,long_answer", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"long-answer needs contexts of at least 256 tokens .* gives 128"):
+        main(["--model", str(ckpt), *LONG, "--length-multiples", "0.5,1", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--tasks is empty"):
+        main(["--model", str(ckpt), "--tasks", ",", "--out", str(tmp_path)])

@@ -1,15 +1,21 @@
-"""The long-answer task ("quote the paragraph about <name>"): generator and scorer."""
+"""The long-answer task ("quote the paragraph about <name>"): generator, layout, scorers."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from pdllm.shared.eval.long_answer import (
     PassageScore,
     answer_gen_length,
+    distractors_for,
+    make_eval_sample,
     make_long_answer_sample,
+    plant_paragraphs,
     score_passage,
     summarize,
+    token_agreement,
 )
 from pdllm.shared.eval.tasks import format_answer
 from tests.model.tiny_checkpoint import make_tokenizer
@@ -81,3 +87,32 @@ def test_scores(tok) -> None:
     assert summary == {"samples": 2, "exact_passage_rate": 0.5, "token_accuracy": 0.75}
     with pytest.raises(ValueError):
         summarize([])
+
+
+def test_distractors_fit_the_context() -> None:
+    assert [distractors_for(n) for n in (256, 511, 512, 767, 768, 1024, 16384)] == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_eval_sample_uses_held_out_prose_and_fits(tok) -> None:
+    s = make_eval_sample(tok, 512, 0.5, seed=1)
+    assert len(s.distractor_names) == 1 and s.answer in s.context
+    assert s.context_tokens <= 512 + 64  # one sentence or so over
+    assert make_eval_sample(tok, 512, 0.5, seed=1) == s
+    with pytest.raises(ValueError, match="too short; it needs at least 256 tokens"):
+        make_eval_sample(tok, 200, 0.5, seed=1)
+
+
+def test_plant_paragraphs_layout() -> None:
+    rng = random.Random(0)
+    text = plant_paragraphs([" A one.", " B two.", "\nC three."], "GOLD.", ["OTHER."], 0.0, rng)
+    assert text.startswith("\nGOLD.\n") and "\nOTHER.\n" in text
+    assert "\n A" not in text  # the sentence after a paragraph opens its own line, no leading space
+    assert plant_paragraphs([" A one."], "GOLD.", [], 1.0, rng) == " A one.\nGOLD.\n"
+
+
+def test_token_agreement() -> None:
+    assert token_agreement([1, 2, 3], [1, 2, 3]) == 1.0
+    assert token_agreement([1, 9, 3], [1, 2, 3]) == pytest.approx(2 / 3)
+    assert token_agreement([1, 2], [1, 2, 3, 4]) == 0.5  # stopping early disagrees on the rest
+    assert token_agreement([1, 2, 3, 4], [1, 2]) == 0.5  # so does running on
+    assert token_agreement([], []) == 1.0 and token_agreement([], [5]) == 0.0

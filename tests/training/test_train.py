@@ -45,6 +45,12 @@ def test_config_errors(tmp_path):
 
 
 def test_shipped_configs_parse():
-    for name in ("needle.json", "needle_curriculum.json", "needle_next.json", "smoke.json"):
+    for name in (
+        "needle.json",
+        "needle_curriculum.json",
+        "needle_next.json",
+        "needle_long.json",
+        "smoke.json",
+    ):
         cfg = load_config(train_mod.CONFIG_DIR / name)
         assert len(cfg.data.mode_weights) == 6
