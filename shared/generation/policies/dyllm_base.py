@@ -1,0 +1,254 @@
+"""DyLLM's knobs, step schedule, activation cache and the parts both of its paths share (``dyllm.py`` says
+what the method does and where the paper says it).
+
+Shared here: the :class:`DyLLMConfig` knobs, which kind a step is (:func:`step_kind`), the per-layer
+activation cache, the counters, the FullStep (a plain forward that also caches every layer's K/V, attention
+context and FFN output) and the per-layer projections written the way ``shared/model/transformer.py``
+writes them, so that a step with every row salient computes exactly what the plain forward computes. The
+sparse step itself is what the reference (``dyllm.py``) and the fast path (``dyllm_fast.py``) each
+implement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.transformer import DiffusionLM, SelfAttention, apply_rope
+
+from ..sampler import GenerationConfig
+
+# The paper's τ per model (§4.2.3: "0.99 for LLaDA and 0.995 for Dream"; Table 2 also runs Dream at 0.9975).
+PAPER_THRESHOLDS = {"dream": 0.995, "llada": 0.99}
+
+
+@dataclass(frozen=True)
+class DyLLMConfig:
+    """DyLLM's knobs, named as the settings would name them (``dyllm_<knob>``); defaults are the paper's.
+
+    ``threshold`` (τ, §3.2): a row is salient at a layer when the cosine similarity of its attention
+    context to the previous step's is below τ; None takes the paper's value for the model family
+    (:data:`PAPER_THRESHOLDS`). τ = 1 makes every row salient at every layer, the incoming rows of the
+    first layer included (plain decoding when every step also queries the full sequence).
+    ``full_steps`` (§3.2, App. C.1: 4): the decode's first forwards are FullSteps that compute every row and
+    fill the caches. ``full_sequence_interval`` (§3.5, App. C.1: 4): every N-th forward queries all local
+    rows, the others the response only (plus the row before it on shifted-logit models); 1: every step
+    queries all. ``approximate_attention`` (§3.3, Table 1's "Salient + Approx."): stable rows update their
+    cached context by the salient rows' value deltas; False: they attend exactly ("Salient").
+    """
+
+    threshold: float | None = None
+    full_steps: int = 4
+    full_sequence_interval: int = 4
+    approximate_attention: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first knob out of its range."""
+        t = self.threshold
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 1
+        ):
+            raise ValueError(f"dyllm_threshold must be in (0, 1] (1: every row salient), got {t!r}")
+        for name, value in (
+            ("dyllm_full_steps", self.full_steps),
+            ("dyllm_full_sequence_interval", self.full_sequence_interval),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.approximate_attention, bool):
+            raise ValueError(
+                f"dyllm_approximate_attention must be a bool, got {self.approximate_attention!r}"
+            )
+
+    def threshold_for(self, family: str) -> float:
+        """τ for a model family: the knob, or the paper's value for that family."""
+        if self.threshold is not None:
+            return float(self.threshold)
+        if family not in PAPER_THRESHOLDS:
+            raise ValueError(f"DyLLM has no paper threshold for family {family!r}; set dyllm_threshold")
+        return PAPER_THRESHOLDS[family]
+
+
+def step_kind(step: int, config: DyLLMConfig) -> str:
+    """``"full"`` (FullStep), ``"sequence"`` (a SparseStep querying every local row) or ``"response"`` (a
+    SparseStep querying the response only) for the decode's ``step``-th forward (0: the first). The full
+    sequence is queried on forwards ``step + 1`` divisible by the interval, as the released code counts."""
+    if step < config.full_steps:
+        return "full"
+    return "sequence" if (step + 1) % config.full_sequence_interval == 0 else "response"
+
+
+@dataclass
+class DyLLMStats:
+    """What DyLLM computed. ``rows_forwarded``: rows that ran the FFN, summed over layers (a FullStep: every
+    local row); ``kv_rows``: rows whose K/V were recomputed and whose context was attended exactly, summed
+    over layers; ``rows_total``: local rows x layers over all forwards (what plain decoding computes);
+    ``reruns``: fast-path steps run again because a layer had more salient rows than its buffers."""
+
+    forwards: int = 0
+    full_steps: int = 0
+    response_only_steps: int = 0
+    rows_forwarded: int = 0
+    kv_rows: int = 0
+    rows_total: int = 0
+    reruns: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class DyLLMCache:
+    """Per layer, every local row's activations as of the last forward that touched them: ``keys`` and
+    ``values`` ``[1, Hkv, N, D]`` (K after RoPE), ``contexts`` ``[N, Hq * D]`` (attention output before
+    ``o_proj``), ``ffn`` ``[N, H]`` (MLP output)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    contexts: list[torch.Tensor]
+    ffn: list[torch.Tensor]
+
+
+def project_q(attn: SelfAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Queries ``[1, Hq, T, D]`` of the normed inputs ``h`` ``[1, T, H]`` (RoPE at ``cos``/``sin``)."""
+    b, t, _ = h.shape
+    q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    return apply_rope(q.transpose(1, 2), cos, sin)
+
+
+def project_kv(
+    attn: SelfAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (RoPE applied) and values ``[1, Hkv, T, D]`` of the normed inputs ``h`` ``[1, T, H]``."""
+    b, t, _ = h.shape
+    k = attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    return apply_rope(k.transpose(1, 2), cos, sin), v
+
+
+def flat(out: torch.Tensor) -> torch.Tensor:
+    """An attention output ``[1, Hq, T, D]`` as token-major contexts ``[T, Hq * D]`` (``o_proj``'s input)."""
+    return out[0].transpose(0, 1).reshape(out.shape[2], -1)
+
+
+def context_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per row, the cosine similarity of two ``[T, Hq * D]`` contexts over all heads, in float32, with the
+    released kernel's guard against zero norms (§3.1's temporal cosine similarity)."""
+    a, b = new.float(), old.float()
+    dot, na, nb = (a * b).sum(-1), (a * a).sum(-1), (b * b).sum(-1)
+    return dot * torch.rsqrt(na.clamp_min(1e-8)) * torch.rsqrt(nb.clamp_min(1e-8))
+
+
+class DyLLMBase:
+    """A sampler ``LogitsFn`` under DyLLM, with :class:`~.runner.PolicyLogits`'s constructor contract:
+    ``local`` the local rows' tokens ``[N]`` (owned: the response part is overwritten every call),
+    ``positions`` their position ids ``[1, N]``, ``response_start`` the local row of response token 0,
+    ``inner`` the method's attention backend (vanilla: dense over the local rows; pdllm: the static chunk KV
+    plus the local rows), called with queries of some local rows and K/V of every local row.
+
+    Each call runs a FullStep or a SparseStep (:func:`step_kind`) and returns the logits of the masked
+    positions ``at``; subclasses implement ``_sparse``. Batch 1; bidirectional models (Dream, LLaDA).
+    """
+
+    name = "dyllm"
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        local: torch.Tensor,
+        positions: torch.Tensor,
+        response_start: int,
+        gen: GenerationConfig,
+        config: DyLLMConfig,
+        inner: AttentionBackend,
+    ) -> None:
+        if local.dim() != 1 or positions.shape != (1, local.shape[0]):
+            raise ValueError(
+                f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}"
+            )
+        if not 0 < response_start == local.shape[0] - gen.gen_length:
+            raise ValueError("the response must be the last gen_length local rows, after at least one row")
+        if model.config.block_size is not None:
+            raise ValueError("DyLLM runs on bidirectional models (Dream, LLaDA), not block diffusion (SDAR)")
+        config.validate()
+        self.model, self.local, self.positions = model, local, positions
+        self.response_start, self.gen, self.config, self.inner = response_start, gen, config, inner
+        self.threshold = config.threshold_for(model.config.family)
+        self.all_salient = self.threshold >= 1.0
+        self.lead = 1 if model.config.shift_logits else 0
+        self.cache: DyLLMCache | None = None
+        self.previous: torch.Tensor | None = None  # the local tokens of the last forward
+        self.stats = DyLLMStats()
+        dtype = model.model.embed_tokens.weight.dtype
+        self.cos, self.sin = model.model.rotary_emb(positions, dtype)  # positions never change
+
+    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        self.local[self.response_start :] = response
+        kind = step_kind(self.stats.forwards, self.config)
+        if kind == "full":
+            logits = self._full(at)
+            self.stats.full_steps += 1
+        else:
+            first = 0 if kind == "sequence" else self.response_start - self.lead
+            logits = self._sparse(at, first)
+            self.stats.response_only_steps += int(kind == "response")
+        self.previous = self.local.clone()
+        self.stats.forwards += 1
+        self.stats.rows_total += self.local.shape[0] * len(self.model.model.layers)
+        return logits
+
+    def _sparse(self, at: torch.Tensor, first: int) -> torch.Tensor:
+        """A SparseStep querying local rows ``[first, N)``; returns the logits at ``at``."""
+        raise NotImplementedError
+
+    def _full(self, at: torch.Tensor) -> torch.Tensor:
+        """FullStep (App. C.2): the plain forward of every local row, keeping each layer's K/V, context
+        and FFN output as the cache."""
+        model, n = self.model, self.local.shape[0]
+        x = model.model.embed_tokens(self.local[None])
+        cache = DyLLMCache([], [], [], [])
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = project_q(attn, h, self.cos, self.sin)
+            k, v = project_kv(attn, h, self.cos, self.sin)
+            context = flat(self.inner(attn.layer, q, k, v))
+            x = x + attn.o_proj(context[None])
+            ffn = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + ffn
+            for store, value in zip(
+                (cache.keys, cache.values, cache.contexts, cache.ffn), (k, v, context, ffn[0]), strict=True
+            ):
+                store.append(value)
+        self.cache = cache
+        layers = len(model.model.layers)
+        self.stats.rows_forwarded += n * layers
+        self.stats.kv_rows += n * layers
+        return self._logits(x, at, 0)
+
+    def _logits(self, x: torch.Tensor, at: torch.Tensor, first: int) -> torch.Tensor:
+        """Logits at response positions ``at`` from the residual stream ``x`` of local rows ``[first, N)``."""
+        hidden = self.model.model.norm(x)
+        return self.model.logits_from_hidden(hidden, (at + (self.response_start - first))[None])[0]
+
+    def first_salient(self, first: int) -> torch.Tensor:
+        """The first layer's incoming salient rows as a mask over the queried rows ``[first, N)``: the rows
+        whose token changed since the last forward (App. C.3: the tokens the last step unmasked; the others'
+        embeddings, hence their first-layer K/V, are unchanged); every row when τ = 1."""
+        if self.all_salient or self.previous is None:
+            return torch.ones(self.local.shape[0] - first, dtype=torch.bool, device=self.local.device)
+        return self.local[first:] != self.previous[first:]
+
+    def summary(self) -> dict[str, int | str]:
+        """The policy's name and counters (``GenerationResult.cache``)."""
+        return {"policy": self.name, **self.stats.as_dict()}
