@@ -15,11 +15,15 @@ never change, and decoding keeps them as an exact cache, like an autoregressive 
    denoising step computed K/V from a block that still held masks, so those are not the block's K/V.
 
 Memory: the cache is preallocated for prompt + answer per layer (no re-concatenation per block).
+
+``step`` (optional, :data:`BlockStep`) replaces step 2's forward + sampler update with the caller's own
+(a decode policy's: FOCUS forwards only some rows of the block); prefill, recording and stopping stay here.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -32,6 +36,10 @@ from .sampler import DenoiseState, GenerationConfig, GenerationResult
 # Prompt tokens per prefill forward (rounded down to whole generation blocks): bounds the [T, T] mask and
 # the activations of a long prompt without changing any value (the pieces are exact, like the blocks).
 PREFILL_PIECE_TOKENS = 2048
+
+BlockStep = Callable[["DenoiseState", torch.Tensor, torch.Tensor, torch.Tensor, "BlockKVCache"], None]
+"""One denoising step of the current block, applied to the state by the callee: ``(state, window tokens [T],
+window positions [T], the masked slots as window indices [n], cache of the earlier blocks)``."""
 
 
 def generation_block(config: GenerationConfig, model_block: int) -> int:
@@ -118,9 +126,11 @@ def generate_block_diffusion(
     config: GenerationConfig,
     progress: bool = False,
     prefill_piece: int = PREFILL_PIECE_TOKENS,
+    step: BlockStep | None = None,
 ) -> GenerationResult:
     """Generate ``config.gen_length`` tokens after ``prompt`` (1-D, on the model's device) block by block
-    over the exact cache of earlier blocks. ``timings['prefill']``: seconds to cache the prompt."""
+    over the exact cache of earlier blocks. ``timings['prefill']``: seconds to cache the prompt.
+    ``step``: a decode policy's denoising step instead of the plain one (None: a forward over the window)."""
     model_block = model.config.block_size
     if model_block is None:
         raise ValueError(f"{model.config.family} is not a block-diffusion model (no block_size)")
@@ -149,10 +159,12 @@ def generate_block_diffusion(
             seq[p:hi] = state.tokens[: hi - p]
             positions = torch.arange(lo, hi, device=device)
             rows = state.positions() + (p - lo)  # the block's masked slots, as indices into the window
-            logits = model(
-                seq[lo:hi][None], positions[None], attention=cache.attention(positions), logits_at=rows[None]
-            )[0]
-            state.update(logits)
+            if step is not None:
+                step(state, seq[lo:hi], positions, rows, cache)
+            else:
+                window, attention = seq[lo:hi][None], cache.attention(positions)
+                logits = model(window, positions[None], attention=attention, logits_at=rows[None])[0]
+                state.update(logits)
             bar.update(1)
             if state.block != b and not state.done:  # finished, and a later block will attend to it
                 seq[p:hi] = state.tokens[: hi - p]

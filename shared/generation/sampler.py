@@ -5,7 +5,9 @@ how it computes logits for the masked response positions. What to unmask next is
 :class:`DenoiseState` holds one request's response tokens and steps through semi-autoregressive blocks,
 either with LLaDA/Dream's fixed schedule (low-confidence remasking: the top-k most confident predictions
 are kept per step) or with Fast-dLLM's confidence threshold (all predictions above tau, at least one).
-:func:`denoise` is the loop that drives a state with any logits function.
+:func:`denoise` is the loop that drives a state with any logits function. A decode policy that computes
+the logits of only some positions (FOCUS, ``policies/focus*.py``) passes ``eligible`` to
+:meth:`DenoiseState.update`: the same rule then chooses among those positions only.
 
 This CPU-steppable state is the specification; ``device_sampler`` runs the same decision as device ops
 (greedy only) and is tested token for token against it. Ties in confidence go to the lower position.
@@ -125,21 +127,47 @@ class DenoiseState:
         lo, hi = self.spans[self.block]
         return (self.tokens[lo:hi] == self.mask_id).nonzero().flatten() + lo
 
-    def update(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply one step's logits (``[len(positions()), V]``); returns the newly unmasked positions."""
-        return self.apply(*predict_many(logits, [self], [logits.shape[0]])[0])
+    def update(self, logits: torch.Tensor, eligible: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply one step's logits (``[len(positions()), V]``); returns the newly unmasked positions.
+        ``eligible``: see :meth:`apply`."""
+        return self.apply(*predict_many(logits, [self], [logits.shape[0]])[0], eligible)
 
-    def apply(self, tokens: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    def quota(self) -> int | None:
+        """How many positions the next step unmasks under the fixed schedule (None under a confidence
+        threshold, where the confidences decide). A caller that lets only some positions be unmasked
+        (``eligible``: FOCUS's eviction) keeps at least this many eligible, so the schedule is kept."""
+        if self.config.threshold is not None:
+            return None
+        n = int(self.positions().shape[0])
+        if self.step_in_block >= len(self._schedule) - 1:
+            return n
+        return min(self._schedule[self.step_in_block], n)
+
+    def apply(
+        self, tokens: torch.Tensor, confidence: torch.Tensor, eligible: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Apply one step's predictions for :meth:`positions` (from :func:`predict_many`); returns the newly
-        unmasked positions."""
+        unmasked positions. ``eligible`` (bool per position, optional): only those may be unmasked this
+        step (a decode policy that did not compute the others, FOCUS); the choice is made among them by
+        the same rule (the schedule's count capped at their number, or the threshold, else their most
+        confident). None: every position may be, as always."""
         positions = self.positions()
         if tokens.shape[0] != positions.shape[0]:
             raise ValueError(f"expected logits for {positions.shape[0]} positions, got {tokens.shape[0]}")
         tokens, confidence = tokens.to(self.tokens.device), confidence.to(self.tokens.device)
+        allowed = positions.shape[0]
+        if eligible is not None:
+            eligible = eligible.to(device=confidence.device, dtype=torch.bool)
+            if eligible.shape != confidence.shape or not bool(eligible.any()):
+                raise ValueError(f"eligible must mark >= 1 of the {positions.shape[0]} positions")
+            # -inf never passes a threshold, never wins the argmax, and sorts after every eligible row.
+            confidence = confidence.masked_fill(~eligible, float("-inf"))
+            allowed = int(eligible.sum())
         if self.config.threshold is None:
-            k = min(self._schedule[self.step_in_block], positions.shape[0])
-            if self.step_in_block == len(self._schedule) - 1:
-                k = positions.shape[0]
+            # ``>=``: with ``eligible`` a block may outlast its schedule; the extra steps act as its last.
+            last = self.step_in_block >= len(self._schedule) - 1
+            k = positions.shape[0] if last else min(self._schedule[self.step_in_block], positions.shape[0])
+            k = min(k, allowed)
             # A stable sort, not topk: topk's tie order is implementation-defined (it differs between CPU
             # and CUDA and between sizes), and the device path must reproduce this choice exactly.
             chosen = torch.sort(confidence, descending=True, stable=True).indices[:k]

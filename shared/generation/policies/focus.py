@@ -1,0 +1,248 @@
+"""FOCUS (Liang et al., ``/work/shared/papers/focus.txt``): forward only the block tokens that can be decoded.
+
+A decode step forwards a whole block although it unmasks only a few of its tokens (§2: ~10%). FOCUS
+predicts which masked tokens are decodable from the first two layers and evicts the others from the rest
+of the forward (§4, Algorithm 1). Per step, over the current block's rows (SDAR: the generation block's
+window over the exact cache of earlier blocks; Dream/LLaDA: the semi-autoregressive block among the local
+rows, every other local row being context forwarded as in plain decoding):
+
+1. **Importance delta** (§3.1-3.2, Eqs. 2-3): layers 0 and 1 run on every unfrozen row (Algorithm 1
+   line 5); from their queries and keys, ``I_j = sum_{i,h} softmax_j(maxpool_j(S_ij^h))`` with
+   ``S = QK^T / sqrt(d)`` over the block's rows only (queries i and keys j both in the block; MaxPool1D
+   kernel 3, §F.1 / Eq. 15), and ``dI = I(layer 1) - I(layer 0)``. Every softmax row sums to 1 in both
+   layers, so dI has mean 0 (§4.1's "zero-mean distribution").
+2. **Dynamic budget** (§4.1, Eqs. 4-5, 17-19): ``K = min(B, max(ceil(alpha * Nbar), N_sigma))``, Nbar
+   the request's mean tokens unmasked per step so far (1 before its first step; kept across blocks, E.3.1;
+   the cumulative mean of Eqs. 17-19, where E.3.2 says "exponential"), ``N_sigma`` the masked tokens with
+   ``dI >= Std(dI)`` (population std over the block's rows; E.2.2's ``dI > mean + std`` is the same test
+   but for ties, the mean being 0).
+3. **Selection** (§4.2, Algorithm 1 lines 16-18): the K masked rows of largest dI (ties: the lower row),
+   plus each one's predecessor (**AR-context preservation**), plus every masked row before the selection's
+   last one that no earlier step of this block forwarded past layer 1 (**placeholder integrity**: it then
+   has K/V to be attended to; E.3.1's ``rightmost_processed``), plus the block's decoded rows that are not
+   frozen (context). Layers >= 2 run on those rows only (the paper also finishes layer 1 on them only,
+   line 21; here layer 1 runs whole, which gives the kept rows the same values); the evicted rows stay
+   visible at layers >= 2 through the K/V of the last step that forwarded them ("fixed reference KV
+   states"); rows never forwarded past layer 1 in this block are not visible there.
+4. **Intra-block KV cache with the Neighbor-Aware Stability Criterion** (§4.3, E.3.1; ``delayed_cache``):
+   a decoded row whose right neighbour is decoded too is forwarded once more, then frozen: later steps
+   of the block skip it at every layer and read its K/V from that forward. The block's last row has no
+   right neighbour inside the block and counts as stable once decoded.
+5. **Unmasking** stays the sampler's (``sampler.DenoiseState``, confidence threshold or schedule): it
+   chooses among the *eligible* rows only, the masked rows of the selection whose logits were computed
+   (Dream predicts row j from row j - 1: that row must be forwarded too, which AR-context preservation
+   guarantees for the top K). Under the fixed schedule the budget is raised to the step's quota
+   (``DenoiseState.quota``), so the schedule (and the number of steps) is plain decoding's.
+
+**Degenerate knobs**: ``budget >= block length`` keeps every masked row (nothing evicted); with
+``delayed_cache=False`` too, every step forwards every row and equals plain decoding token for token.
+
+This module holds the knobs, the per-request host state and the paper's equations written plainly (the
+reference, used by ``focus_reference.py``); ``focus_fast.py`` runs the same decisions vectorized over
+several requests and is held to them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Settings names the lead can wire (``--focus-alpha`` ...) -> FocusConfig fields.
+FOCUS_KNOBS: dict[str, str] = {
+    "focus_alpha": "alpha",
+    "focus_pool_kernel": "pool_kernel",
+    "focus_budget": "budget",
+    "focus_delayed_cache": "delayed_cache",
+}
+
+
+@dataclass(frozen=True)
+class FocusConfig:
+    """FOCUS's knobs, the paper's values by default; checked on construction (:meth:`validate`).
+
+    ``alpha``: Eq. 4's expansion factor (> 1; §5.2 adopts 1.5). ``pool_kernel``: Eq. 2's MaxPool1D kernel
+    (odd; §F.1: 3; 1 = no pooling). ``budget``: a fixed K instead of Eq. 4 (§5.1's fixed-K study; None:
+    dynamic); ``budget >= block length`` evicts nothing. ``delayed_cache``: §4.3's intra-block KV cache
+    (frozen stable decoded rows; part of FOCUS, E.3.4). The paper's other defaults are generation
+    settings, not FOCUS's: block length 32 and confidence threshold 0.8 (§5.2).
+    """
+
+    alpha: float = 1.5
+    pool_kernel: int = 3
+    budget: int | None = None
+    delayed_cache: bool = True
+    name: str = "focus"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first knob out of its range."""
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 1:
+            raise ValueError(f"focus alpha must be a finite number > 1 (Eq. 4 of the paper), got {a!r}")
+        k = self.pool_kernel
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+            raise ValueError(f"focus pool_kernel must be an odd integer >= 1 (the paper: 3), got {k!r}")
+        b = self.budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"focus budget must be None (dynamic, Eq. 4) or an integer >= 1, got {b!r}")
+        if not isinstance(self.delayed_cache, bool):
+            raise ValueError(f"focus delayed_cache must be a bool, got {self.delayed_cache!r}")
+
+    @classmethod
+    def from_settings(cls, values: dict[str, Any]) -> FocusConfig:
+        """From settings names (:data:`FOCUS_KNOBS`); unset ones take the paper's values."""
+        unknown = set(values) - set(FOCUS_KNOBS)
+        if unknown:
+            raise ValueError(f"unknown focus knobs {sorted(unknown)}; known: {list(FOCUS_KNOBS)}")
+        return cls(**{FOCUS_KNOBS[n]: v for n, v in values.items() if v is not None})
+
+
+def check_model(model: Any, block_diffusion: bool) -> None:
+    """FOCUS needs layers 0 and 1 for its delta; SDAR runs it block by block over the exact cache
+    (``block_diffusion``), Dream/LLaDA under ``denoise``'s semi-autoregressive blocks."""
+    config = model.config
+    if config.num_layers < 2:
+        raise ValueError(
+            f"FOCUS needs a model of >= 2 layers (its delta reads layers 0 and 1), got {config.num_layers}"
+        )
+    is_sdar = config.block_size is not None
+    if block_diffusion and not is_sdar:
+        raise ValueError(
+            f"FOCUS block-diffusion decoding runs on SDAR models; {config.family!r} decodes under the "
+            "semi-autoregressive blocks of denoise (FocusLogits / FocusSession)"
+        )
+    if not block_diffusion and is_sdar:
+        raise ValueError(
+            f"FOCUS on {config.family!r} (block diffusion) runs block by block over the exact cache "
+            "(generate_focus_block_diffusion), not over full bidirectional attention"
+        )
+
+
+@dataclass
+class FocusStats:
+    """Counters of one request: ``rows_forwarded`` / ``rows_plain``: rows through layers >= 2 summed over
+    those layers, under FOCUS and under plain decoding (the paper's Table 5 counts layer 2+);
+    ``rows_prefix``: rows through layers 0-1 (frozen rows skip them too); ``focused`` / ``evicted``: masked
+    rows kept / evicted, summed over steps; ``frozen``: frozen rows skipped, summed over steps."""
+
+    forwards: int = 0
+    rows_forwarded: int = 0
+    rows_plain: int = 0
+    rows_prefix: int = 0
+    focused: int = 0
+    evicted: int = 0
+    frozen: int = 0
+    decoded: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class FocusMemory:
+    """One request's FOCUS state on the host.
+
+    Across blocks: the decoding yield (Eqs. 17-19: tokens unmasked, steps). Per block (reset by
+    :meth:`start_block`): which rows are masked, frozen (K/V cached, skipped) and pending (stable: frozen
+    after the next forward), and ``reach``: rows ``[0, reach)`` have K/V at layers >= 2 (E.3.1's
+    ``rightmost_processed`` + 1; placeholder integrity keeps them a prefix).
+    """
+
+    decoded_sum: int = 0
+    steps: int = 0
+    block: int = -1
+    masked: list[bool] = field(default_factory=list)
+    frozen: list[bool] = field(default_factory=list)
+    pending: list[bool] = field(default_factory=list)
+    reach: int = 0
+
+    def start_block(self, block: int, masked: list[bool], delayed_cache: bool) -> None:
+        self.block, self.masked, self.reach = block, list(masked), 0
+        self.frozen = [False] * len(masked)
+        self.pending = self._stable() if delayed_cache else [False] * len(masked)
+
+    def _stable(self) -> list[bool]:
+        m = self.masked
+        n = len(m)
+        return [not m[r] and (r + 1 == n or not m[r + 1]) and not self.frozen[r] for r in range(n)]
+
+    def k_hist(self, alpha: float) -> int:
+        """``ceil(alpha * Nbar)``, Nbar = 1 before the first step (Algorithm 1 lines 9-13)."""
+        n_bar = 1.0 if self.steps == 0 else self.decoded_sum / self.steps
+        return math.ceil(alpha * n_bar)
+
+    def observe(self, picked: list[int], reach: int, delayed_cache: bool) -> None:
+        """After the sampler: ``picked`` block rows were unmasked; the step's forward reached ``reach``."""
+        self.reach = reach
+        # The pending rows were forwarded (decoded, unfrozen: in the selection) by the step just taken.
+        self.frozen = [f or p for f, p in zip(self.frozen, self.pending, strict=True)]
+        for r in picked:
+            self.masked[r] = False
+        self.decoded_sum += len(picked)
+        self.steps += 1
+        if delayed_cache:
+            self.pending = self._stable()
+
+
+def budget(config: FocusConfig, k_hist: int, n_sigma: int, block_length: int, quota: int | None) -> int:
+    """Eq. 4's K (or the fixed ``budget``), raised to the fixed schedule's ``quota`` of this step."""
+    k = config.budget if config.budget is not None else min(block_length, max(k_hist, n_sigma))
+    return k if quota is None else max(k, quota)
+
+
+def importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Eq. 2 for one request: ``I_j`` ``[B]`` (float64) of the block's ``B`` key rows ``k`` ``[Hkv, B, D]``
+    from its query rows ``q`` ``[Hq, n, D]`` (query head h reads KV head h // (Hq / Hkv)). MaxPool1D runs
+    over the keys (stride 1, -inf padding: an edge key pools over its real neighbours only). Float64, so a
+    different summation order (the fast path's) cannot flip a selection."""
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
+    keys = k.double().repeat_interleave(heads // kv_heads, dim=0)
+    scores = q.double() @ keys.transpose(1, 2) / math.sqrt(dim)  # [Hq, n, B]
+    if kernel > 1:
+        b = scores.shape[-1]
+        scores = F.max_pool1d(scores.reshape(-1, 1, b), kernel, 1, kernel // 2).reshape(scores.shape)
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One step's choice over the block's rows: ``rows`` forwarded past layer 1 (ascending), ``top`` the
+    K focused masked rows, ``reach`` the new visible prefix at layers >= 2, and Eq. 5's ``n_sigma``."""
+
+    rows: list[int]
+    top: list[int]
+    reach: int
+    n_sigma: int
+
+
+def select(
+    delta: torch.Tensor, memory: FocusMemory, config: FocusConfig, block_length: int, quota: int | None
+) -> Selection:
+    """Algorithm 1 lines 7-18 over the block's rows, written out (the reference)."""
+    d = delta.tolist()
+    masked = [r for r, m in enumerate(memory.masked) if m]
+    mean = sum(d) / len(d)
+    sigma = math.sqrt(sum((x - mean) ** 2 for x in d) / len(d))
+    n_sigma = sum(1 for j in masked if d[j] >= sigma)  # Eq. 5
+    k = budget(config, memory.k_hist(config.alpha), n_sigma, block_length, quota)
+    top = sorted(masked, key=lambda j: (-d[j], j))[:k]
+    chosen = set(top) | {i - 1 for i in top if i > 0}  # AR-context preservation (line 17)
+    last = max(chosen)
+    chosen |= {j for j in masked if memory.reach <= j < last}  # placeholder integrity (line 18)
+    # Decoded rows stay (context); frozen ones are read from their cached K/V instead.
+    chosen |= {r for r, m in enumerate(memory.masked) if not m and not memory.frozen[r]}
+    rows = sorted(chosen)
+    return Selection(rows, sorted(top), max(memory.reach, rows[-1] + 1), n_sigma)
+
+
+def eligible_rows(rows: list[int], masked: list[bool], lead: int) -> list[int]:
+    """Masked block rows the sampler may unmask: forwarded, and so is the row their logits come from
+    (``lead`` = 1 on Dream: row j - 1; the block's first row reads the context row before the block)."""
+    kept = set(rows)
+    return [j for j in rows if masked[j] and (lead == 0 or j == 0 or j - 1 in kept)]

@@ -1,0 +1,290 @@
+"""FOCUS's reference path (``focus.py``): one request, its own per-layer loop over the model's modules.
+
+:class:`FocusReference` is one request's step, plainly: layers 0-1 over every unfrozen row, the delta and
+selection of ``focus.py`` (Python sets, Algorithm 1 line by line), layers >= 2 over the selected rows, the
+LM head over the eligible rows only. It runs
+
+- for SDAR inside ``generate_block_diffusion``'s block loop (its ``step`` hook: the window over the exact
+  cache of the earlier blocks), :func:`generate_focus_block_diffusion`;
+- for Dream/LLaDA as a logits function (:class:`FocusLogits`) under ``denoise``'s semi-autoregressive
+  blocks, over any method's backend (``inner``: dense attention for vanilla, pdllm's static chunk KV
+  backend), driven by :class:`FocusSession` (a ``DenoiseSession`` that hands the sampler the eligible
+  rows: the sampler still decides what to unmask, among those only).
+
+Layer 1 runs whole on every unfrozen row (the paper finishes it on the selected rows only, Algorithm 1
+line 21: the same values for them); the counters report layers >= 2, as the paper's Table 5 does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.transformer import DiffusionLM
+
+from ..block_diffusion import BlockKVCache, generate_block_diffusion
+from ..sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from .focus import (
+    FocusConfig,
+    FocusMemory,
+    FocusStats,
+    check_model,
+    eligible_rows,
+    importance,
+    select,
+)
+from .focus_layers import BlockKV, RowsAttention, SdarRows, embed, inner_rows, keys_in_row_order
+
+
+@dataclass
+class _Layers:
+    """The attention of one phase of one request's step: the forwarded block rows ``fresh`` (block rows,
+    ascending) are written into the store; the keys are the forwarded rows around the block and the
+    block's rows ``[0, visible)`` from the store. ``capture``: keep layers 0-1's q and block keys."""
+
+    store: BlockKV
+    before: int
+    fresh: torch.Tensor
+    visible: int
+    attend: AttentionBackend
+    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, n = self.before, self.fresh.numel()
+        self.store.write(layer, self.fresh, k[:, :, b : b + n], v[:, :, b : b + n])
+        kb, vb = self.store.block(layer, 0)
+        if self.capture is not None:
+            self.capture[layer] = (q[0, :, b : b + n], kb[0, :, : self.visible])
+        ks = keys_in_row_order(k, kb, b, n, self.visible)
+        vs = keys_in_row_order(v, vb, b, n, self.visible)
+        return self.attend(layer, q, ks, vs)
+
+
+class FocusReference:
+    """One request's FOCUS steps (the reference). Call :meth:`start` with the current block, :meth:`step`
+    for its logits, then :meth:`observe` with the block rows the sampler unmasked."""
+
+    def __init__(self, model: DiffusionLM, focus: FocusConfig, block_length: int) -> None:
+        self.model, self.focus, self.block_length = model, focus, block_length
+        self.lead = 1 if model.config.shift_logits else 0
+        self.memory = FocusMemory()
+        self.stats = FocusStats()
+        self.store = BlockKV(model, 1, block_length)
+        self._reach = 0
+
+    def start(self, block: int, block_tokens: torch.Tensor) -> None:
+        """Begin block ``block`` (a no-op while it is the current one)."""
+        if block != self.memory.block:
+            masked = (block_tokens == self.model.config.mask_token_id).tolist()
+            self.memory.start_block(block, masked, self.focus.delayed_cache)
+
+    @torch.inference_mode()
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        lo: int,
+        hi: int,
+        at: torch.Tensor,
+        attention: RowsAttention,
+        quota: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[n, V]`` of the local rows ``at`` (the block's masked rows, ascending) and which of them
+        the sampler may unmask (bool, host); rows ``[lo, hi)`` of ``tokens`` / ``positions`` are the
+        block, the others context. Ineligible rows' logits are zeros (never computed)."""
+        model, mem, dev = self.model, self.memory, tokens.device
+        total, width = tokens.numel(), hi - lo
+        at_rows = (at - lo).tolist()
+        if at_rows != [r for r, m in enumerate(mem.masked) if m]:
+            raise RuntimeError("FOCUS's block state disagrees with the sampler's masked positions")
+        active = [r for r in range(width) if not mem.frozen[r]]
+        rows0 = [*range(lo), *(lo + r for r in active), *range(hi, total)]
+        idx0 = torch.tensor(rows0, device=dev)
+        x, cos, sin = embed(model, tokens[idx0], positions[idx0])
+        captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fresh0 = torch.tensor(active, device=dev)
+        attend0 = attention(idx0, torch.arange(total, device=dev))
+        phase0 = _Layers(self.store, lo, fresh0, width, attend0, captured)
+        for layer in model.model.layers[:2]:
+            x = layer(x, cos, sin, phase0)
+        kernel = self.focus.pool_kernel
+        delta = importance(*captured[1], kernel) - importance(*captured[0], kernel)
+        sel = select(delta, mem, self.focus, self.block_length, quota)
+        if not set(range(mem.reach, sel.reach)) <= set(sel.rows):
+            raise RuntimeError("placeholder integrity broken: a newly visible row was never forwarded")
+
+        rows1 = [*range(lo), *(lo + r for r in sel.rows), *range(hi, total)]
+        where0 = {r: i for i, r in enumerate(rows0)}
+        keep = torch.tensor([where0[r] for r in rows1], device=dev)
+        x, cos, sin = x[:, keep], cos[:, keep], sin[:, keep]
+        keys1 = [*range(lo + sel.reach), *range(hi, total)]
+        attend1 = attention(torch.tensor(rows1, device=dev), torch.tensor(keys1, device=dev))
+        phase1 = _Layers(self.store, lo, torch.tensor(sel.rows, device=dev), sel.reach, attend1)
+        for layer in model.model.layers[2:]:
+            x = layer(x, cos, sin, phase1)
+        hidden = model.model.norm(x)
+
+        eligible = eligible_rows(sel.rows, mem.masked, self.lead)
+        where1 = {r: i for i, r in enumerate(rows1)}
+        src = torch.tensor([where1[lo + j - self.lead] for j in eligible], device=dev)
+        computed = model.lm_head(hidden[:, src])[0]
+        slot = {r: i for i, r in enumerate(at_rows)}
+        rows_at = torch.tensor([slot[j] for j in eligible], device=dev)
+        logits = computed.new_zeros(len(at_rows), computed.shape[-1]).index_copy_(0, rows_at, computed)
+        mask = torch.zeros(len(at_rows), dtype=torch.bool)
+        mask[rows_at.cpu()] = True
+
+        deep = model.config.num_layers - 2
+        kept = sum(1 for r in sel.rows if mem.masked[r])
+        s = self.stats
+        s.forwards += 1
+        s.rows_forwarded += len(rows1) * deep
+        s.rows_plain += total * deep
+        s.rows_prefix += len(rows0) * 2
+        s.focused += kept
+        s.evicted += len(at_rows) - kept
+        s.frozen += width - len(active)
+        self._reach = sel.reach
+        return logits, mask
+
+    def observe(self, picked: list[int]) -> None:
+        """The sampler unmasked block rows ``picked`` after the last :meth:`step`."""
+        self.memory.observe(picked, self._reach, self.focus.delayed_cache)
+        self.stats.decoded += len(picked)
+
+    def summary(self) -> dict[str, int | str]:
+        """``{"policy": "focus", counters}``: ``GenerationResult.cache``."""
+        return {"policy": self.focus.name, **self.stats.as_dict()}
+
+
+@torch.inference_mode()
+def generate_focus_block_diffusion(
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    config: GenerationConfig,
+    focus: FocusConfig,
+    progress: bool = False,
+) -> GenerationResult:
+    """SDAR under FOCUS: ``generate_block_diffusion`` with FOCUS's step over each block's window."""
+    check_model(model, block_diffusion=True)
+    ref = FocusReference(model, focus, config.block)
+    p = prompt.numel()
+    block_size = model.config.block_size
+    assert block_size is not None
+
+    def step(
+        state: DenoiseState,
+        window: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        cache: BlockKVCache,
+    ) -> None:
+        ref.start(state.block, window)
+        logits, eligible = ref.step(
+            window, positions, 0, window.numel(), rows, SdarRows(cache, positions, block_size), state.quota()
+        )
+        picked = state.update(logits, eligible)
+        ref.observe((picked + (p - int(positions[0]))).tolist())
+
+    result = generate_block_diffusion(model, prompt, config, progress, step=step)
+    result.cache = ref.summary()
+    return result
+
+
+class FocusLogits:
+    """Dream/LLaDA under FOCUS (reference): a logits function over the local rows (vanilla: prompt +
+    response; pdllm: query suffix + response, ``inner`` reading the static chunk KV), like
+    ``runner.PolicyLogits``. Its ineligible rows' logits are zeros: drive it with :class:`FocusSession`,
+    which hands the sampler :attr:`eligible` (a plain ``denoise`` would not, and is refused)."""
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        local: torch.Tensor,
+        positions: torch.Tensor,
+        response_start: int,
+        gen: GenerationConfig,
+        focus: FocusConfig,
+        inner: AttentionBackend,
+    ) -> None:
+        check_model(model, block_diffusion=False)
+        if local.dim() != 1 or positions.shape != (1, local.shape[0]):
+            raise ValueError(
+                f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}"
+            )
+        if not 0 < response_start == local.shape[0] - gen.gen_length:
+            raise ValueError("the response must be the last gen_length local rows, after at least one row")
+        self.model, self.local, self.positions, self.gen = model, local, positions[0], gen
+        self.response_start, self.inner = response_start, inner
+        self.reference = FocusReference(model, focus, gen.block)
+        self.state: DenoiseState | None = None
+        self.eligible: torch.Tensor | None = None
+
+    def bind(self, state: DenoiseState) -> None:
+        """The sampler state it serves (its block, and the fixed schedule's quota)."""
+        self.state = state
+
+    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            raise RuntimeError("FocusLogits needs its DenoiseState bound (drive it with FocusSession)")
+        if self.eligible is not None:
+            raise RuntimeError("the last step's eligible rows never reached the sampler (use FocusSession)")
+        self.local[self.response_start :] = response
+        lo, hi = (self.response_start + x for x in self.state.spans[self.state.block])
+        self.reference.start(self.state.block, self.local[lo:hi])
+        logits, self.eligible = self.reference.step(
+            self.local,
+            self.positions,
+            lo,
+            hi,
+            at + self.response_start,
+            inner_rows(self.inner),
+            self.state.quota(),
+        )
+        return logits
+
+    def take_eligible(self) -> torch.Tensor:
+        """The last call's eligible rows (once)."""
+        assert self.eligible is not None, "no step taken"
+        eligible, self.eligible = self.eligible, None
+        return eligible
+
+
+class FocusSession(DenoiseSession):
+    """A :class:`FocusLogits` request advanced one step at a time (a ``DenoiseSession``: the decode worker
+    can step it alone like a ``PolicySession``); its result carries FOCUS's counters."""
+
+    def __init__(self, logits_fn: FocusLogits) -> None:
+        config = logits_fn.model.config
+        super().__init__(
+            logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
+        )
+        logits_fn.bind(self.state)
+        self.focus_logits = logits_fn
+
+    def step(self) -> torch.Tensor:
+        start = time.perf_counter()
+        fn, state = self.focus_logits, self.state
+        lo = state.spans[state.block][0]
+        logits = fn(state.tokens, state.positions())
+        picked = state.update(logits, fn.take_eligible())
+        fn.reference.observe((picked - lo).tolist())
+        self.seconds += time.perf_counter() - start
+        return picked
+
+    def result(self) -> GenerationResult:
+        result = super().result()
+        result.cache = self.focus_logits.reference.summary()
+        return result
+
+
+@torch.inference_mode()
+def run_focus(logits_fn: FocusLogits) -> GenerationResult:
+    """A :class:`FocusSession` to the end."""
+    session = FocusSession(logits_fn)
+    while not session.done:
+        session.step()
+    return session.result()
