@@ -1,4 +1,5 @@
-"""Decode policies in the batched rounds: Fast-dLLM's prefix and dual cache, one forward for many requests.
+"""Decode policies in the batched rounds: Fast-dLLM's prefix and dual cache and Sparse-dLLM, one forward for
+many requests.
 
 A :class:`PolicyBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow a decode policy
 (``shared/generation/policies``; its eager reference loop, ``PolicyLogits``, is the specification). Its
@@ -16,22 +17,35 @@ the round needs no other attention call.
 That is the reference's ``[cache[:lo], fresh[lo:hi], cache[hi:]]`` with the same K/V, in another order
 (attention is bidirectional: the order of keys does not matter). Sessions of any policy, and plain ones,
 share one round: rows are packed ragged, so a 33-row cached step costs 33 rows of the GEMMs, not a padded
-full step. Policies whose plans go beyond row ranges (``keep``, ``visible``, ``rows_hook``, ``record=False``:
-Sparse-dLLM, Polestar-Cache) are not batched yet; the worker steps them alone through the reference loop.
+full step.
+
+**Sparse-dLLM** (``SparseDLLM``'s plans): its delayed steps (``record=False``) are plain full steps; its
+caching step is a refresh whose stores are chosen on the device inside the forward (:class:`SalientStore`:
+per layer, the selection from that layer's queries and keys, a fixed ``floor((N - b) r)`` rows compacted
+into the cache slots), so a round holding one runs eagerly, not as a graph (once per block and session);
+its cached steps replay like the dual cache's. On Dream the row before the block may be kept at some
+layer and is also forwarded fresh by the cached steps: it is stored in the last slot and, at that layer,
+not read there (``drop``: per-layer cached slot counts, subtracted from ``kv_len``), as the reference's
+fresh rows replace cached ones. Polestar-Cache (``rows_hook``) is not batched; the worker steps it alone
+through the reference loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from pdllm.decode_service.jobs import StaticDecode
 from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.device_state import DeviceDenoiseState
 from pdllm.shared.generation.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
+from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
-BATCHED_POLICIES = ("prefix-cache", "dual-cache")
+BATCHED_POLICIES = ("prefix-cache", "dual-cache", "sparse-dllm")
 
 
 def cache_slots(query_tokens: int, gen: GenerationConfig) -> int:
@@ -51,6 +65,11 @@ class PolicyBatchSession(BatchSession):
     row_bytes: int = 0  # K/V bytes of one local row, all layers
     cached_rows: int = 0  # valid cache slots (after the static KV)
     stats: CacheStats = field(default_factory=CacheStats)
+    row_layers: int = 0
+    device: torch.device = torch.device("cpu")  # the model's (and the pool's)
+    # [layers] int32 on the device: Sparse-dLLM kept the row before the block at that layer (Dream), which
+    # the cached steps forward fresh: it sits in the last cache slot, and those steps do not read it there.
+    drop: torch.Tensor | None = None
 
     @classmethod
     def start_policy(
@@ -85,6 +104,8 @@ class PolicyBatchSession(BatchSession):
             page_size=page_size,
             lead=1 if c.shift_logits else 0,
             row_bytes=c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem,
+            row_layers=c.num_layers,
+            device=next(model.parameters()).device,
         )
 
     def context(self) -> StepContext:
@@ -108,7 +129,8 @@ class PolicyBatchSession(BatchSession):
     def _plan(self, ctx: StepContext) -> StepPlan:
         plan = self.policy.plan(ctx)
         plan.check(ctx)
-        if not plan.record or plan.keep is not None or plan.visible is not None or plan.rows_hook is not None:
+        selective = plan.keep is not None and not isinstance(plan.keep, SaliencyKeep)
+        if selective or plan.visible is not None or plan.rows_hook is not None:
             raise ValueError(f"decode policy {self.policy.name!r} planned a step the rounds cannot batch")
         return plan
 
@@ -124,9 +146,14 @@ class PolicyBatchSession(BatchSession):
         self.stats.forwards += 1
         if not plan.refresh:
             self.stats.rows_forwarded += plan.hi - plan.lo
-            return RoundRows(plan.lo, plan.hi, self.kv_tokens + self.cached_rows)
-        self.stats.refreshes += 1
+            return RoundRows(plan.lo, plan.hi, self.kv_tokens + self.cached_rows, drop=self.drop)
         self.stats.rows_forwarded += ctx.rows
+        if not plan.record:  # a plain full step (Sparse-dLLM before its delayed caching step)
+            return RoundRows(0, ctx.rows, self.kv_tokens)
+        self.stats.refreshes += 1
+        if isinstance(plan.keep, SaliencyKeep):
+            return self._record_salient(ctx, plan.keep)
+        self.drop = None
         # The block's later steps: same range, whatever step of the block they are (``refresh_due``).
         later = self._plan(replace(ctx, step_in_block=ctx.step_in_block + 1))
         kept = [] if later.refresh else [*range(later.lo), *range(later.hi, ctx.rows)]
@@ -135,6 +162,21 @@ class PolicyBatchSession(BatchSession):
         self.stats.cache_bytes = ctx.rows * self.row_bytes
         writes = tuple((row, *self._slot(j)) for j, row in enumerate(kept))
         return RoundRows(0, ctx.rows, self.kv_tokens, writes)
+
+    def _record_salient(self, ctx: StepContext, keep: SaliencyKeep) -> RoundRows:
+        """Sparse-dLLM's caching step: each layer stores the rows its selection keeps (a fixed count)."""
+        kept = int((ctx.rows - (keep.end - keep.start)) * keep.retention)  # as ``sparse_dllm.keep_rows``
+        device = self.device
+        if self.lead and self.drop is None:
+            self.drop = torch.zeros(self.row_layers, dtype=torch.int32, device=device)
+        slots = [self._slot(j) for j in range(kept)]
+        at = to_device([p for p, _ in slots] + [o for _, o in slots], torch.long, device).view(2, -1)
+        store = SalientStore(
+            keep, ctx.rows, ctx.block_start - self.lead if self.lead else -1, at[0], at[1], self.drop
+        )
+        self.cached_rows = kept
+        self.stats.cache_bytes = max(self.stats.cache_bytes, kept * self.row_bytes)
+        return RoundRows(0, ctx.rows, self.kv_tokens, store=store)
 
     def result(self) -> GenerationResult:
         result = super().result()
@@ -156,3 +198,32 @@ def batch_session(
     return PolicyBatchSession.start_policy(
         model, built.query, query_start, kv_tokens, pages, built.gen, built.cache_policy, page_size
     )
+
+
+@dataclass
+class SalientStore:
+    """A :data:`~.rounds.LayerStore` for Sparse-dLLM's caching step: per layer, the session's selection
+    (``keep``, from that layer's queries and keys of its ``rows`` local rows) stored into cache slots
+    ``(pages[j], offsets[j])`` in row order, except ``lead`` (the row before the block, forwarded fresh by
+    the cached steps), which goes last and is marked in ``drop[layer]``."""
+
+    keep: SaliencyKeep
+    rows: int
+    lead: int  # -1: none
+    pages: torch.Tensor
+    offsets: torch.Tensor
+    drop: torch.Tensor | None
+
+    def __call__(
+        self, layer: int, base: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor
+    ) -> None:
+        own = slice(base, base + self.rows)
+        kept = self.keep(layer, q[:, :, own], k[own].transpose(0, 1)[None])
+        if self.lead >= 0:
+            hit = kept == self.lead
+            kept = kept[torch.argsort(hit.to(torch.int8), stable=True)]  # the lead row last
+            assert self.drop is not None
+            self.drop[layer] = hit.any().to(torch.int32)
+        src = kept + base
+        kv[layer, 0][self.pages, :, self.offsets] = k.index_select(0, src)
+        kv[layer, 1][self.pages, :, self.offsets] = v.index_select(0, src)

@@ -1,8 +1,9 @@
 """Requests with a decode policy on the decode worker: the policy's reference loop, one step per turn.
 
 A request whose ``DecodeRequest.decode_policy`` names a policy the batched rounds do not run
-(``sparse-dllm``, ``polestar``, or any policy on a vanilla request; ``shared/generation/policies``; the
-prefix and dual cache are batched, ``policy_rounds.py``) is **not batched**: the scheduler steps its
+(``polestar``, the compute-skipping ``dyllm`` and ``focus``
+(``policies/compute_skip.py``: their :func:`static_compute_skip_logits`), or any policy on a vanilla request; ``shared/generation/policies``; the
+prefix and dual cache and Sparse-dLLM are batched, ``policy_rounds.py``) is **not batched**: the scheduler steps its
 :class:`~pdllm.shared.generation.policies.PolicySession` alone, one denoising step per scheduler
 iteration, interleaved with the batched rounds of the other requests exactly like a vanilla request
 (:func:`step_alone`). Each step runs the plain, eager reference loop (:class:`PolicyLogits`: one host read
@@ -23,14 +24,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
 from pdllm.decode_service.jobs import DecodeJob
 from pdllm.decode_service.kv_pool import DecodeKVPool, PooledKV
 from pdllm.kernels.paged_kv import ChunkPages
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
-from pdllm.shared.generation.policies import CachePolicy, PolicyLogits
+from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicyLogits
+from pdllm.shared.generation.policies.compute_skip import ComputeSkipLogits, compute_skip_logits
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_transfer.payload import unpack_static
+from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 
@@ -48,14 +53,42 @@ def static_policy_logits(
 ) -> PolicyLogits:
     """Step 7 of a pdllm request under ``cache_policy``: the policy's loop over the query + answer rows,
     around the static-KV attention ``static_policy`` (default: every segment, in ``decode_attention``)."""
+    local, positions, inner = _static_inputs(model, query, static, gen, decode_attention, static_policy)
+    return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner)
+
+
+def static_compute_skip_logits(
+    model: DiffusionLM,
+    query: list[int],
+    static: StaticKV,
+    gen: GenerationConfig,
+    config: DecodePolicyConfig,
+    decode_attention: str,
+    static_policy: DecodePolicy | None = None,
+) -> ComputeSkipLogits:
+    """Step 7 of a pdllm request under a compute-skipping policy (DyLLM, FOCUS): its loop over the query +
+    answer rows around the same static-KV attention as :func:`static_policy_logits`."""
+    local, positions, inner = _static_inputs(model, query, static, gen, decode_attention, static_policy)
+    return compute_skip_logits(model, local, positions, len(query), gen, config, inner)
+
+
+def _static_inputs(
+    model: DiffusionLM,
+    query: list[int],
+    static: StaticKV,
+    gen: GenerationConfig,
+    decode_attention: str,
+    static_policy: DecodePolicy | None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
+    """The local rows, their positions and the static-KV backend a decode policy's loop runs around."""
     if static_policy is not None and not static_policy.step_invariant:
         raise ValueError("a decode policy composes with step-invariant static-KV policies only")
     local, positions = local_inputs(model, query, static, gen)
-    # The split-S kernel assumes as many local K/V rows as query rows, which a cached step breaks;
-    # "buffer" is its eager stand-in (same SDPA over static + local K/V).
+    # The split-S kernel assumes as many local K/V rows as query rows, which a policy's step breaks
+    # (cached or skipped rows); "buffer" is its eager stand-in (same SDPA over static + local K/V).
     inner = static_policy or StaticPolicy("buffer" if decode_attention == "triton" else decode_attention)
     inner.begin(static, local.shape[0])
-    return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner.backend(0, local))
+    return local, positions, inner.backend(0, local)
 
 
 def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: wpb.KvHandoff) -> StaticKV:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.decode_service.rounds import PackedRound, PagedBatchAttention
+from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, PagedBatchAttention
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -51,6 +51,7 @@ class RoundShape:
     q_len: int
     pages: int
     writes: int = 0  # rows whose K/V the round stores in the pool (a decode policy's refresh)
+    drops: bool = False  # some session reads fewer cached slots at some layers (Sparse-dLLM)
 
     @classmethod
     def of(cls, packed: PackedRound) -> RoundShape:
@@ -60,6 +61,7 @@ class RoundShape:
             q_len=pow2(packed.max_q_len),
             pages=pow2(max(len(p) for p in packed.page_table)),
             writes=eighths(len(packed.writes)) if packed.writes else 0,
+            drops=any(d is not None for d in packed.drops),
         )
 
 
@@ -83,6 +85,10 @@ class CapturedRound:
         self.kv_lens = torch.zeros(shape.batch, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(shape.batch, shape.pages, dtype=torch.int32, device=device)
         self.writes = torch.zeros(3, shape.writes, dtype=torch.long, device=device)
+        layers = model.config.num_layers
+        self.drop = (
+            torch.zeros(layers, shape.batch, dtype=torch.int32, device=device) if shape.drops else None
+        )
         self.attention = PagedBatchAttention(
             pool.kv,
             self.page_table,
@@ -92,6 +98,7 @@ class CapturedRound:
             shape.pages * pool.page_size,
             kernel,
             (self.writes[0], self.writes[1], self.writes[2]) if shape.writes else None,
+            drop=self.drop,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         if not capture:
@@ -137,6 +144,10 @@ class CapturedRound:
             pad = [packed.writes[0]] * (s.writes - len(packed.writes))
             rows, pages, slots = zip(*(packed.writes + pad), strict=True)
             self.writes.copy_(to_device([*rows, *pages, *slots], torch.long, device).view(3, -1))
+        if self.drop is not None:
+            table = packed.drop_table(self.drop.shape[0], s.batch, device)
+            assert table is not None  # the shape has drops only when a session has one
+            self.drop.copy_(table)
         longs = to_device(packed.positions + packed.ids + packed.rows, torch.long, device)
         self.positions[:t].copy_(longs[:t])
         self.ids[:t].copy_(longs[t : 2 * t] if packed.device_ids is None else packed.device_ids)
@@ -171,11 +182,14 @@ class GraphedRoundForward:
             capacity,
         )
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.eager = EagerRoundForward(model, pool, kernel)
         self._graphs: OrderedDict[RoundShape, CapturedRound] = OrderedDict()
         self.captures = 0
         self.replays = 0
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
+        if packed.stores:  # choices made inside the forward (Sparse-dLLM's caching step): not capturable
+            return self.eager(packed)
         shape = RoundShape.of(packed)
         graph = self._graphs.get(shape)
         if graph is None:

@@ -104,6 +104,16 @@ class RoundRows:
     hi: int
     kv_len: int
     writes: tuple[tuple[int, int, int], ...] = ()
+    # Stores chosen on the device during the forward (Sparse-dLLM's per-layer selection): called at every
+    # layer with the session's first packed row; such a round runs eagerly (its choices are not capturable).
+    store: LayerStore | None = None
+    # ``[layers]`` int32 on the device: per layer, cached slots this session's queries do not read (the
+    # last ones; Sparse-dLLM's kept row that the step forwards fresh). None: none.
+    drop: torch.Tensor | None = None
+
+
+LayerStore = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``(layer, first packed row, q [1, Hq, T, D], k [T, Hkv, D], v [T, Hkv, D], pool K/V [layers, 2, ...])``."""
 
 
 class PagedBatchAttention:
@@ -127,12 +137,14 @@ class PagedBatchAttention:
         max_kv_len: int,
         kernel: str,
         writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        stores: list[tuple[int, LayerStore]] | None = None,
+        drop: torch.Tensor | None = None,
     ) -> None:
         if kernel not in ROUND_ATTENTIONS:
             raise ValueError(f"round attention must be one of {ROUND_ATTENTIONS}, got {kernel!r}")
         self.kv, self.page_table, self.kv_lens, self.q_offsets = kv, page_table, kv_lens, q_offsets
         self.max_q_len, self.max_kv_len, self.kernel = max_q_len, max_kv_len, kernel
-        self.writes = writes
+        self.writes, self.stores, self.drop = writes, stores or [], drop  # drop: [layers, sessions]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qt = q[0].transpose(0, 1)
@@ -142,7 +154,10 @@ class PagedBatchAttention:
             rows, pages, slots = self.writes
             self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)
             self.kv[layer, 1][pages, :, slots] = vl.index_select(0, rows)
-        args = (qt, self.kv[layer, 0], self.kv[layer, 1], self.page_table, self.kv_lens, self.q_offsets)
+        for base, store in self.stores:
+            store(layer, base, q, kl, vl, self.kv)
+        kv_lens = self.kv_lens if self.drop is None else self.kv_lens - self.drop[layer]
+        args = (qt, self.kv[layer, 0], self.kv[layer, 1], self.page_table, kv_lens, self.q_offsets)
         if self.kernel == "triton":
             from pdllm.kernels.split_s_attention import split_s_attention
 
@@ -175,6 +190,8 @@ class PackedRound:
     starts: list[int] = field(default_factory=list)
     responses: list[tuple[int, int]] = field(default_factory=list)
     writes: list[tuple[int, int, int]] = field(default_factory=list)  # (packed row, page, slot)
+    stores: list[tuple[int, LayerStore]] = field(default_factory=list)  # (first packed row, store)
+    drops: list[torch.Tensor | None] = field(default_factory=list)  # per session
     device_ids: torch.Tensor | None = None
     device_rows: torch.Tensor | None = None
 
@@ -204,6 +221,9 @@ class PackedRound:
             out.page_table.append(s.pages)
             out.kv_lens.append(part.kv_len)
             out.writes += [(base + row - part.lo, page, slot) for row, page, slot in part.writes]
+            if part.store is not None:
+                out.stores.append((base - part.lo, part.store))
+            out.drops.append(part.drop)
         return out
 
     def table(self, sessions: int, width: int) -> torch.Tensor:
@@ -213,6 +233,16 @@ class PackedRound:
         for i, pages in enumerate(self.page_table):
             out[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return out
+
+    def drop_table(self, layers: int, sessions: int, device: torch.device) -> torch.Tensor | None:
+        """The sessions' ``drop`` as one ``[layers, sessions]`` int32 tensor (zeros where a session has
+        none, and for padded sessions), or None when no session has one."""
+        if all(d is None for d in self.drops):
+            return None
+        zero = torch.zeros(layers, dtype=torch.int32, device=device)
+        columns = [zero if d is None else d for d in self.drops]
+        columns += [zero] * (sessions - len(columns))
+        return torch.stack(columns, dim=1)
 
     @property
     def max_q_len(self) -> int:
@@ -255,6 +285,8 @@ class EagerRoundForward:
             max(packed.kv_lens),
             self.kernel,
             writes,
+            packed.stores,
+            packed.drop_table(self.model.config.num_layers, b, device),
         )
         hidden = self.model.hidden_states(ids[None], positions[None], attention)
         return self.model.logits_from_hidden(hidden, rows[None])[0]

@@ -8,11 +8,11 @@ the prefill worker's entries for causal prefill; recomputed when the tier misses
 the batched denoising rounds of all active requests. A request with a ``handoff`` instead pulls the KV a
 prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are checked against this worker's
 model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request
-carries the whole context and is stepped alone. A pdllm request with Fast-dLLM's prefix or dual cache
-(``decode_policy``) joins the batched rounds under it, its cache of query + answer K/V in pool pages
-reserved after its static KV (``policy_rounds.py``); any other decode policy (Sparse-dLLM, Polestar-Cache,
-or any policy on a vanilla request) is stepped alone through the policy's reference loop
-(``policy_sessions.py``). Partial outputs stream after every step when asked for.
+carries the whole context and is stepped alone. A pdllm request with Fast-dLLM's prefix or dual cache or
+Sparse-dLLM (``decode_policy``) joins the batched rounds under it, its cache of query + answer K/V in pool
+pages reserved after its static KV (``policy_rounds.py``); any other decode policy (Polestar-Cache,
+the compute-skipping DyLLM and FOCUS, or any policy on a vanilla request) is stepped alone through the
+policy's reference loop (``policy_sessions.py``). Partial outputs stream after every step when asked for.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policy_rounds import BATCHED_POLICIES, cache_slots
-from pdllm.decode_service.policy_sessions import pooled_static, static_policy_logits
+from pdllm.decode_service.policy_sessions import (
+    pooled_static,
+    static_compute_skip_logits,
+    static_policy_logits,
+)
 from pdllm.decode_service.request_checks import check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.worker import DecodeWorker
@@ -35,6 +39,7 @@ from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicySession, make_policy
+from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn, vanilla_policy_logits
 from pdllm.shared.kv_transfer.payload import (
@@ -57,10 +62,14 @@ DECODE_MEMORY_KIND = "kv-pages-plus-build"
 
 
 def policy_trace(cache: dict[str, int | str]) -> pb.DecodePolicyTrace:
-    """The trace's ``decode_policy`` from a result's policy counters (none: a session without a policy)."""
+    """The trace's ``decode_policy`` from a result's policy counters (none: a session without a policy);
+    counters without a field of their own (DyLLM's, FOCUS's) go to its ``counters`` map."""
     if not cache:
         return pb.DecodePolicyTrace(policy="none")
-    return pb.DecodePolicyTrace(**cache)  # type: ignore[arg-type]
+    named = pb.DecodePolicyTrace.DESCRIPTOR.fields_by_name
+    fields = {k: v for k, v in cache.items() if k in named and k != "counters"}
+    counters = {k: int(v) for k, v in cache.items() if k not in fields}
+    return pb.DecodePolicyTrace(**fields, counters=counters)  # type: ignore[arg-type]
 
 
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
@@ -150,6 +159,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
+        if policy.skips_compute:  # DyLLM / FOCUS: generate_vanilla's loop, a step per scheduler turn
+            return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy))
         cache_policy = make_policy(policy)
         if cache_policy is not None:  # generate_vanilla's policy loop, a step per scheduler turn
             return PolicySession(vanilla_policy_logits(model, prompt, gen, cache_policy))
@@ -163,18 +174,24 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         cfg: EngineConfig,
         job: DecodeJob,
         policy: DecodePolicyConfig,
-    ) -> PolicySession:
+    ) -> DenoiseSession:
         """A pdllm session under a decode policy: the build, then the engine's policy loop over its static
-        KV (``static_policy_logits``, the in-process engine's very path), stepped alone."""
+        KV (``static_policy_logits`` / ``static_compute_skip_logits``, the in-process engine's very path),
+        stepped alone."""
         built = drain(self._pdllm_steps(request, gen, cfg, job))
         static = built.static
         if isinstance(static, PooledKV):  # a handoff landed in the job's pages
             assert job.received is not None
             static = pooled_static(self.scheduler.pool, job.pages, static, job.received.handoff)
         job.cache_stats, job.kv_source = built.cache_stats, built.kv_source
+        attention = self.worker.decode_attention
+        if policy.skips_compute:
+            model, query = self.worker.model, built.query
+            return compute_skip_session(
+                static_compute_skip_logits(model, query, static, gen, policy, attention)
+            )
         cache_policy = make_policy(policy)
         assert cache_policy is not None, "only a caching policy takes this path"
-        attention = self.worker.decode_attention
         return PolicySession(
             static_policy_logits(self.worker.model, built.query, static, gen, cache_policy, attention)
         )

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from pdllm.decode_service.decode import DecodePolicy
-from pdllm.decode_service.policy_sessions import static_policy_logits
+from pdllm.decode_service.policy_sessions import static_compute_skip_logits, static_policy_logits
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy, run_policy
+from pdllm.shared.generation.policies.compute_skip import run_compute_skip
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
 from pdllm.shared.model.sdar import check_runnable
@@ -115,7 +116,14 @@ class PrefillingEngine:
         trace, device = sel.trace, self.device
         cache_policy = make_policy(decode_policy) if decode_policy is not None else None
         with trace.phase("decode", device):
-            if cache_policy is None:
+            if decode_policy is not None and decode_policy.skips_compute:  # DyLLM, FOCUS: the worker's loop
+                attention = self.decode_worker.decode_attention
+                query = sel.request.query
+                fn = static_compute_skip_logits(
+                    self.model, query, static, gen, decode_policy, attention, policy
+                )
+                result = run_compute_skip(fn, progress)
+            elif cache_policy is None:
                 result = self.decode_worker.decode(sel.request.query, static, gen, policy, progress)
             else:
                 result = self._decode_with_policy(

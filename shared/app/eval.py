@@ -232,7 +232,10 @@ def _floats(text: str) -> list[float]:
 def _describe(policy: DecodePolicyConfig) -> str:
     """The policy and the knobs set, e.g. ``sparse-dllm retention=0.25``."""
     knobs = ("refresh_steps", "retention", "pool_kernel", "delay_steps")
-    return " ".join([policy.name, *(f"{k}={v}" for k in knobs if (v := getattr(policy, k)) is not None)])
+    set_knobs = [f"{k}={v}" for k in knobs if (v := getattr(policy, k)) is not None]
+    # The knob groups are keyed by setting name (polestar_clusters=2, dyllm_threshold=0.9, ...).
+    groups = {**policy.polestar, **policy.dyllm, **policy.focus}
+    return " ".join([policy.name, *set_knobs, *(f"{k}={v}" for k, v in groups.items())])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from ..model.attention import DenseAttention
 from ..model.transformer import DiffusionLM
 from .block_diffusion import generate_block_diffusion
 from .policies import CachePolicy, DecodePolicyConfig, PolicyLogits, make_policy, run_policy
+from .policies.compute_skip import generate_compute_skip_sdar, run_compute_skip, vanilla_compute_skip_logits
 from .sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 
 
@@ -62,8 +63,11 @@ def generate_vanilla(
     prompt = prompt_tensor(model, prompt_ids)
     config.validate()
     cache_policy = make_policy(policy) if policy is not None else None
+    skips = policy is not None and policy.skips_compute
     if model.config.block_size is not None:
         # Block diffusion (SDAR): full attention would be the wrong model; decode block by block instead.
+        if skips and policy is not None:
+            return generate_compute_skip_sdar(model, prompt, config, policy, progress)
         if cache_policy is not None and policy is not None:
             raise ValueError(
                 f"decode policy {policy.name!r} does not run on SDAR (block-diffusion) "
@@ -71,6 +75,8 @@ def generate_vanilla(
                 "use --decode-policy none"
             )
         return generate_block_diffusion(model, prompt, config, progress)
+    if skips and policy is not None:
+        return run_compute_skip(vanilla_compute_skip_logits(model, prompt, config, policy), progress)
     if cache_policy is not None:
         return run_policy(vanilla_policy_logits(model, prompt, config, cache_policy), progress)
     return denoise(

@@ -124,14 +124,14 @@ def test_unbatched_policies_and_short_page_lists_are_refused() -> None:
     case = POLICY_CASES[0]
     built = static_decode(m, case, 0)
     s = built.static
-    sparse = make_policy(DecodePolicyConfig(name="sparse-dllm"))
+    polestar = make_policy(DecodePolicyConfig(name="polestar"))
     dual = make_policy(DecodePolicyConfig(name="dual-cache"))
-    assert sparse is not None and dual is not None
+    assert polestar is not None and dual is not None
     pages = pool.reserve(s.num_tokens)
     assert pages is not None
     with pytest.raises(ValueError, match="not batched"):
         PolicyBatchSession.start_policy(
-            m, built.query, s.query_start, s.num_tokens, pages, case.gen, sparse, 16
+            m, built.query, s.query_start, s.num_tokens, pages, case.gen, polestar, 16
         )
     with pytest.raises(ValueError, match="needs .* pages"):
         PolicyBatchSession.start_policy(
@@ -166,3 +166,30 @@ def test_scheduler_runs_policy_jobs_in_its_batched_rounds() -> None:
         assert final.result.raw_tokens == reference(m, case, seed, policy)[0]
         assert final.result.cache["policy"] == "dual-cache"
     assert pool.num_free == pool.num_pages  # the cache pages went back too
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("kind", ["eager", "padded"])
+@pytest.mark.parametrize(
+    "knobs", [{}, {"delay_steps": 0, "retention": 0.3}, {"pool_kernel": 1, "refresh_steps": 3}]
+)
+def test_sparse_dllm_sessions_in_rounds_equal_the_reference_loop(family: str, kind: str, knobs: dict) -> None:
+    m = model(family)
+    policy = DecodePolicyConfig(name="sparse-dllm", **knobs)
+    want = [reference(m, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
+    pool = pool_for(m, pages=128)
+    if kind == "eager":
+        forward = EagerRoundForward(m, pool, "torch")
+    else:
+        forward = GraphedRoundForward(m, pool, "torch", capture=False)
+    sessions = [policy_session(m, pool, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
+    dual = policy_session(m, pool, POLICY_CASES[1], 9, DecodePolicyConfig(name="dual-cache"))
+    run_rounds(forward, [sessions[0], dual, *sessions[1:]])
+    assert (
+        dual.state.tokens.tolist()
+        == reference(m, POLICY_CASES[1], 9, DecodePolicyConfig(name="dual-cache"))[0]
+    )
+    for s, (tokens, cache), case in zip(sessions, want, POLICY_CASES, strict=True):
+        result = s.result()
+        assert result.raw_tokens == tokens, case
+        assert result.cache == cache, case

@@ -1,5 +1,5 @@
 """Run under TRITON_INTERPRET=1 (by test_rounds.py): rounds through the split-S kernel == torch rounds,
-with a dual-cache session among them (its cached steps read their cache as paged KV)."""
+with dual-cache and sparse-dllm sessions among them (their cached steps read their cache as paged KV)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ def main() -> None:
     forward = GraphedRoundForward(m, pool, "triton", capture=False)  # padded buckets + the kernel
     sessions = [session(m, pool, case, seed) for seed, case in enumerate(cases)]
     dual = DecodePolicyConfig(name="dual-cache")
-    sessions.append(policy_session(m, pool, POLICY_CASES[1], 5, dual))
-    want.append(reference(m, POLICY_CASES[1], 5, dual)[0])
+    sparse = DecodePolicyConfig(name="sparse-dllm")
+    for policy in (dual, sparse):
+        sessions.append(policy_session(m, pool, POLICY_CASES[1], 5, policy))
+        want.append(reference(m, POLICY_CASES[1], 5, policy)[0])
     active = list(sessions)
     while active:
         decode_round(forward, active)

@@ -148,7 +148,7 @@ def test_plan_must_cover_the_rows_the_logits_come_from() -> None:
     [
         (
             {"name": "sparse"},
-            "decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm, polestar (got 'sparse')",
+            "decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm, polestar, dyllm, focus (got 'sparse')",
         ),
         ({"name": "dual-cache", "refresh_steps": 0}, "cache_refresh_steps must be in [1, 4096] (got 0)"),
         ({"name": "none", "refresh_steps": 2}, "cache_refresh_steps needs a caching decode_policy"),

@@ -124,7 +124,7 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
     (
         "unknown_decode_policy",
         _set("decode_policy.decode_policy", "lru-cache"),
-        "decode_policy.decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm, polestar (got 'lru-cache')",
+        "decode_policy.decode_policy must be one of none, prefix-cache, dual-cache, sparse-dllm, polestar, dyllm, focus (got 'lru-cache')",
     ),
     (
         "sparse_retention_range",
@@ -172,6 +172,26 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
         "sparse_pool_kernel_without_sparse_dllm",
         _set("decode_policy.sparse_pool_kernel", 3),  # no policy named: the server's default, none
         "decode_policy.sparse_pool_kernel needs decode_policy.decode_policy sparse-dllm, not none",
+    ),
+    (
+        "dyllm_threshold_range",
+        _both(_set("decode_policy.decode_policy", "dyllm"), _set("decode_policy.dyllm_threshold", 1.5)),
+        "decode_policy.dyllm_threshold must be in (0, 1] (got 1.5)",
+    ),
+    (
+        "focus_pool_kernel_even",
+        _both(_set("decode_policy.decode_policy", "focus"), _set("decode_policy.focus_pool_kernel", 4)),
+        "decode_policy.focus_pool_kernel must be odd (got 4)",
+    ),
+    (
+        "focus_budget_without_focus",
+        _both(_set("decode_policy.decode_policy", "dyllm"), _set("decode_policy.focus_budget", 4)),
+        "decode_policy.focus_budget needs decode_policy.decode_policy focus, not dyllm",
+    ),
+    (
+        "dyllm_approximate_attention_without_dyllm",
+        _set("decode_policy.dyllm_approximate_attention", "off"),
+        "decode_policy.dyllm_approximate_attention needs decode_policy.decode_policy dyllm, not none",
     ),
     (
         "cache_refresh_steps_without_policy",

@@ -95,7 +95,7 @@ PUBLIC = {
     "method.retention_score": "one of bidirectional, query-to-chunk",
     "method.query_window": "in [1, 4096]",
     "method.prefill_attention": "one of causal, bidirectional",
-    "decode_policy.decode_policy": "one of none, prefix-cache, dual-cache, sparse-dllm, polestar",
+    "decode_policy.decode_policy": "one of none, prefix-cache, dual-cache, sparse-dllm, polestar, dyllm, focus",
     "decode_policy.cache_refresh_steps": "in [1, 4096]",
     "decode_policy.sparse_retention": "in (0, 1]",
     "decode_policy.sparse_pool_kernel": "in [1, 255]",
@@ -105,6 +105,14 @@ PUBLIC = {
     "decode_policy.polestar_update_threshold": "in [0, 4096]",
     "decode_policy.polestar_drift_threshold": "in [0, 1e+06]",
     "decode_policy.polestar_residual_format": "one of int8, fp8, none",
+    "decode_policy.dyllm_threshold": "in (0, 1]",
+    "decode_policy.dyllm_full_steps": "in [1, 4096]",
+    "decode_policy.dyllm_full_sequence_interval": "in [1, 4096]",
+    "decode_policy.dyllm_approximate_attention": "one of on, off",
+    "decode_policy.focus_alpha": "in (1, 64]",
+    "decode_policy.focus_pool_kernel": "in [1, 255]",
+    "decode_policy.focus_budget": "in [1, 4096]",
+    "decode_policy.focus_delayed_cache": "one of on, off",
 }
 
 
@@ -140,6 +148,10 @@ def test_engine_bounds_are_pinned() -> None:
         "polestar_clusters=0", "polestar_clusters=1025", "polestar_top_clusters=0", "polestar_top_clusters=1025",
         "polestar_update_threshold=-1", "polestar_update_threshold=4097", "polestar_drift_threshold=-1.0",
         "polestar_drift_threshold=1000001.0", "polestar_residual_format='no-such-int8'",
+        "dyllm_threshold=0.0", "dyllm_threshold=2.0", "dyllm_full_steps=0", "dyllm_full_steps=4097",
+        "dyllm_full_sequence_interval=0", "dyllm_full_sequence_interval=4097",
+        "dyllm_approximate_attention='no-such-on'", "focus_alpha=1.0", "focus_alpha=65.0", "focus_pool_kernel=0",
+        "focus_pool_kernel=256", "focus_budget=0", "focus_budget=4097", "focus_delayed_cache='no-such-on'",
         "chunk_boundary='no-such-fixed'", "prefill_batch=0", "retention_block=0",
     ]  # fmt: skip
 

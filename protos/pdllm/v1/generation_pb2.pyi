@@ -49,7 +49,7 @@ class MethodParams(_message.Message):
     def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ..., query_window: _Optional[int] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
 
 class DecodePolicyParams(_message.Message):
-    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps", "polestar_clusters", "polestar_top_clusters", "polestar_update_threshold", "polestar_drift_threshold", "polestar_residual_format")
+    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps", "polestar_clusters", "polestar_top_clusters", "polestar_update_threshold", "polestar_drift_threshold", "polestar_residual_format", "dyllm_threshold", "dyllm_full_steps", "dyllm_full_sequence_interval", "dyllm_approximate_attention", "focus_alpha", "focus_pool_kernel", "focus_budget", "focus_delayed_cache")
     DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     CACHE_REFRESH_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_RETENTION_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,14 @@ class DecodePolicyParams(_message.Message):
     POLESTAR_UPDATE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     POLESTAR_DRIFT_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     POLESTAR_RESIDUAL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DYLLM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    DYLLM_FULL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DYLLM_FULL_SEQUENCE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    DYLLM_APPROXIMATE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    FOCUS_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    FOCUS_POOL_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    FOCUS_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FOCUS_DELAYED_CACHE_FIELD_NUMBER: _ClassVar[int]
     decode_policy: str
     cache_refresh_steps: int
     sparse_retention: float
@@ -70,7 +78,15 @@ class DecodePolicyParams(_message.Message):
     polestar_update_threshold: int
     polestar_drift_threshold: float
     polestar_residual_format: str
-    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ..., polestar_clusters: _Optional[int] = ..., polestar_top_clusters: _Optional[int] = ..., polestar_update_threshold: _Optional[int] = ..., polestar_drift_threshold: _Optional[float] = ..., polestar_residual_format: _Optional[str] = ...) -> None: ...
+    dyllm_threshold: float
+    dyllm_full_steps: int
+    dyllm_full_sequence_interval: int
+    dyllm_approximate_attention: str
+    focus_alpha: float
+    focus_pool_kernel: int
+    focus_budget: int
+    focus_delayed_cache: str
+    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ..., polestar_clusters: _Optional[int] = ..., polestar_top_clusters: _Optional[int] = ..., polestar_update_threshold: _Optional[int] = ..., polestar_drift_threshold: _Optional[float] = ..., polestar_residual_format: _Optional[str] = ..., dyllm_threshold: _Optional[float] = ..., dyllm_full_steps: _Optional[int] = ..., dyllm_full_sequence_interval: _Optional[int] = ..., dyllm_approximate_attention: _Optional[str] = ..., focus_alpha: _Optional[float] = ..., focus_pool_kernel: _Optional[int] = ..., focus_budget: _Optional[int] = ..., focus_delayed_cache: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method", "decode_policy")
@@ -175,7 +191,14 @@ class PhaseTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., score_s: _Optional[float] = ..., select_s: _Optional[float] = ..., build_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class DecodePolicyTrace(_message.Message):
-    __slots__ = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes", "updates", "rows_recomputed")
+    __slots__ = ("policy", "forwards", "refreshes", "rows_forwarded", "cache_bytes", "updates", "rows_recomputed", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     REFRESHES_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +206,7 @@ class DecodePolicyTrace(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     ROWS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     forwards: int
     refreshes: int
@@ -190,7 +214,8 @@ class DecodePolicyTrace(_message.Message):
     cache_bytes: int
     updates: int
     rows_recomputed: int
-    def __init__(self, policy: _Optional[str] = ..., forwards: _Optional[int] = ..., refreshes: _Optional[int] = ..., rows_forwarded: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., updates: _Optional[int] = ..., rows_recomputed: _Optional[int] = ...) -> None: ...
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, policy: _Optional[str] = ..., forwards: _Optional[int] = ..., refreshes: _Optional[int] = ..., rows_forwarded: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., updates: _Optional[int] = ..., rows_recomputed: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Trace(_message.Message):
     __slots__ = ("method", "kv_mode", "score_mode", "prompt_tokens", "context_tokens", "num_chunks", "selected_chunk_ids", "chunk_scores", "kept_tokens", "timings", "peak_memory_bytes", "cache_hits", "cache_misses", "steps", "prefill_worker", "decode_worker", "memory_kind", "prefill_skipped", "selected_kept_tokens", "kv_source", "decode_policy")

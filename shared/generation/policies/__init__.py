@@ -36,20 +36,23 @@ max-pooled attention over the rows outside the block at retention r), ``polestar
 reference path: the dual cache plus, per layer, a drift-triggered recompute of some cached rows from their
 kept hidden states: ``StepPlan.rows_hook``, called by ``local_cache.LocalCacheAttention`` at every layer
 with the merged K/V; it reads layer inputs through forward pre-hooks on the model's layers, so the model's
-forward is unchanged; its per-session state lives in ``LocalKVCache.aux``).
+forward is unchanged; its per-session state lives in ``LocalKVCache.aux``). The compute-skipping ``dyllm``
+(``dyllm.py``) and ``focus`` (``focus.py``) are no :class:`CachePolicy` (they skip work inside the forward,
+not rows of it): ``make_policy`` returns None for them and ``compute_skip.py`` builds their loops for
+vanilla, the engine and the decode worker alike.
 
-**On the decode worker.** Prefix- and dual-cache sessions of pdllm requests run in the **batched
+**On the decode worker.** Prefix-cache, dual-cache and Sparse-dLLM sessions of pdllm requests run in the **batched
 rounds** (``decode_service/policy_rounds.py``): one forward per round for every active session, whatever
 its policy. Rows are packed ragged, so a session contributes what its plan forwards (a cached dual-cache
 step: the block, +1 row on Dream) and nothing is padded to the longest session. Each session's cache of
 local K/V lives in pool pages reserved after its static KV, written by its refresh steps inside the round's
 forward, and read by its cached steps as paged KV through the same split-S call as the static KV, so the
 round graphs (one per padded shape bucket) replay for them too. Those sessions equal this reference loop
-token for token (``tests/decode/test_policy_rounds.py``). Policies whose plans go beyond row ranges
-(``keep``, ``visible``, ``rows_hook``, ``record=False``: Sparse-dLLM, Polestar-Cache) and any policy on a
-vanilla request still run this reference loop, stepped alone beside the rounds
-(``decode_service/policy_sessions.py``). Sparse-dLLM fits the same layout next (a fixed
-``floor((N - b) r)`` kept rows per layer, compacted into the cache slots at its recording step).
+token for token (``tests/decode/test_policy_rounds.py``); Sparse-dLLM's ``keep`` is chosen inside the
+round's forward and compacted into the cache slots (a fixed ``floor((N - b) r)`` per layer), that round
+running eagerly. Plans with ``visible`` or ``rows_hook`` (Polestar-Cache), the compute-skipping policies
+and any policy on a vanilla request still run their reference loops, stepped alone beside the rounds
+(``decode_service/policy_sessions.py``).
 """
 
 from .base import CachePolicy, DecodePolicyConfig, RowSelector, StepContext, StepPlan

@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from pdllm.shared.decode_policy_settings import (
+    COMPUTE_SKIP,
+    DYLLM_DEFAULTS,
+    DYLLM_KNOBS,
+    FOCUS_DEFAULTS,
+    FOCUS_SETTINGS,
     POLESTAR_DEFAULTS,
     POLESTAR_KNOBS,
     SPARSE_DEFAULTS,
@@ -17,6 +22,10 @@ from pdllm.shared.decode_policy_settings import (
 )
 from pdllm.shared.model.local_cache import RowsHook
 from pdllm.shared.settings import Label, validate
+
+if TYPE_CHECKING:  # the configs' modules import the sampler, which imports this package
+    from .dyllm_base import DyLLMConfig
+    from .focus import FocusConfig
 
 _DEFAULTS = DecodePolicySettings()
 
@@ -35,6 +44,9 @@ class DecodePolicyConfig:
     delay_steps: int | None = None
     # Polestar-Cache's knobs by setting name (``polestar_clusters``, ...); unset ones take the paper's.
     polestar: Mapping[str, Any] = field(default_factory=dict)
+    # DyLLM's and FOCUS's knobs by setting name (``dyllm_threshold``, ``focus_alpha``, ...), likewise.
+    dyllm: Mapping[str, Any] = field(default_factory=dict)
+    focus: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,10 +60,15 @@ class DecodePolicyConfig:
             "sparse_pool_kernel": self.pool_kernel,
             "sparse_delay_steps": self.delay_steps,
         }
-        unknown = set(self.polestar) - set(POLESTAR_KNOBS)
-        if unknown:
-            raise ValueError(f"unknown polestar knobs {sorted(unknown)}; known: {list(POLESTAR_KNOBS)}")
-        values |= dict(self.polestar)
+        for group, knobs, given in (
+            ("polestar", POLESTAR_KNOBS, self.polestar),
+            ("dyllm", DYLLM_KNOBS, self.dyllm),
+            ("focus", FOCUS_SETTINGS, self.focus),
+        ):
+            unknown = set(given) - set(knobs)
+            if unknown:
+                raise ValueError(f"unknown {group} knobs {sorted(unknown)}; known: {list(knobs)}")
+            values |= dict(given)
         validate(DecodePolicySettings, values, label=label)
 
     def sparse(self) -> tuple[float, int, int]:
@@ -67,9 +84,41 @@ class DecodePolicyConfig:
         """Polestar-Cache's knobs, the paper's values where unset."""
         return {n: self.polestar.get(n, POLESTAR_DEFAULTS[n]) for n in POLESTAR_KNOBS}
 
+    def dyllm_config(self) -> DyLLMConfig:
+        """DyLLM's knobs as its loop takes them, the paper's values where unset (threshold: per family)."""
+        from .dyllm_base import DyLLMConfig
+
+        k = {n: self.dyllm.get(n, DYLLM_DEFAULTS[n]) for n in DYLLM_KNOBS}
+        threshold = k["dyllm_threshold"]
+        return DyLLMConfig(
+            threshold=None if threshold is None else float(threshold),
+            full_steps=int(k["dyllm_full_steps"]),
+            full_sequence_interval=int(k["dyllm_full_sequence_interval"]),
+            approximate_attention=k["dyllm_approximate_attention"] == "on",
+        )
+
+    def focus_config(self) -> FocusConfig:
+        """FOCUS's knobs as its loop takes them, the paper's values where unset."""
+        from .focus import FocusConfig
+
+        k = {n: self.focus.get(n, FOCUS_DEFAULTS[n]) for n in FOCUS_SETTINGS}
+        budget = k["focus_budget"]
+        return FocusConfig(
+            alpha=float(k["focus_alpha"]),
+            pool_kernel=int(k["focus_pool_kernel"]),
+            budget=None if budget is None else int(budget),
+            delayed_cache=k["focus_delayed_cache"] == "on",
+        )
+
+    @property
+    def skips_compute(self) -> bool:
+        """Whether it is a compute-skipping policy (``compute_skip.py``), not a :class:`CachePolicy`."""
+        return self.name in COMPUTE_SKIP
+
     @property
     def caches(self) -> bool:
-        """Whether it reuses any KV (``none`` runs the plain loop, untouched)."""
+        """Whether it changes the plain loop at all (``none`` runs it untouched; the compute-skipping
+        policies reuse cached activations too)."""
         return self.name != "none"
 
 

@@ -1,0 +1,114 @@
+"""The compute-skipping decode policies (``dyllm``, ``focus``) behind one entry point (issue 18).
+
+They are not :class:`~.base.CachePolicy`\\ s (a cache policy plans which local rows a step forwards; these
+skip work *inside* the forward: DyLLM per layer and row, FOCUS past layer 1), so ``make_policy`` returns
+None for them and every caller (``generate_vanilla``, the engine, the decode worker) builds their loop here
+instead, so that all of them run the very same code and an answer over gRPC equals the in-process one:
+
+- :func:`compute_skip_logits`: the policy's logits function over any method's local rows and attention
+  backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`; pdllm:
+  the static chunk KV backend, ``decode_service.policy_sessions.static_compute_skip_logits``);
+- :func:`compute_skip_session`: a ``DenoiseSession`` stepping it (the decode worker steps it alone, one step
+  per scheduler turn); FOCUS must be driven by its session, which hands the sampler the eligible rows;
+- :func:`run_compute_skip`: that loop to the end (the engine, ``generate_vanilla``);
+- :func:`generate_compute_skip_sdar`: SDAR (block diffusion): FOCUS block by block over the exact cache;
+  DyLLM is refused (its caches assume full bidirectional attention over every local row).
+
+DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests); FOCUS its
+reference request loop (the batched fast path packs several requests, which a lone session cannot use).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdllm.shared.model.attention import AttentionBackend, DenseAttention
+from pdllm.shared.model.transformer import DiffusionLM
+
+from ..sampler import DenoiseSession, GenerationConfig, GenerationResult
+from .base import DecodePolicyConfig
+from .dyllm import run_dyllm
+from .dyllm_base import DyLLMBase
+from .dyllm_fast import DyLLMFastLogits
+from .focus_reference import FocusLogits, FocusSession, generate_focus_block_diffusion, run_focus
+
+ComputeSkipLogits = DyLLMBase | FocusLogits
+
+
+def compute_skip_logits(
+    model: DiffusionLM,
+    local: torch.Tensor,
+    positions: torch.Tensor,
+    response_start: int,
+    gen: GenerationConfig,
+    config: DecodePolicyConfig,
+    inner: AttentionBackend,
+) -> ComputeSkipLogits:
+    """The logits function of ``config``'s compute-skipping policy over the local rows (``PolicyLogits``'s
+    contract: ``local`` [N] owned, ``positions`` [1, N], the response the last ``gen_length`` rows)."""
+    config.validate()
+    if config.name == "dyllm":
+        return DyLLMFastLogits(model, local, positions, response_start, gen, config.dyllm_config(), inner)
+    if config.name == "focus":
+        return FocusLogits(model, local, positions, response_start, gen, config.focus_config(), inner)
+    raise ValueError(f"decode policy {config.name!r} is not a compute-skipping policy (dyllm, focus)")
+
+
+def vanilla_compute_skip_logits(
+    model: DiffusionLM, prompt: torch.Tensor, gen: GenerationConfig, config: DecodePolicyConfig
+) -> ComputeSkipLogits:
+    """The vanilla step under DyLLM / FOCUS: local rows prompt + response, dense attention over them."""
+    mask = torch.full((gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=prompt.device)
+    local = torch.cat([prompt, mask])
+    positions = torch.arange(local.shape[0], device=prompt.device)[None]
+    return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
+
+
+class DyLLMSession(DenoiseSession):
+    """A DyLLM logits function advanced one step at a time; its result carries DyLLM's counters (as
+    ``runner.PolicySession``'s carries a cache policy's)."""
+
+    def __init__(self, logits_fn: DyLLMBase) -> None:
+        config = logits_fn.model.config
+        super().__init__(
+            logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
+        )
+        self.dyllm_logits = logits_fn
+
+    def result(self) -> GenerationResult:
+        result = super().result()
+        result.cache = self.dyllm_logits.summary()
+        return result
+
+
+def compute_skip_session(logits_fn: ComputeSkipLogits) -> DenoiseSession:
+    """The session that steps ``logits_fn`` (FOCUS's own, which passes the sampler its eligible rows)."""
+    if isinstance(logits_fn, FocusLogits):
+        return FocusSession(logits_fn)
+    return DyLLMSession(logits_fn)
+
+
+@torch.inference_mode()
+def run_compute_skip(logits_fn: ComputeSkipLogits, progress: bool = False) -> GenerationResult:
+    """The policy's loop to the end; the result's ``cache`` holds its name and counters."""
+    if isinstance(logits_fn, FocusLogits):
+        return run_focus(logits_fn)
+    return run_dyllm(logits_fn, progress)
+
+
+def generate_compute_skip_sdar(
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    gen: GenerationConfig,
+    config: DecodePolicyConfig,
+    progress: bool = False,
+) -> GenerationResult:
+    """SDAR (block diffusion) under a compute-skipping policy: FOCUS over each block's window; DyLLM is
+    refused with a clear error."""
+    if config.name == "focus":
+        return generate_focus_block_diffusion(model, prompt, gen, config.focus_config(), progress)
+    raise ValueError(
+        f"decode policy {config.name!r} runs on Dream and LLaDA only, not on {model.config.family!r} "
+        "(block diffusion): its caches assume full bidirectional attention over every row; use "
+        "--decode-policy focus or none"
+    )

@@ -1,0 +1,102 @@
+"""`pdllm generate --decode-policy dyllm|focus` (the compute-skipping policies): both methods on a Dream
+checkpoint match the library, FOCUS runs on SDAR block by block, DyLLM on SDAR is one clear error, and bad
+knobs are one clear line (no stack trace)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdllm.shared.app.cli import main
+from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.generation.vanilla import generate_vanilla
+from pdllm.shared.model.loader import load_model
+from pdllm.shared.prompt import encode_prompt
+
+from ..model.tiny_checkpoint import make_tiny_checkpoint
+from .test_generate_policy import CONTEXT, QUESTION, _generate
+
+GEN = GenerationConfig(gen_length=8, steps=8, block_length=4)
+PDLLM = ["--method", "pdllm", "--chunk-size", "16", "--top-k", "2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def sdar_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "sdar", family="sdar")
+
+
+def _library(model_dir, policy: DecodePolicyConfig) -> tuple[str, dict]:
+    loaded = load_model(model_dir)
+    prompt = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION).vanilla(loaded.config.bos_token_id)
+    result = generate_vanilla(loaded.model, prompt, GEN, policy=policy)
+    return loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip(), result.cache
+
+
+@pytest.mark.parametrize(
+    ("flags", "policy"),
+    [
+        (["--decode-policy", "dyllm", "--dyllm-threshold", "0.9"], DecodePolicyConfig("dyllm", dyllm={"dyllm_threshold": 0.9})),
+        (["--decode-policy", "focus", "--focus-delayed-cache", "off"], DecodePolicyConfig("focus", focus={"focus_delayed_cache": "off"})),
+    ],
+    ids=["dyllm", "focus"],
+)  # fmt: skip
+def test_vanilla_matches_library(tiny_dir, capsys, flags: list[str], policy: DecodePolicyConfig) -> None:
+    assert main(_generate(tiny_dir, "--method", "vanilla", *flags, "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    answer, cache = _library(tiny_dir, policy)
+    assert out["answer"] == answer and out["decode_policy"] == cache and cache["policy"] == policy.name
+
+
+@pytest.mark.parametrize("name", ["dyllm", "focus"])
+def test_pdllm_runs_and_names_the_policy(tiny_dir, capsys, name: str) -> None:
+    assert main([*_generate(tiny_dir, *PDLLM), "--decode-policy", name, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["decode_policy"]
+    assert stats["policy"] == name and stats["forwards"] == GEN.steps
+
+
+def test_sdar_vanilla_focus_runs_block_by_block(sdar_dir, capsys) -> None:
+    assert main(_generate(sdar_dir, "--method", "vanilla", "--decode-policy", "focus", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    answer, cache = _library(sdar_dir, DecodePolicyConfig("focus"))
+    assert out["answer"] == answer and out["decode_policy"] == cache and cache["policy"] == "focus"
+
+
+def test_sdar_refuses_dyllm_and_pdllm(sdar_dir, capsys) -> None:
+    assert main(_generate(sdar_dir, "--method", "vanilla", "--decode-policy", "dyllm")) == 2
+    err = capsys.readouterr().err
+    assert "decode policy 'dyllm' runs on Dream and LLaDA only" in err and "Traceback" not in err
+    assert main([*_generate(sdar_dir, *PDLLM), "--decode-policy", "focus"]) == 2
+    err = capsys.readouterr().err
+    assert "generate --method pdllm" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--decode-policy", "dyllm", "--dyllm-threshold", "1.5"], "--dyllm-threshold must be in (0, 1] (got 1.5)"),
+        (["--decode-policy", "dyllm", "--dyllm-full-steps", "0"], "--dyllm-full-steps must be in [1, 4096] (got 0)"),
+        (["--decode-policy", "focus", "--focus-pool-kernel", "4"], "--focus-pool-kernel must be odd (got 4)"),
+        (["--decode-policy", "focus", "--focus-alpha", "0.5"], "--focus-alpha must be in (1, 64] (got 0.5)"),
+        (["--decode-policy", "dual-cache", "--focus-budget", "2"], "--focus-budget needs --decode-policy focus, not dual-cache"),
+        (["--dyllm-full-sequence-interval", "2"], "--dyllm-full-sequence-interval needs --decode-policy dyllm, not none"),
+        (["--decode-policy", "focus", "--cache-refresh-steps", "2"], "--cache-refresh-steps needs a caching --decode-policy (prefix-cache, dual-cache, sparse-dllm or polestar), not focus"),
+    ],
+)  # fmt: skip
+def test_bad_knob_is_one_clear_line(tiny_dir, capsys, extra: list[str], message: str) -> None:
+    assert main(_generate(tiny_dir, "--method", "vanilla", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_switch_is_an_argparse_choice_error(tiny_dir, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(_generate(tiny_dir, "--decode-policy", "focus", "--focus-delayed-cache", "yes"))
+    assert exc.value.code == 2
+    assert "--focus-delayed-cache: invalid choice: 'yes'" in capsys.readouterr().err
