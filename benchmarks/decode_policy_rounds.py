@@ -47,7 +47,7 @@ from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 
-POLICIES = ("none", "dual-cache", "prefix-cache")
+POLICIES = "none,dual-cache,prefix-cache,sparse-dllm"
 
 
 class Prompt:
@@ -134,7 +134,7 @@ def round_check(device: torch.device) -> str:
     good = total = 0
     for family in ("dream", "llada"):
         m = tiny_model(family).to(device)
-        for name in ("dual-cache", "prefix-cache"):
+        for name in ("dual-cache", "prefix-cache", "sparse-dllm"):
             policy = DecodePolicyConfig(name)
             want = [reference(m, case, seed, policy)[0] for seed, case in enumerate(POLICY_CASES)]
             pool = pool_for(m, pages=128)
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--gens", default="256,1024")
-    ap.add_argument("--e2e-contexts", default="8192,16384,32768")
+    ap.add_argument("--policies", default=POLICIES, help="grid policies, comma-separated")
+    ap.add_argument("--e2e-contexts", default="8192,16384,32768", help="'' skips the end-to-end rows")
     ap.add_argument("--e2e-gens", default="32,256")
     ap.add_argument("--cell-s", type=float, default=6.0, help="timed seconds per cell (whole blocks)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="cells past it are skipped")
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 gen = GenerationConfig(gen_length=gen_len, steps=gen_len, block_length=block)
                 prompt, fixed_s[context] = pdllm_prompt(engine, ctx_ids, question, gen)
             for n in batches:
-                for policy in POLICIES:
+                for policy in args.policies.split(","):
                     cell("grid", method, context, gen_len, n, prompt, policy)
 
     def end_to_end(context: int) -> None:
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Most needed first: a tight --budget-s drops the last ones.
     grid(gens[0])
-    for context in [int(x) for x in args.e2e_contexts.split(",")] if cuda else [128, 256]:
+    for context in [int(x) for x in args.e2e_contexts.split(",") if x] if cuda else [128, 256]:
         end_to_end(context)
     for gen_len in gens[1:]:
         grid(gen_len)
