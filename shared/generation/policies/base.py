@@ -24,6 +24,7 @@ from pdllm.shared.model.local_cache import RowsHook
 from pdllm.shared.settings import Label, validate
 
 if TYPE_CHECKING:  # the configs' modules import the sampler, which imports this package
+    from ..sampler import GenerationConfig
     from .dyllm_base import DyLLMConfig
     from .focus import FocusConfig
 
@@ -198,6 +199,17 @@ class AttachableHook(Protocol):
     """A ``rows_hook`` that needs the model around the forward (layer inputs, layer weights)."""
 
     def attach(self, model: Any, positions: Any) -> AbstractContextManager[None]: ...
+
+
+def check_local_rows(
+    local: torch.Tensor, positions: torch.Tensor, response_start: int, gen: GenerationConfig
+) -> None:
+    """A decode loop's local rows: tokens ``[N]``, positions ``[1, N]``, the response their last
+    ``gen_length`` rows after at least one other row (ValueError otherwise)."""
+    if local.dim() != 1 or positions.shape != (1, local.shape[0]):
+        raise ValueError(f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}")
+    if not 0 < response_start == local.shape[0] - gen.gen_length:
+        raise ValueError("the response must be the last gen_length local rows, after at least one row")
 
 
 def refresh_due(ctx: StepContext, refresh_steps: int | None) -> bool:

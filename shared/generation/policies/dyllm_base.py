@@ -20,6 +20,7 @@ from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM, SelfAttention, apply_rope
 
 from ..sampler import GenerationConfig
+from .base import check_local_rows
 
 # The paper's τ per model (§4.2.3: "0.99 for LLaDA and 0.995 for Dream"; Table 2 also runs Dream at 0.9975).
 PAPER_THRESHOLDS = {"dream": 0.995, "llada": 0.99}
@@ -172,12 +173,7 @@ class DyLLMBase:
         config: DyLLMConfig,
         inner: AttentionBackend,
     ) -> None:
-        if local.dim() != 1 or positions.shape != (1, local.shape[0]):
-            raise ValueError(
-                f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}"
-            )
-        if not 0 < response_start == local.shape[0] - gen.gen_length:
-            raise ValueError("the response must be the last gen_length local rows, after at least one row")
+        check_local_rows(local, positions, response_start, gen)
         if model.config.block_size is not None:
             raise ValueError("DyLLM runs on bidirectional models (Dream, LLaDA), not block diffusion (SDAR)")
         config.validate()

@@ -27,6 +27,7 @@ from pdllm.shared.model.transformer import DiffusionLM
 
 from ..block_diffusion import BlockKVCache, generate_block_diffusion
 from ..sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from .base import check_local_rows
 from .focus import (
     FocusConfig,
     FocusMemory,
@@ -211,12 +212,7 @@ class FocusLogits:
         inner: AttentionBackend,
     ) -> None:
         check_model(model, block_diffusion=False)
-        if local.dim() != 1 or positions.shape != (1, local.shape[0]):
-            raise ValueError(
-                f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}"
-            )
-        if not 0 < response_start == local.shape[0] - gen.gen_length:
-            raise ValueError("the response must be the last gen_length local rows, after at least one row")
+        check_local_rows(local, positions, response_start, gen)
         self.model, self.local, self.positions, self.gen = model, local, positions[0], gen
         self.response_start, self.inner = response_start, inner
         self.reference = FocusReference(model, focus, gen.block)

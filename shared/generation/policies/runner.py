@@ -21,7 +21,7 @@ from pdllm.shared.model.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.shared.model.transformer import DiffusionLM
 
 from ..sampler import DenoiseSession, GenerationConfig, GenerationResult, denoise
-from .base import CachePolicy, DecodePolicyConfig, StepContext
+from .base import CachePolicy, DecodePolicyConfig, StepContext, check_local_rows
 from .fast_dllm import DualCache, PrefixCache
 from .polestar import Polestar
 from .sparse_dllm import SparseDLLM
@@ -85,12 +85,7 @@ class PolicyLogits:
         policy: CachePolicy,
         inner: AttentionBackend,
     ) -> None:
-        if local.dim() != 1 or positions.shape != (1, local.shape[0]):
-            raise ValueError(
-                f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}"
-            )
-        if not 0 < response_start == local.shape[0] - gen.gen_length:
-            raise ValueError("the response must be the last gen_length local rows, after at least one row")
+        check_local_rows(local, positions, response_start, gen)
         self.model, self.local, self.positions = model, local, positions
         self.response_start, self.gen, self.policy, self.inner = response_start, gen, policy, inner
         self.lead = 1 if model.config.shift_logits else 0
