@@ -77,7 +77,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.method != "vanilla":  # vanilla decodes SDAR block by block (generation/block_diffusion.py)
+    # vanilla decodes SDAR block by block (generation/block_diffusion.py), pdllm over the selected chunks
+    # in process (app/sdar_decode.py); any other method still runs Dream/LLaDA's decode loop.
+    if args.method not in ("vanilla", "pdllm"):
         check_runnable(loaded.config.family, f"generate --method {args.method}")
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:

@@ -12,6 +12,9 @@ Step-3 KV is always computed with causal intra-chunk attention, because scoring 
 ``prefill_attention="bidirectional"`` the bidirectional chunk KV is computed only for the selected chunks
 and only when ``kv_mode="chunk-only"`` reuses it (the other modes rebuild the chunk KV anyway). Both kinds
 are cached in the chunk store under different position schemes.
+
+SDAR (block-diffusion) models: selection is unchanged, the decode phase is exact block diffusion over the
+selected prompt instead (``sdar_decode.py`` explains it and what it refuses).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from pdllm.decode_service.policy_sessions import static_compute_skip_logits, sta
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
+from pdllm.shared.app import sdar_decode
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.policies.compute_skip import run_compute_skip
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
-from pdllm.shared.model.sdar import check_runnable
+from pdllm.shared.layout import decode_layout
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 
@@ -56,11 +60,15 @@ class PrefillingEngine:
         sentence_ends: Collection[int] | None = None,
         kv_write_policy: KVWritePolicy = DEFAULT_KV_WRITE_POLICY,
     ) -> None:
-        check_runnable(model.config.family, "the pdllm engine (chunk selection)")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.config.validate()
+        self.block_diffusion = sdar_decode.is_block_diffusion(model)
+        if self.block_diffusion:  # fail at construction, not after a request's prefill
+            sdar_decode.check_config(self.config, None, model)
+            if cuda_graph:
+                raise ValueError("cuda_graph is not supported by the pdllm engine on SDAR models")
         self.store: ChunkKVStore | None = (
             store if store is not None else (default_chunk_store() if reuse_chunks else None)
         )
@@ -82,11 +90,15 @@ class PrefillingEngine:
         config: EngineConfig | None = None,
     ) -> Selection:
         """Steps 3-5 (the prefill worker's phase): chunk prefill, scoring, top-K selection."""
+        if self.block_diffusion:  # a per-request config may differ from the engine's
+            sdar_decode.check_config(config or self.config, gen, self.model)
         return self.prefill_worker.prefill(context, question, gen, instruction, config)
 
     def build(self, sel: Selection, gen: GenerationConfig) -> StaticKV:
         """Step 6 (the first half of the decode worker's phase): the static decode KV of the selected chunks,
         top-B applied; records the build time and kept tokens in ``sel.trace``."""
+        if self.block_diffusion:
+            raise ValueError("SDAR models build a block-causal prefix cache in decode(), not a StaticKV")
         cfg, request, selected, trace = sel.config, sel.request, sel.selected, sel.trace
         with trace.phase("build", self.device):
             local: list[torch.Tensor] = []
@@ -111,6 +123,8 @@ class PrefillingEngine:
         """Steps 6-7 (the decode worker's phase) for ``sel``; fills the build and decode fields of its
         trace. ``policy``: which static KV the decode attends to; ``decode_policy``: which query/response
         rows each step recomputes (``shared/generation/policies``; None or ``none``: all of them)."""
+        if self.block_diffusion:
+            return self._decode_block_diffusion(sel, gen, policy, progress, decode_policy)
         static = self.build(sel, gen)
         sel.bank = None  # the step-3 KV is not needed past the build
         trace, device = sel.trace, self.device
@@ -129,6 +143,31 @@ class PrefillingEngine:
                 result = self._decode_with_policy(
                     sel.request.query, static, gen, cache_policy, policy, progress
                 )
+        trace.decode_steps = result.steps
+        trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
+        result.timings = dict(trace.timings)
+        return result
+
+    def _decode_block_diffusion(
+        self,
+        sel: Selection,
+        gen: GenerationConfig,
+        policy: DecodePolicy | None,
+        progress: bool,
+        decode_policy: DecodePolicyConfig | None,
+    ) -> GenerationResult:
+        """Steps 6-7 on SDAR: the block-causal prefix cache, then block diffusion over it; same trace
+        fields as :meth:`decode` (every token of a selected chunk is kept: no top-B)."""
+        sdar_decode.check_config(sel.config, gen, self.model)
+        sdar_decode.check_decode_options(decode_policy, policy)
+        trace, device = sel.trace, self.device
+        layout = decode_layout(sel.request, sel.selected, gen.gen_length)
+        with trace.phase("build", device):
+            prefix = sdar_decode.build_prefix(self.model, sel.request, layout, gen)
+        trace.kept_tokens = list(layout.chunk_lens)
+        sel.bank = None
+        with trace.phase("decode", device):
+            result = sdar_decode.decode(self.model, sel.request, layout, prefix, gen, progress)
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)
@@ -158,6 +197,8 @@ class PrefillingEngine:
         progress: bool = False,
         decode_policy: DecodePolicyConfig | None = None,
     ) -> tuple[GenerationResult, Trace]:
+        if self.block_diffusion:  # refuse before the prefill, not after it
+            sdar_decode.check_decode_options(decode_policy, None)
         sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
         result = self.decode(sel, gen, progress=progress, decode_policy=decode_policy)
         return result, sel.trace

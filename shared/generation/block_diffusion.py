@@ -18,6 +18,11 @@ Memory: the cache is preallocated for prompt + answer per layer (no re-concatena
 
 ``step`` (optional, :data:`BlockStep`) replaces step 2's forward + sampler update with the caller's own
 (a decode policy's: FOCUS forwards only some rows of the block); prefill, recording and stopping stay here.
+
+``prefix`` (optional): a cache that already holds the K/V of the prompt's first whole model blocks, e.g. the
+pdllm engine's block-causal static KV of ``[instruction, selected chunks]`` (``shared/app/sdar_decode.py``).
+Step 1 then records only the rest of the prompt's whole generation blocks; nothing else changes, so the
+result equals a run without it whenever the prefix holds exactly what step 1 would have recorded.
 """
 
 from __future__ import annotations
@@ -109,6 +114,16 @@ class BlockKVCache:
         self.length += t
 
 
+def prefill_blocks(
+    model: DiffusionLM, cache: BlockKVCache, seq: torch.Tensor, hi: int, piece: int = PREFILL_PIECE_TOKENS
+) -> None:
+    """Record ``seq[cache.length:hi]`` (whole blocks) in forwards of about ``piece`` tokens (exact: each
+    piece sees the cache of all earlier ones, the block-causal mask decides the rest)."""
+    step = max(cache.block_size, piece // cache.block_size * cache.block_size)
+    for lo in range(cache.length, hi, step):
+        record_span(model, cache, seq, lo, min(hi, lo + step))
+
+
 def record_span(model: DiffusionLM, cache: BlockKVCache, seq: torch.Tensor, lo: int, hi: int) -> None:
     """One forward over ``seq[lo:hi]`` (whole blocks, final tokens) that appends its K/V to the cache."""
     if lo != cache.length:
@@ -127,10 +142,13 @@ def generate_block_diffusion(
     progress: bool = False,
     prefill_piece: int = PREFILL_PIECE_TOKENS,
     step: BlockStep | None = None,
+    prefix: BlockKVCache | None = None,
 ) -> GenerationResult:
     """Generate ``config.gen_length`` tokens after ``prompt`` (1-D, on the model's device) block by block
     over the exact cache of earlier blocks. ``timings['prefill']``: seconds to cache the prompt.
-    ``step``: a decode policy's denoising step instead of the plain one (None: a forward over the window)."""
+    ``step``: a decode policy's denoising step instead of the plain one (None: a forward over the window).
+    ``prefix``: the K/V of ``prompt[:prefix.length]`` already recorded (see the module docstring); it is
+    filled further in place, so its capacity must hold ``prompt`` + answer."""
     model_block = model.config.block_size
     if model_block is None:
         raise ValueError(f"{model.config.family} is not a block-diffusion model (no block_size)")
@@ -140,13 +158,12 @@ def generate_block_diffusion(
     spans = answer_spans(p, config.gen_length, block)
     state = DenoiseState(config, model.config.mask_token_id, model.config.eos_token_id, device, spans)
     seq = torch.cat([prompt, state.tokens])
-    cache = BlockKVCache(seq.numel(), model_block)
+    cached_prompt = p // block * block  # the last partial block is decoded with the answer
+    cache = BlockKVCache(seq.numel(), model_block) if prefix is None else prefix
+    _check_prefix(cache, seq.numel(), model_block, cached_prompt)
 
     start = time.perf_counter()
-    cached_prompt = p // block * block  # the last partial block is decoded with the answer
-    piece = max(block, prefill_piece // block * block)
-    for lo in range(0, cached_prompt, piece):
-        record_span(model, cache, seq, lo, min(cached_prompt, lo + piece))
+    prefill_blocks(model, cache, seq, cached_prompt, max(block, prefill_piece // block * block))
     _sync(device)
     prefill_s = time.perf_counter() - start
 
@@ -177,6 +194,21 @@ def generate_block_diffusion(
         decode_seconds=time.perf_counter() - start,
         timings={"prefill": prefill_s},
     )
+
+
+def _check_prefix(cache: BlockKVCache, total: int, model_block: int, cached_prompt: int) -> None:
+    # A prefix past the prompt's whole generation blocks would hold K/V of tokens that must still see the
+    # answer's first block; one ending mid model block would hold K/V that never saw the rest of its block.
+    if cache.capacity < total or cache.block_size != model_block:
+        raise ValueError(
+            f"prefix cache (capacity {cache.capacity}, block {cache.block_size}) cannot hold {total} "
+            f"positions of block size {model_block}"
+        )
+    if cache.length > cached_prompt or cache.length % model_block:
+        raise ValueError(
+            f"prefix cache holds {cache.length} positions: it must end on a model block boundary "
+            f"({model_block}) at or before the prompt's last whole generation block ({cached_prompt})"
+        )
 
 
 def _sync(device: torch.device) -> None:

@@ -82,11 +82,12 @@ class BlockCausalAttention:
 
 def check_runnable(family: str, command: str) -> None:
     """SDAR decodes in the plain path (``generate --method vanilla``: block by block over the exact cache of
-    finished blocks), but chunk selection, eval and serving run Dream/LLaDA's full-attention decode loops;
-    running them on an SDAR model would silently decode with the wrong attention. Fail clearly."""
+    finished blocks) and in the in-process pdllm engine (``generate --method pdllm``, ``app/sdar_decode.py``),
+    but eval and serving run the decode worker's full-attention loops; running them on an SDAR model would
+    silently decode with the wrong attention. Fail clearly."""
     if family == "sdar":
         raise ValueError(
-            f"SDAR (block-diffusion) checkpoints decode with `pdllm generate --method vanilla`, but `{command}` "
-            "cannot decode them yet: its decode loop attends bidirectionally over the whole sequence "
-            "(chunk selection with a block-causal prefill is the next slice of issue 18)"
+            f"SDAR (block-diffusion) checkpoints decode with `pdllm generate --method vanilla|pdllm`, but "
+            f"`{command}` cannot decode them yet: its decode loop attends bidirectionally over the whole "
+            "sequence (the decode worker's block-causal decode is a later slice of issue 18)"
         )

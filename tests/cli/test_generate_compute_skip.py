@@ -74,7 +74,9 @@ def test_sdar_refuses_dyllm_and_pdllm(sdar_dir, capsys) -> None:
     assert "decode policy 'dyllm' runs on Dream and LLaDA only" in err and "Traceback" not in err
     assert main([*_generate(sdar_dir, *PDLLM), "--decode-policy", "focus"]) == 2
     err = capsys.readouterr().err
-    assert "generate --method pdllm" in err and "Traceback" not in err
+    assert (
+        "decode policy 'focus' is not supported by the pdllm engine on SDAR" in err and "Traceback" not in err
+    )
 
 
 @pytest.mark.parametrize(

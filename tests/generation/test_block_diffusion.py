@@ -183,13 +183,4 @@ def test_cli_generate_vanilla_on_sdar(sdar_dir: Path, capsys: pytest.CaptureFixt
 
     rc = main([*args, "--method", "vanilla", "--gen-length", "12", "--block-length", "6"])
     assert rc == 2 and "multiple of 4" in capsys.readouterr().err
-    rc = main([*args, "--method", "pdllm", "--gen-length", "8"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "`generate --method pdllm` cannot decode them yet" in err and "--method vanilla" in err
-
-
-def test_pdllm_engine_refuses_sdar() -> None:
-    from pdllm.shared.app.engine import PrefillingEngine
-
-    with pytest.raises(ValueError, match=r"`the pdllm engine \(chunk selection\)` cannot decode them yet"):
-        PrefillingEngine(tiny_model("sdar"), reuse_chunks=False)
+    # --method pdllm on SDAR runs in process: tests/cli/test_generate_sdar_pdllm.py.
