@@ -14,10 +14,10 @@ delay). At 16K, vanilla (``none``, the ``speedup_vs_vanilla`` baseline) and Fast
 whole prompt also run. ``tokens_per_s`` = gen length / the denoising loop's seconds (pdllm's prefill,
 scoring and KV build are policy-independent and excluded; they are in ``meta.runs``); ``peak_gib`` = the
 CUDA allocator's peak during the run, weights included. Every pdllm run decodes eagerly with the ``buffer``
-attention (the policy loop cannot use the split-S kernel or CUDA graphs yet), ``none`` too, so that rows
-differ by the policy alone. Batch 16 is not run: the policy loop decodes one request at a time (batched
-rounds with policies are designed in ``shared/generation/policies/__init__.py``, not built); the cells are
-recorded as skipped. A vanilla ``none`` run whose full loop does not fit the budget is timed over one step
+attention (the policy loop cannot use the split-S kernel or CUDA graphs), ``none`` too, so that rows
+differ by the policy alone. Batch 16 is not run: the policy loop decodes one request at a time; the decode
+worker's batched rounds with policies are measured by ``decode_policy_rounds.py``. The cells are recorded
+as skipped. A vanilla ``none`` run whose full loop does not fit the budget is timed over one step
 per block instead (``probe``: every vanilla step is the same forward, so its loop = steps x that step).
 """
 
@@ -50,8 +50,8 @@ POLICIES = ("none", "dual-cache", "sparse-dllm", "prefix-cache")  # a cell's run
 ROW_KEYS = ("policy", "method", "context_tokens", "gen_length", "batch", "tokens_per_s",
             "speedup_vs_vanilla", "speedup_vs_dual_cache", "peak_gib")  # fmt: skip
 BATCH_SKIP = (
-    "batch 16: the policy loop (policies.runner.PolicyLogits) decodes one request; batched decode rounds "
-    "with policies are designed, not built"
+    "batch 16: the policy loop (policies.runner.PolicyLogits) decodes one request; the batched decode "
+    "rounds with policies are measured by benchmarks/decode_policy_rounds.py"
 )
 
 

@@ -127,8 +127,8 @@ def round_check(device: torch.device) -> str:
     """Policy sessions in graphed rounds (split-S kernel and CUDA graphs on CUDA) == the engine's reference
     policy loop, tiny fp32 models, the CPU tests' cases: "matching/total"."""
     from pdllm.decode_service.round_graphs import GraphedRoundForward as Graphed
-    from tests.decode.helpers import pool_for
-    from tests.decode.test_policy_rounds import POLICY_CASES, policy_session, reference, run_rounds
+    from tests.decode.helpers import pool_for, run_rounds
+    from tests.decode.test_policy_rounds import POLICY_CASES, policy_session, reference
     from tests.engine.helpers import model as tiny_model
 
     good = total = 0

@@ -12,6 +12,7 @@ from ..model.attention import DenseAttention
 from ..model.transformer import DiffusionLM
 from .block_diffusion import generate_block_diffusion
 from .policies import CachePolicy, DecodePolicyConfig, PolicyLogits, make_policy, run_policy
+from .policies.base import vanilla_local_rows
 from .policies.compute_skip import generate_compute_skip_sdar, run_compute_skip, vanilla_compute_skip_logits
 from .sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 
@@ -41,11 +42,7 @@ def vanilla_policy_logits(
 ) -> PolicyLogits:
     """The vanilla step under a decode policy: the local rows are prompt + response (dense attention over
     them, no static KV). ``generate_vanilla`` and the decode worker's vanilla sessions both start here."""
-    mask = torch.full(
-        (config.gen_length,), model.config.mask_token_id, dtype=torch.long, device=prompt.device
-    )
-    local = torch.cat([prompt, mask])
-    positions = torch.arange(local.shape[0], device=prompt.device)[None]
+    local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, config)
     return PolicyLogits(model, local, positions, prompt.numel(), config, policy, DenseAttention())
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
-from pdllm.decode_service.rounds import BatchSession
+from pdllm.decode_service.round_graphs import GraphedRoundForward
+from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, RoundForward, decode_round
 from pdllm.decode_service.scheduler import StaticDecode
 from pdllm.prefill_service.worker import Selection
 from pdllm.shared.app.engine import PrefillingEngine
@@ -108,3 +109,24 @@ def random_static(m: DiffusionLM, n: int, seed: int) -> torch.Tensor:
     c = m.config
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(c.num_layers, 2, c.num_kv_heads, n, c.head_dim, generator=gen)
+
+
+def round_forward(kind: str, m: DiffusionLM, pool: DecodeKVPool) -> RoundForward:
+    """``eager``: op by op; ``padded``: the graph buckets' padded buffers, run eagerly (CPU)."""
+    if kind == "eager":
+        return EagerRoundForward(m, pool, "torch")
+    return GraphedRoundForward(m, pool, "torch", capture=False)
+
+
+def run_rounds(forward: RoundForward, sessions: list[BatchSession]) -> int:
+    """Sessions join one per round and leave when done, so rounds mix sessions at different steps;
+    returns the number of rounds."""
+    active: list[BatchSession] = []
+    waiting, rounds = list(sessions), 0
+    while active or waiting:
+        if waiting:
+            active.append(waiting.pop(0))
+        decode_round(forward, active)
+        rounds += 1
+        active = [s for s in active if not s.done]
+    return rounds

@@ -10,13 +10,22 @@ import pytest
 from pdllm.decode_service.jobs import DecodeJob, Final
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots
-from pdllm.decode_service.round_graphs import GraphedRoundForward
-from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round
+from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
-from tests.decode.helpers import CASES, Case, alone, pool_for, prefill, session, static_decode
+from tests.decode.helpers import (
+    CASES,
+    Case,
+    alone,
+    pool_for,
+    prefill,
+    round_forward,
+    run_rounds,
+    session,
+    static_decode,
+)
 from tests.engine.helpers import model
 
 # Several blocks in every case, so refreshes and cached steps alternate.
@@ -59,18 +68,6 @@ def policy_session(
     )
 
 
-def run_rounds(forward, sessions: list[BatchSession]) -> int:  # type: ignore[no-untyped-def]
-    """Sessions join one per round and leave when done, so rounds mix sessions at different steps."""
-    active, waiting, rounds = [], list(sessions), 0
-    while active or waiting:
-        if waiting:
-            active.append(waiting.pop(0))
-        decode_round(forward, active)
-        rounds += 1
-        active = [s for s in active if not s.done]
-    return rounds
-
-
 @pytest.mark.parametrize("family", ["dream", "llada"])
 @pytest.mark.parametrize("name", ["dual-cache", "prefix-cache"])
 @pytest.mark.parametrize("kind", ["eager", "padded"])
@@ -80,10 +77,7 @@ def test_policy_sessions_in_rounds_equal_the_reference_loop(family: str, name: s
     want = [reference(m, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
     plain_want = alone(m, CASES[1], 7)
     pool = pool_for(m, pages=128)
-    if kind == "eager":
-        forward = EagerRoundForward(m, pool, "torch")
-    else:
-        forward = GraphedRoundForward(m, pool, "torch", capture=False)
+    forward = round_forward(kind, m, pool)
     sessions = [policy_session(m, pool, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
     plain = session(m, pool, CASES[1], 7)  # a session without a policy shares the rounds
     rounds = run_rounds(forward, [sessions[0], plain, *sessions[1:]])
@@ -178,10 +172,7 @@ def test_sparse_dllm_sessions_in_rounds_equal_the_reference_loop(family: str, ki
     policy = DecodePolicyConfig(name="sparse-dllm", **knobs)
     want = [reference(m, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
     pool = pool_for(m, pages=128)
-    if kind == "eager":
-        forward = EagerRoundForward(m, pool, "torch")
-    else:
-        forward = GraphedRoundForward(m, pool, "torch", capture=False)
+    forward = round_forward(kind, m, pool)
     sessions = [policy_session(m, pool, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]
     dual = policy_session(m, pool, POLICY_CASES[1], 9, DecodePolicyConfig(name="dual-cache"))
     run_rounds(forward, [sessions[0], dual, *sessions[1:]])

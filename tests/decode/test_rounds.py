@@ -10,15 +10,9 @@ import torch
 from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape, eighths, pow2
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
 from pdllm.shared.generation.device_state import DeviceBatch
-from tests.decode.helpers import CASES, alone, pool_for, session
+from tests.decode.helpers import CASES, alone, pool_for, round_forward, run_rounds, session
 from tests.engine.helpers import model
 from tests.interpreter import run_under_interpreter
-
-
-def _forward(kind: str, m, pool):  # type: ignore[no-untyped-def]
-    if kind == "eager":
-        return EagerRoundForward(m, pool, "torch")
-    return GraphedRoundForward(m, pool, "torch", capture=False)  # padded buckets, run eagerly on CPU
 
 
 @pytest.mark.parametrize("family", ["dream", "llada"])
@@ -27,16 +21,9 @@ def test_batched_rounds_equal_each_session_alone(family: str, kind: str) -> None
     m = model(family)
     want = [alone(m, case, seed) for seed, case in enumerate(CASES)]
     pool = pool_for(m)
-    forward = _forward(kind, m, pool)
+    forward = round_forward(kind, m, pool)
     sessions = [session(m, pool, case, seed) for seed, case in enumerate(CASES)]
-    # Sessions join one per round and leave when done: every round mixes sessions at different steps.
-    active, waiting, rounds = [], list(sessions), 0
-    while active or waiting:
-        if waiting:
-            active.append(waiting.pop(0))
-        decode_round(forward, active)
-        rounds += 1
-        active = [s for s in active if not s.done]
+    rounds = run_rounds(forward, sessions)
     for s, expected, case in zip(sessions, want, CASES, strict=True):
         assert s.state.tokens.tolist() == expected, case
     assert rounds < sum(s.state.steps_taken for s in sessions)  # rounds were shared

@@ -19,10 +19,10 @@ from pdllm.shared.generation.policies.dyllm import (
     DyLLMFastLogits,
     DyLLMLogits,
     denoise_with_dyllm,
-    run_dyllm,
     step_kind,
     vanilla_dyllm_logits,
 )
+from pdllm.shared.generation.policies.runner import run_policy
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
 from pdllm.shared.generation.vanilla import generate_vanilla, vanilla_logits_fn
 from pdllm.shared.model.attention import DenseAttention, PrefixAttention
@@ -45,7 +45,7 @@ def _gen(gen: int, steps: int, block: int | None, threshold: float | None) -> Ge
 
 
 def _vanilla(model: DiffusionLM, gen: GenerationConfig, config: DyLLMConfig, fast: bool) -> GenerationResult:
-    return run_dyllm(vanilla_dyllm_logits(model, torch.tensor(PROMPT), gen, config, fast))
+    return run_policy(vanilla_dyllm_logits(model, torch.tensor(PROMPT), gen, config, fast))
 
 
 def _vanilla_args(model: DiffusionLM, gen: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor, int]:

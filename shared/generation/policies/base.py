@@ -201,6 +201,16 @@ class AttachableHook(Protocol):
     def attach(self, model: Any, positions: Any) -> AbstractContextManager[None]: ...
 
 
+def vanilla_local_rows(
+    mask_token_id: int, prompt: torch.Tensor, gen: GenerationConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vanilla request's local rows (prompt + masked response, on the prompt's device) and their
+    positions ``[1, N]`` from 0: what every decode loop runs on without static KV."""
+    mask = torch.full((gen.gen_length,), mask_token_id, dtype=torch.long, device=prompt.device)
+    local = torch.cat([prompt, mask])
+    return local, torch.arange(local.shape[0], device=prompt.device)[None]
+
+
 def check_local_rows(
     local: torch.Tensor, positions: torch.Tensor, response_start: int, gen: GenerationConfig
 ) -> None:

@@ -26,11 +26,11 @@ from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
 from ..sampler import DenoiseSession, GenerationConfig, GenerationResult
-from .base import DecodePolicyConfig
-from .dyllm import run_dyllm
+from .base import DecodePolicyConfig, vanilla_local_rows
 from .dyllm_base import DyLLMBase
 from .dyllm_fast import DyLLMFastLogits
 from .focus_reference import FocusLogits, FocusSession, generate_focus_block_diffusion, run_focus
+from .runner import PolicySession, run_policy
 
 ComputeSkipLogits = DyLLMBase | FocusLogits
 
@@ -58,34 +58,15 @@ def vanilla_compute_skip_logits(
     model: DiffusionLM, prompt: torch.Tensor, gen: GenerationConfig, config: DecodePolicyConfig
 ) -> ComputeSkipLogits:
     """The vanilla step under DyLLM / FOCUS: local rows prompt + response, dense attention over them."""
-    mask = torch.full((gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=prompt.device)
-    local = torch.cat([prompt, mask])
-    positions = torch.arange(local.shape[0], device=prompt.device)[None]
+    local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
     return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
-
-
-class DyLLMSession(DenoiseSession):
-    """A DyLLM logits function advanced one step at a time; its result carries DyLLM's counters (as
-    ``runner.PolicySession``'s carries a cache policy's)."""
-
-    def __init__(self, logits_fn: DyLLMBase) -> None:
-        config = logits_fn.model.config
-        super().__init__(
-            logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
-        )
-        self.dyllm_logits = logits_fn
-
-    def result(self) -> GenerationResult:
-        result = super().result()
-        result.cache = self.dyllm_logits.summary()
-        return result
 
 
 def compute_skip_session(logits_fn: ComputeSkipLogits) -> DenoiseSession:
     """The session that steps ``logits_fn`` (FOCUS's own, which passes the sampler its eligible rows)."""
     if isinstance(logits_fn, FocusLogits):
         return FocusSession(logits_fn)
-    return DyLLMSession(logits_fn)
+    return PolicySession(logits_fn)
 
 
 @torch.inference_mode()
@@ -93,7 +74,7 @@ def run_compute_skip(logits_fn: ComputeSkipLogits, progress: bool = False) -> Ge
     """The policy's loop to the end; the result's ``cache`` holds its name and counters."""
     if isinstance(logits_fn, FocusLogits):
         return run_focus(logits_fn)
-    return run_dyllm(logits_fn, progress)
+    return run_policy(logits_fn, progress)
 
 
 def generate_compute_skip_sdar(

@@ -49,7 +49,8 @@ import torch
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..sampler import GenerationConfig, GenerationResult, denoise
+from ..sampler import GenerationConfig, GenerationResult
+from .base import vanilla_local_rows
 from .dyllm_base import (
     PAPER_THRESHOLDS,
     DyLLMBase,
@@ -62,6 +63,7 @@ from .dyllm_base import (
     step_kind,
 )
 from .dyllm_fast import DyLLMFastLogits
+from .runner import run_policy
 
 __all__ = [
     "PAPER_THRESHOLDS",
@@ -70,7 +72,6 @@ __all__ = [
     "DyLLMLogits",
     "DyLLMStats",
     "denoise_with_dyllm",
-    "run_dyllm",
     "step_kind",
     "vanilla_dyllm_logits",
 ]
@@ -141,21 +142,9 @@ def vanilla_dyllm_logits(
     fast: bool = True,
 ) -> DyLLMBase:
     """DyLLM on the vanilla path: local rows prompt + response, dense attention over them."""
-    mask = torch.full((gen.gen_length,), model.config.mask_token_id, dtype=torch.long, device=prompt.device)
-    local = torch.cat([prompt, mask])
-    positions = torch.arange(local.shape[0], device=prompt.device)[None]
+    local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
     cls = DyLLMFastLogits if fast else DyLLMLogits
     return cls(model, local, positions, prompt.numel(), gen, config, DenseAttention())
-
-
-@torch.inference_mode()
-def run_dyllm(logits_fn: DyLLMBase, progress: bool = False) -> GenerationResult:
-    """:func:`denoise` driven by ``logits_fn`` to the end; the result's ``cache`` holds its summary."""
-    config = logits_fn.model.config
-    gen, device = logits_fn.gen, logits_fn.local.device
-    result = denoise(gen, config.mask_token_id, config.eos_token_id, logits_fn, device, progress)
-    result.cache = logits_fn.summary()
-    return result
 
 
 @torch.inference_mode()
@@ -173,4 +162,4 @@ def denoise_with_dyllm(
     """:func:`denoise` under DyLLM over the local rows (``fast``: the fast path, else the reference)."""
     gen.validate()
     cls = DyLLMFastLogits if fast else DyLLMLogits
-    return run_dyllm(cls(model, local, positions, response_start, gen, config, inner), progress)
+    return run_policy(cls(model, local, positions, response_start, gen, config, inner), progress)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -148,12 +149,25 @@ class PolicyLogits:
         return {"policy": self.policy.name, **self.stats.as_dict()}
 
 
-class PolicySession(DenoiseSession):
-    """One request's :class:`PolicyLogits` loop advanced one step at a time: the decode worker steps it
-    once per scheduler turn, alone (the reference loop is not batched with other requests); its result
-    carries the policy's name and counters, as :func:`run_policy`'s does."""
+class CountedLogits(Protocol):
+    """A decode loop's logits function over its local rows that reports what it saved:
+    :class:`PolicyLogits`, DyLLM's (``dyllm_base.DyLLMBase``)."""
 
-    def __init__(self, logits_fn: PolicyLogits) -> None:
+    model: DiffusionLM
+    local: torch.Tensor
+    gen: GenerationConfig
+
+    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor: ...
+
+    def summary(self) -> dict[str, int | str]: ...
+
+
+class PolicySession(DenoiseSession):
+    """One request's policy loop (:class:`PolicyLogits`, or DyLLM's) advanced one step at a time: the
+    decode worker steps it once per scheduler turn, alone (the reference loop is not batched with other
+    requests); its result carries the policy's name and counters, as :func:`run_policy`'s does."""
+
+    def __init__(self, logits_fn: CountedLogits) -> None:
         config = logits_fn.model.config
         super().__init__(
             logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
@@ -167,9 +181,9 @@ class PolicySession(DenoiseSession):
 
 
 @torch.inference_mode()
-def run_policy(logits_fn: PolicyLogits, progress: bool = False) -> GenerationResult:
+def run_policy(logits_fn: CountedLogits, progress: bool = False) -> GenerationResult:
     """:func:`denoise` driven by ``logits_fn`` to the end; the result's ``cache`` holds its
-    :meth:`~PolicyLogits.summary`."""
+    ``summary()``."""
     config = logits_fn.model.config
     gen, device = logits_fn.gen, logits_fn.local.device
     result = denoise(gen, config.mask_token_id, config.eos_token_id, logits_fn, device, progress)
