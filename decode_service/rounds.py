@@ -205,18 +205,20 @@ class PackedRound:
             start = base + q - part.lo
             state = s.state
             if isinstance(state, DeviceDenoiseState):
-                local = s.query + [state.mask_id] * state.config.gen_length
+                response = [state.mask_id] * state.config.gen_length
                 rows = [-1] * state.masked
             else:
                 masked = state.positions()
-                local = s.query + state.tokens.tolist()
+                response = state.tokens.tolist()
                 rows = (masked + start).tolist()
-            out.ids += local[part.lo : part.hi]
+            # Slices, not query + response: a vanilla session's query is its whole prompt.
+            r0, r1 = max(0, part.lo - q), max(0, part.hi - q)
+            out.ids += s.query[part.lo : part.hi] + response[r0:r1]
             out.positions += range(s.query_start + part.lo, s.query_start + part.hi)
             out.rows += rows
             out.counts.append(len(rows))
             out.starts.append(start)
-            out.responses.append((max(0, part.lo - q), part.hi - q))
+            out.responses.append((r0, r1))
             out.q_offsets.append(base + part.hi - part.lo)
             out.page_table.append(s.pages)
             out.kv_lens.append(part.kv_len)
