@@ -14,7 +14,8 @@ instead, so that all of them run the very same code and an answer over gRPC equa
 - :func:`generate_compute_skip_sdar`: SDAR (block diffusion): FOCUS block by block over the exact cache;
   DyLLM is refused (its caches assume full bidirectional attention over every local row).
 
-DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests); FOCUS its
+DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests; with
+``cuda_graph``, as the decode worker and engine pass it, its sparse steps are graph replays); FOCUS its
 reference request loop (the batched fast path packs several requests, which a lone session cannot use).
 """
 
@@ -43,23 +44,31 @@ def compute_skip_logits(
     gen: GenerationConfig,
     config: DecodePolicyConfig,
     inner: AttentionBackend,
+    cuda_graph: bool = False,
 ) -> ComputeSkipLogits:
     """The logits function of ``config``'s compute-skipping policy over the local rows (``PolicyLogits``'s
-    contract: ``local`` [N] owned, ``positions`` [1, N], the response the last ``gen_length`` rows)."""
+    contract: ``local`` [N] owned, ``positions`` [1, N], the response the last ``gen_length`` rows).
+    ``cuda_graph``: DyLLM replays its captured sparse steps (CUDA only); FOCUS's loop stays eager."""
     config.validate()
     if config.name == "dyllm":
-        return DyLLMFastLogits(model, local, positions, response_start, gen, config.dyllm_config(), inner)
+        dyllm = config.dyllm_config()
+        return DyLLMFastLogits(model, local, positions, response_start, gen, dyllm, inner, cuda_graph)
     if config.name == "focus":
         return FocusLogits(model, local, positions, response_start, gen, config.focus_config(), inner)
     raise ValueError(f"decode policy {config.name!r} is not a compute-skipping policy (dyllm, focus)")
 
 
 def vanilla_compute_skip_logits(
-    model: DiffusionLM, prompt: torch.Tensor, gen: GenerationConfig, config: DecodePolicyConfig
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    gen: GenerationConfig,
+    config: DecodePolicyConfig,
+    cuda_graph: bool = False,
 ) -> ComputeSkipLogits:
     """The vanilla step under DyLLM / FOCUS: local rows prompt + response, dense attention over them."""
     local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
-    return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
+    dense = DenseAttention()
+    return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, dense, cuda_graph)
 
 
 def compute_skip_session(logits_fn: ComputeSkipLogits) -> DenoiseSession:

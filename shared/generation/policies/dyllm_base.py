@@ -198,7 +198,10 @@ class DyLLMBase:
             first = 0 if kind == "sequence" else self.response_start - self.lead
             logits = self._sparse(at, first)
             self.stats.response_only_steps += int(kind == "response")
-        self.previous = self.local.clone()
+        if self.previous is None:
+            self.previous = self.local.clone()
+        else:  # in place: the fast path's captured graphs read it at a fixed address
+            self.previous.copy_(self.local)
         self.stats.forwards += 1
         self.stats.rows_total += self.local.shape[0] * len(self.model.model.layers)
         return logits

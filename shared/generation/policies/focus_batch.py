@@ -76,6 +76,7 @@ class FocusDecodeBatch:
             raise ValueError("the response must be the last gen_length local rows, after at least one row")
         self.requests.append(_Request(self._state(), local, positions, response_start, inner=inner))
 
+    @torch.inference_mode()  # its prefill's K/V are kept: without it they would hold their autograd graph
     def block_diffusion(self, prompt: torch.Tensor) -> None:
         """Add an SDAR request and prefill its prompt's whole generation blocks into its exact cache."""
         if not self.sdar:
@@ -161,6 +162,7 @@ class FocusDecodeBatch:
         ]
 
 
+@torch.inference_mode()
 def generate_focus_batched(
     model: DiffusionLM, prompts: list[list[int]], gen: GenerationConfig, focus: FocusConfig
 ) -> list[GenerationResult]:
