@@ -13,6 +13,7 @@ import torch
 
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.rounds import BatchSession
+from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
 from pdllm.shared.generation.policies import CachePolicy
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
@@ -49,15 +50,17 @@ class StaticDecode:
     cache_policy: CachePolicy | None = None
 
 
-Session = BatchSession | DenoiseSession
+# Stepped alone (not in the batched rounds): a denoising loop, or an SDAR request's block diffusion.
+AloneSession = DenoiseSession | BlockDiffusionSession
+Session = BatchSession | AloneSession
 
 
 @dataclass
 class DecodeJob:
     request_id: str
-    # Builds the session's decode KV (StaticDecode) or a session stepped alone (DenoiseSession); runs on
+    # Builds the session's decode KV (StaticDecode) or a session stepped alone (AloneSession); runs on
     # the scheduler thread, which owns the device.
-    start: Callable[[], StaticDecode | DenoiseSession]
+    start: Callable[[], StaticDecode | AloneSession]
     cancelled: threading.Event
     stream_partials: bool = True
     # Static KV tokens the session will hold in the pool (an upper bound; 0: it holds none).
@@ -76,7 +79,7 @@ class DecodeJob:
     # None: the job's build can only run whole.
     start_steps: Callable[[int], Steps[StaticDecode]] | None = None
     build_steps: Steps[StaticDecode] | None = None  # a build being run piece by piece
-    built: StaticDecode | DenoiseSession | None = None  # launched build, until it joins the rounds
+    built: StaticDecode | AloneSession | None = None  # launched build, until it joins the rounds
     built_event: torch.cuda.Event | None = None  # its device work is done (CUDA)
     build_started: float = 0.0
     # Starts pulling the request's KV from a prefill worker (a handoff), into ``pages`` for a decode KV; the

@@ -65,11 +65,13 @@ def static_compute_skip_logits(
     config: DecodePolicyConfig,
     decode_attention: str,
     static_policy: DecodePolicy | None = None,
+    cuda_graph: bool = False,
 ) -> ComputeSkipLogits:
     """Step 7 of a pdllm request under a compute-skipping policy (DyLLM, FOCUS): its loop over the query +
-    answer rows around the same static-KV attention as :func:`static_policy_logits`."""
+    answer rows around the same static-KV attention as :func:`static_policy_logits` (``cuda_graph``: see
+    ``compute_skip_logits``)."""
     local, positions, inner = _static_inputs(model, query, static, gen, decode_attention, static_policy)
-    return compute_skip_logits(model, local, positions, len(query), gen, config, inner)
+    return compute_skip_logits(model, local, positions, len(query), gen, config, inner, cuda_graph)
 
 
 def _static_inputs(
@@ -101,7 +103,7 @@ def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: w
 def step_alone(
     jobs: Sequence[DecodeJob], stopping: Callable[[], bool], observe: Callable[[float], None]
 ) -> tuple[list[DecodeJob], list[DecodeJob]]:
-    """One step of each session that cannot share a round (vanilla, or a decode policy): (stepped, failed).
+    """One step of each session that cannot share a round (vanilla, a decode policy, SDAR): (stepped, failed).
     A failed job has its exception queued for its caller. None runs once the scheduler is ``stopping`` or
     after its job was cancelled: such a step is long, and nobody would wait for it."""
     stepped: list[DecodeJob] = []
@@ -112,7 +114,7 @@ def step_alone(
         assert job.session is not None
         try:
             start = time.perf_counter()
-            job.session.step()  # type: ignore[union-attr]  # alone: a DenoiseSession
+            job.session.step()  # type: ignore[union-attr]  # alone: an AloneSession
             observe(time.perf_counter() - start)
         except Exception as exc:
             _log.exception("decode step failed", extra={"request_id": job.request_id})

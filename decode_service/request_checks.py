@@ -1,10 +1,14 @@
-"""The token ids of a ``DecodeRequest``, checked before the request reaches the scheduler.
+"""The token ids of a ``DecodeRequest``, and what an SDAR model cannot decode, checked before the request
+reaches the scheduler.
 
 The decode server already checks a request's settings (``rpc/convert.py``), its chunk handles' and
 handoff's KV identity (``check_kv_spec``) and its vanilla prompt length; the prefill worker checks its ids
 in ``layout.make_request``. Decode ids come from the router's tokenizer, so a bad one means a router bug
 or a client calling the worker directly: without this check it fails in the embedding lookup on the
 scheduler thread, and the caller gets INTERNAL instead of INVALID_ARGUMENT naming the field.
+
+On an SDAR (block-diffusion) model a request runs exact block diffusion (``shared/generation/sdar_decode.py``);
+:func:`check_block_diffusion` refuses, with INVALID_ARGUMENT naming the option, what that decode does not run.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from collections.abc import Sequence
 import grpc
 
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation import sdar_decode
+from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
+
+_SDAR = "the decode worker on SDAR (block-diffusion) models"
 
 
 def check_token_ids(request: wpb.DecodeRequest, vocab_size: int) -> None:
@@ -37,3 +48,26 @@ def check_token_ids(request: wpb.DecodeRequest, vocab_size: int) -> None:
                 f"{name} has token id {low if low < 0 else high} outside the vocabulary [0, {vocab_size})",
                 code=grpc.StatusCode.INVALID_ARGUMENT,
             )
+
+
+def check_block_diffusion(
+    method: str,
+    config: EngineConfig,
+    gen: GenerationConfig,
+    policy: DecodePolicyConfig,
+    model: DiffusionLM,
+) -> None:
+    """INVALID_ARGUMENT for what an SDAR request cannot run: ``kv_mode`` chunk-only and ``top_b`` (method
+    pdllm), a ``block_length`` that is not a multiple of the model's block size, a ``decode_policy`` other
+    than none (either method: the worker steps plain block diffusion only)."""
+    try:
+        if method != "vanilla":
+            sdar_decode.check_config(config, None, model)
+        sdar_decode.check_generation(gen, model)
+    except ValueError as exc:
+        raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
+    if policy.name != "none":
+        raise PdllmError(
+            f"decode_policy {policy.name!r} is not supported by {_SDAR} (use decode_policy none)",
+            code=grpc.StatusCode.INVALID_ARGUMENT,
+        )

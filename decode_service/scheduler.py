@@ -380,7 +380,7 @@ class DecodeScheduler:
                 state = session.state
                 # After its last step a state points past its last block; the partial names the block it
                 # denoised (generation.proto: "block being denoised").
-                block = min(state.block, state.config.num_blocks - 1)
+                block = min(state.block, state.num_blocks - 1)
                 job.events.put(Partial(state.steps_taken, block, session.partial()))
             if session.done:
                 peak = len(job.pages) * self.pool.page_bytes + job.build_bytes

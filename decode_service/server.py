@@ -13,6 +13,15 @@ Sparse-dLLM (``decode_policy``) joins the batched rounds under it, its cache of 
 pages reserved after its static KV (``policy_rounds.py``); any other decode policy (Polestar-Cache,
 the compute-skipping DyLLM and FOCUS, or any policy on a vanilla request) is stepped alone through the
 policy's reference loop (``policy_sessions.py``). Partial outputs stream after every step when asked for.
+
+On an SDAR (block-diffusion) model every request is exact block diffusion, stepped alone
+(:class:`~pdllm.shared.generation.block_diffusion.BlockDiffusionSession`, one denoising step per scheduler
+iteration): vanilla over its whole prompt, as ``generate_vanilla``; pdllm over ``[instruction, chunks,
+query]``, the in-process engine's very code (``shared/generation/sdar_decode.py``), its block-causal prefix
+rebuilt here from the chunks' token ids. It holds no pool pages and pulls no handoff: the prefill worker's
+chunk KV and a handed-off decode KV are not block-causal. What it does not run (chunk-only, top-B, decode
+policies, a block length off the model's blocks) is INVALID_ARGUMENT naming the option
+(``request_checks.check_block_diffusion``).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from pdllm.decode_service.policy_sessions import (
     static_compute_skip_logits,
     static_policy_logits,
 )
-from pdllm.decode_service.request_checks import check_token_ids
+from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
@@ -38,6 +47,8 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation import sdar_decode
+from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicySession, make_policy
 from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
@@ -72,6 +83,12 @@ def policy_trace(cache: dict[str, int | str]) -> pb.DecodePolicyTrace:
     return pb.DecodePolicyTrace(**fields, counters=counters)  # type: ignore[arg-type]
 
 
+def _request(request: wpb.DecodeRequest) -> Request:
+    """The request's instruction, chunks (the selected ones, in the order sent) and query."""
+    chunks = [list(h.token_ids) for h in request.chunks]
+    return Request(instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids))
+
+
 class DecodeServicer(workers_pb2_grpc.DecodeServicer):
     def __init__(
         self,
@@ -100,6 +117,9 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
             check_token_ids(request, self.worker.model.config.vocab_size)
+            sdar = sdar_decode.is_block_diffusion(self.worker.model)
+            if sdar:
+                check_block_diffusion(request.method.method, cfg, gen, policy, self.worker.model)
             cache_tokens = 0
             if request.method.method == "vanilla":
                 if not request.context_ids:
@@ -132,6 +152,9 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
                 if batched is not None:
                     cache_tokens = cache_slots(len(request.question_ids), gen)
+                if sdar:  # stepped alone over a cache of its own: no pool pages, so no handoff pulled
+                    start = lambda: self._sdar_session(request, gen)  # noqa: E731
+                    start_steps, kv_tokens = None, 0
             job = DecodeJob(
                 request.request_id,
                 start,
@@ -154,13 +177,16 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
     # ------------------------------------------------------------------ sessions (scheduler thread)
     def _vanilla_session(
         self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig
-    ) -> DenoiseSession:
+    ) -> DenoiseSession | BlockDiffusionSession:
         model = self.worker.model
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
+        if sdar_decode.is_block_diffusion(model):  # generate_vanilla's block diffusion (no policy: checked)
+            return BlockDiffusionSession(model, prompt, gen)
         if policy.skips_compute:  # DyLLM / FOCUS: generate_vanilla's loop, a step per scheduler turn
-            return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy))
+            graphs = self.worker.cuda_graph  # DyLLM replays its sparse steps as the worker replays rounds
+            return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy, graphs))
         cache_policy = make_policy(policy)
         if cache_policy is not None:  # generate_vanilla's policy loop, a step per scheduler turn
             return PolicySession(vanilla_policy_logits(model, prompt, gen, cache_policy))
@@ -188,13 +214,22 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         if policy.skips_compute:
             model, query = self.worker.model, built.query
             return compute_skip_session(
-                static_compute_skip_logits(model, query, static, gen, policy, attention)
+                static_compute_skip_logits(
+                    model, query, static, gen, policy, attention, cuda_graph=self.worker.cuda_graph
+                )
             )
         cache_policy = make_policy(policy)
         assert cache_policy is not None, "only a caching policy takes this path"
         return PolicySession(
             static_policy_logits(self.worker.model, built.query, static, gen, cache_policy, attention)
         )
+
+    def _sdar_session(self, request: wpb.DecodeRequest, gen: GenerationConfig) -> BlockDiffusionSession:
+        """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]``, the in-process
+        engine's steps 6-7 (``sdar_decode.session``), its block-causal prefix built from the token ids."""
+        req = _request(request)
+        layout = decode_layout(req, list(range(len(req.chunks))), gen.gen_length)
+        return sdar_decode.session(self.worker.model, req, layout, gen)
 
     def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
         """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""
@@ -230,10 +265,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
         from the job's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages).
         ``cache_policy``: a batched decode policy the session then runs under."""
-        chunks = [list(h.token_ids) for h in request.chunks]
-        req = Request(
-            instruction=list(request.instruction_ids), chunks=chunks, query=list(request.question_ids)
-        )
+        req = _request(request)
+        chunks = req.chunks
         layout = decode_layout(req, list(range(len(chunks))), gen.gen_length)
         pulled = use_pulled(job.received, layout, job.kv_tokens)
         if pulled.static is not None:

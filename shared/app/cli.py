@@ -66,7 +66,6 @@ def _read_context(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdllm.shared.model.loader import load_model
-    from pdllm.shared.model.sdar import check_runnable
     from pdllm.shared.prompt import encode_prompt
 
     label = settings.flag_label()
@@ -77,10 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    # vanilla decodes SDAR block by block (generation/block_diffusion.py), pdllm over the selected chunks
-    # in process (app/sdar_decode.py); any other method still runs Dream/LLaDA's decode loop.
-    if args.method not in ("vanilla", "pdllm"):
-        check_runnable(loaded.config.family, f"generate --method {args.method}")
+    # SDAR: vanilla decodes block by block (generation/block_diffusion.py), pdllm by block diffusion over
+    # the selected chunks (generation/sdar_decode.py).
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer files; `generate` needs text in and out")

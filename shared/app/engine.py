@@ -14,7 +14,8 @@ and only when ``kv_mode="chunk-only"`` reuses it (the other modes rebuild the ch
 are cached in the chunk store under different position schemes.
 
 SDAR (block-diffusion) models: selection is unchanged, the decode phase is exact block diffusion over the
-selected prompt instead (``sdar_decode.py`` explains it and what it refuses).
+selected prompt instead (``shared/generation/sdar_decode.py`` explains it and what it refuses), the decode
+worker's very code for an SDAR request.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from pdllm.decode_service.policy_sessions import static_compute_skip_logits, sta
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
-from pdllm.shared.app import sdar_decode
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.policies.compute_skip import run_compute_skip
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
@@ -133,8 +134,9 @@ class PrefillingEngine:
             if decode_policy is not None and decode_policy.skips_compute:  # DyLLM, FOCUS: the worker's loop
                 attention = self.decode_worker.decode_attention
                 query = sel.request.query
+                graphs = self.decode_worker.cuda_graph
                 fn = static_compute_skip_logits(
-                    self.model, query, static, gen, decode_policy, attention, policy
+                    self.model, query, static, gen, decode_policy, attention, policy, graphs
                 )
                 result = run_compute_skip(fn, progress)
             elif cache_policy is None:

@@ -13,6 +13,10 @@ length is sized per sample (passage + EOS rounded up to whole blocks of ``--bloc
 ``--gen-length`` applies to the short-answer tasks only. ``--agreement`` decodes every sample a second time
 with policy ``none`` and adds ``agreement``: the share of answer tokens the policy's decoding shares with
 the no-cache one (by definition 1 under ``none``, where nothing is decoded twice).
+
+SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
+selected chunks (``shared/generation/sdar_decode.py``); ``--block-length`` must be a multiple of the model's
+block size, and pdllm's chunk-only, top-B and decode policies are refused before the first sample.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ from pdllm.shared.eval.long_answer import (
 )
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
+from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import LoadedModel, load_model
-from pdllm.shared.model.sdar import check_runnable
 from pdllm.shared.prompt import encode_prompt
 
 EVAL_TASKS = (*TASKS, LONG_ANSWER)
@@ -225,6 +229,18 @@ def run_grid(
     return rows
 
 
+def _check_sdar(
+    loaded: LoadedModel, methods: list[str], settings: EvalSettings, train_length: int, gen: GenerationConfig
+) -> None:
+    """SDAR: vanilla is block diffusion over the whole prompt, pdllm over the selected chunks (both exact;
+    ``shared/generation/sdar_decode.py``). Refuse what they do not run: a block length off the model's
+    blocks; for pdllm chunk-only, top-B and decode policies (vanilla's policies: ``generate_vanilla``)."""
+    sdar_decode.check_generation(gen, loaded.model)
+    if "pdllm" in methods:
+        sdar_decode.check_config(settings.engine_config(loaded, train_length, 16), None, loaded.model)
+        sdar_decode.check_decode_options(settings.decode_policy, None)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -297,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     given = schema.from_args(args, schema.DecodePolicySettings)
     policy = schema.decode_policy_config(given, label=schema.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    check_runnable(loaded.config.family, "eval")
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")
     train_length = args.train_length or loaded.serving.train_length or loaded.config.max_position_embeddings
@@ -318,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         block_length=args.block_length,
         decode_policy=policy,
     )
+    if sdar_decode.is_block_diffusion(loaded.model):  # refused before the first sample, not after it
+        _check_sdar(loaded, methods, settings, train_length, GenerationConfig(**gen))
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     e = settings.engine_config(loaded, train_length, 16)

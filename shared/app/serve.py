@@ -4,6 +4,10 @@
 decode worker on private loopback ports, and the router on ``--port`` routing to them. The KV tier is
 an in-process CPU store, with Redis behind it when ``--kv-url redis://...`` is given. Every flag also
 reads ``PDLLM_<FLAG>`` from the environment (what the Kubernetes manifests set).
+
+SDAR (block-diffusion) checkpoints serve too: the decode worker decodes each of their requests by exact
+block diffusion (``decode_service/server.py``); ``--cuda-graph``, a ``--decode-policy`` other than none and
+the engine defaults it cannot run (chunk-only, top-B) are refused at startup, with one line naming the flag.
 """
 
 from __future__ import annotations
@@ -71,9 +75,13 @@ def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
 def _engine(args: argparse.Namespace) -> Any:
     from pdllm.shared.app.engine import PrefillingEngine
     from pdllm.shared.config import EngineConfig
-    from pdllm.shared.model.loader import load_model
-    from pdllm.shared.model.sdar import check_runnable
+    from pdllm.shared.model.loader import load_model, read_config, resolve_model_dir
 
+    if args.cuda_graph and read_config(resolve_model_dir(args.model)).family == "sdar":  # config.json only
+        raise ValueError(
+            "--cuda-graph is not supported on SDAR (block-diffusion) checkpoints: the decode worker steps "
+            "each SDAR request's block diffusion alone and eagerly (leave --cuda-graph unset)"
+        )
     if args.cuda_graph and not str(args.device).startswith("cuda"):  # before a long model load
         raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
     # Worker-level engine defaults (the checkpoint's pdllm.json, then flags); a request's MethodParams
@@ -81,7 +89,12 @@ def _engine(args: argparse.Namespace) -> Any:
     given = settings.from_args(args, settings.EngineOnlySettings)
     settings.validate(settings.EngineOnlySettings, given, label=settings.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    check_runnable(loaded.config.family, "serve")
+    policy = _policy_defaults(args).get("decode_policy") or "none"
+    if loaded.config.block_size is not None and policy != "none":  # SDAR: the worker refuses any policy
+        raise ValueError(
+            f"--decode-policy {policy} is not supported on SDAR (block-diffusion) checkpoints: the decode "
+            "worker decodes them by plain block diffusion (leave --decode-policy none)"
+        )
     config = EngineConfig.from_settings(loaded.serving.engine, **given)
     store = _kv_store(args, loaded.config, args.dtype)
     engine = PrefillingEngine(
@@ -112,7 +125,10 @@ def start_prefill(
     sender = None
     specs = []
     if decode_worker is not None:
-        worker.decode_kv_build = decode_worker.build_selected  # the decode worker's own build: same KV
+        # The decode worker's own build: same KV. None on SDAR: that KV is not block-causal, and an SDAR
+        # decode worker rebuilds its block-causal prefix itself (shared/generation/sdar_decode.py).
+        sdar = decode_worker.model.config.block_size is not None
+        worker.decode_kv_build = None if sdar else decode_worker.build_selected
         sender = make_sender(args, worker.device, registry)
         specs.append(
             service_spec(sender, workers_pb2_grpc.add_KvTransferServicer_to_server, "pdllm.v1.KvTransfer")
@@ -158,14 +174,16 @@ def _pool_bytes(flag: int, device: Any) -> int:
 
 def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
     """How the decode worker runs a batched round: the split-S kernel on CUDA (as CUDA graphs with
-    ``--cuda-graph``, the default there), its torch reference elsewhere."""
+    ``--cuda-graph``, the default there except for SDAR, whose requests never join a round), its torch
+    reference elsewhere."""
     from pdllm.decode_service.round_graphs import GraphedRoundForward
     from pdllm.decode_service.rounds import EagerRoundForward
     from pdllm.kernels import HAS_TRITON
 
     cuda = pool.kv.device.type == "cuda"
     kernel = "triton" if cuda and HAS_TRITON else "torch"
-    if args.cuda_graph or (args.cuda_graph is None and cuda and kernel == "triton"):
+    sdar = model.config.block_size is not None  # every SDAR request is stepped alone: nothing to capture
+    if args.cuda_graph or (args.cuda_graph is None and cuda and kernel == "triton" and not sdar):
         return GraphedRoundForward(model, pool, kernel, capture=True)
     return EagerRoundForward(model, pool, kernel)
 

@@ -16,11 +16,15 @@ never change, and decoding keeps them as an exact cache, like an autoregressive 
 
 Memory: the cache is preallocated for prompt + answer per layer (no re-concatenation per block).
 
+:class:`BlockDiffusionSession` is one request's steps 1-3, advanced one denoising step at a time (the decode
+worker steps an SDAR request's session alone, beside its batched rounds); :func:`generate_block_diffusion`
+drives one to the end.
+
 ``step`` (optional, :data:`BlockStep`) replaces step 2's forward + sampler update with the caller's own
 (a decode policy's: FOCUS forwards only some rows of the block); prefill, recording and stopping stay here.
 
 ``prefix`` (optional): a cache that already holds the K/V of the prompt's first whole model blocks, e.g. the
-pdllm engine's block-causal static KV of ``[instruction, selected chunks]`` (``shared/app/sdar_decode.py``).
+pdllm engine's block-causal static KV of ``[instruction, selected chunks]`` (``sdar_decode.py``).
 Step 1 then records only the rest of the prompt's whole generation blocks; nothing else changes, so the
 result equals a run without it whenever the prefix holds exactly what step 1 would have recorded.
 """
@@ -134,6 +138,99 @@ def record_span(model: DiffusionLM, cache: BlockKVCache, seq: torch.Tensor, lo: 
     cache.append(record)
 
 
+class BlockDiffusionSession:
+    """One request's block diffusion, advanced one denoising step at a time (:meth:`step`).
+
+    Construction is the prompt's prefill (step 1); each :meth:`step` is one denoising step of the current
+    block (step 2), and the forward that records the block's K/V once it finished (step 3).
+    :func:`generate_block_diffusion` drives one to the end; the decode worker steps an SDAR request's session
+    alone, once per scheduler iteration (``decode_service/server.py``), so both run this very code. Same
+    arguments as :func:`generate_block_diffusion`; ``state``, :meth:`partial`, ``done`` and :meth:`result`
+    as a :class:`~.sampler.DenoiseSession`'s.
+    """
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        prompt: torch.Tensor,
+        config: GenerationConfig,
+        prefill_piece: int = PREFILL_PIECE_TOKENS,
+        step: BlockStep | None = None,
+        prefix: BlockKVCache | None = None,
+    ) -> None:
+        with torch.inference_mode():
+            self._start(model, prompt, config, prefill_piece, step, prefix)
+
+    def _start(
+        self,
+        model: DiffusionLM,
+        prompt: torch.Tensor,
+        config: GenerationConfig,
+        prefill_piece: int,
+        step: BlockStep | None,
+        prefix: BlockKVCache | None,
+    ) -> None:
+        model_block = model.config.block_size
+        if model_block is None:
+            raise ValueError(f"{model.config.family} is not a block-diffusion model (no block_size)")
+        config.validate()
+        block = generation_block(config, model_block)
+        self.model, self.device, self.block_step = model, prompt.device, step
+        self.prompt_length = p = prompt.numel()
+        self.spans = answer_spans(p, config.gen_length, block)
+        self.state = DenoiseState(
+            config, model.config.mask_token_id, model.config.eos_token_id, self.device, self.spans
+        )
+        self.seq = torch.cat([prompt, self.state.tokens])
+        cached_prompt = p // block * block  # the last partial block is decoded with the answer
+        self.cache = BlockKVCache(self.seq.numel(), model_block) if prefix is None else prefix
+        _check_prefix(self.cache, self.seq.numel(), model_block, cached_prompt)
+        start = time.perf_counter()
+        prefill_blocks(model, self.cache, self.seq, cached_prompt, max(block, prefill_piece // block * block))
+        _sync(self.device)
+        self.prefill_seconds = time.perf_counter() - start
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One denoising step of the current block; records the block once it is finished."""
+        start = time.perf_counter()
+        state, cache, seq, p = self.state, self.cache, self.seq, self.prompt_length
+        b = state.block
+        lo, hi = cache.length, p + self.spans[b][1]
+        seq[p:hi] = state.tokens[: hi - p]
+        positions = torch.arange(lo, hi, device=self.device)
+        rows = state.positions() + (p - lo)  # the block's masked slots, as indices into the window
+        if self.block_step is not None:
+            self.block_step(state, seq[lo:hi], positions, rows, cache)
+        else:
+            window, attention = seq[lo:hi][None], cache.attention(positions)
+            logits = self.model(window, positions[None], attention=attention, logits_at=rows[None])[0]
+            state.update(logits)
+        if state.block != b and not state.done:  # finished, and a later block will attend to it
+            seq[p:hi] = state.tokens[: hi - p]
+            record_span(self.model, cache, seq, lo, hi)
+        self.seconds += time.perf_counter() - start
+
+    def partial(self) -> list[int]:
+        """Response slots so far, -1 where still masked."""
+        return [-1 if t == self.state.mask_id else t for t in self.state.tokens.tolist()]
+
+    def result(self) -> GenerationResult:
+        _sync(self.device)
+        return GenerationResult(
+            token_ids=self.state.result(),
+            raw_tokens=self.state.tokens.tolist(),
+            steps=self.state.steps_taken,
+            decode_seconds=self.seconds,
+            timings={"prefill": self.prefill_seconds},
+        )
+
+
 @torch.inference_mode()
 def generate_block_diffusion(
     model: DiffusionLM,
@@ -145,55 +242,21 @@ def generate_block_diffusion(
     prefix: BlockKVCache | None = None,
 ) -> GenerationResult:
     """Generate ``config.gen_length`` tokens after ``prompt`` (1-D, on the model's device) block by block
-    over the exact cache of earlier blocks. ``timings['prefill']``: seconds to cache the prompt.
-    ``step``: a decode policy's denoising step instead of the plain one (None: a forward over the window).
-    ``prefix``: the K/V of ``prompt[:prefix.length]`` already recorded (see the module docstring); it is
-    filled further in place, so its capacity must hold ``prompt`` + answer."""
-    model_block = model.config.block_size
-    if model_block is None:
-        raise ValueError(f"{model.config.family} is not a block-diffusion model (no block_size)")
-    config.validate()
-    block = generation_block(config, model_block)
-    p, device = prompt.numel(), prompt.device
-    spans = answer_spans(p, config.gen_length, block)
-    state = DenoiseState(config, model.config.mask_token_id, model.config.eos_token_id, device, spans)
-    seq = torch.cat([prompt, state.tokens])
-    cached_prompt = p // block * block  # the last partial block is decoded with the answer
-    cache = BlockKVCache(seq.numel(), model_block) if prefix is None else prefix
-    _check_prefix(cache, seq.numel(), model_block, cached_prompt)
-
-    start = time.perf_counter()
-    prefill_blocks(model, cache, seq, cached_prompt, max(block, prefill_piece // block * block))
-    _sync(device)
-    prefill_s = time.perf_counter() - start
-
+    over the exact cache of earlier blocks (a :class:`BlockDiffusionSession` to the end).
+    ``timings['prefill']``: seconds to cache the prompt. ``step``: a decode policy's denoising step instead
+    of the plain one (None: a forward over the window). ``prefix``: the K/V of ``prompt[:prefix.length]``
+    already recorded (see the module docstring); it is filled further in place, so its capacity must hold
+    ``prompt`` + answer."""
+    session = BlockDiffusionSession(model, prompt, config, prefill_piece, step, prefix)
     start = time.perf_counter()
     total = config.gen_length if config.threshold is not None else min(config.steps, config.gen_length)
     with tqdm(total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False) as bar:
-        while not state.done:
-            b = state.block
-            lo, hi = cache.length, p + spans[b][1]
-            seq[p:hi] = state.tokens[: hi - p]
-            positions = torch.arange(lo, hi, device=device)
-            rows = state.positions() + (p - lo)  # the block's masked slots, as indices into the window
-            if step is not None:
-                step(state, seq[lo:hi], positions, rows, cache)
-            else:
-                window, attention = seq[lo:hi][None], cache.attention(positions)
-                logits = model(window, positions[None], attention=attention, logits_at=rows[None])[0]
-                state.update(logits)
+        while not session.done:
+            session.step()
             bar.update(1)
-            if state.block != b and not state.done:  # finished, and a later block will attend to it
-                seq[p:hi] = state.tokens[: hi - p]
-                record_span(model, cache, seq, lo, hi)
-    _sync(device)
-    return GenerationResult(
-        token_ids=state.result(),
-        raw_tokens=state.tokens.tolist(),
-        steps=state.steps_taken,
-        decode_seconds=time.perf_counter() - start,
-        timings={"prefill": prefill_s},
-    )
+    result = session.result()
+    result.decode_seconds = time.perf_counter() - start  # wall time, the final device sync included
+    return result
 
 
 def _check_prefix(cache: BlockKVCache, total: int, model_block: int, cached_prompt: int) -> None:

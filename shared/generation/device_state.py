@@ -66,6 +66,10 @@ class DeviceDenoiseState:
         return self._stopped or self.block >= self.config.num_blocks
 
     @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
     def by_threshold(self) -> bool:
         return self.config.threshold is not None
 

@@ -122,6 +122,11 @@ class DenoiseState:
     def done(self) -> bool:
         return self._stopped or self.block >= len(self.spans)
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the response (block diffusion's aligned spans may be one more than the config's)."""
+        return len(self.spans)
+
     def positions(self) -> torch.Tensor:
         """Masked positions of the current block: the rows the next logits must cover, in order."""
         lo, hi = self.spans[self.block]

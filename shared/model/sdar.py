@@ -78,16 +78,3 @@ class BlockCausalAttention:
             pk, pv = self.prefix[layer]
             k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
         return sdpa(q, k, v, mask=self.mask)
-
-
-def check_runnable(family: str, command: str) -> None:
-    """SDAR decodes in the plain path (``generate --method vanilla``: block by block over the exact cache of
-    finished blocks) and in the in-process pdllm engine (``generate --method pdllm``, ``app/sdar_decode.py``),
-    but eval and serving run the decode worker's full-attention loops; running them on an SDAR model would
-    silently decode with the wrong attention. Fail clearly."""
-    if family == "sdar":
-        raise ValueError(
-            f"SDAR (block-diffusion) checkpoints decode with `pdllm generate --method vanilla|pdllm`, but "
-            f"`{command}` cannot decode them yet: its decode loop attends bidirectionally over the whole "
-            "sequence (the decode worker's block-causal decode is a later slice of issue 18)"
-        )

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.app import sdar_decode
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.block_diffusion import BlockKVCache, generate_block_diffusion, prefill_blocks
 from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig

@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from pdllm.shared.model.attention import DenseAttention, PrefixAttention, RecordKV
 from pdllm.shared.model.config import SDAR_DEFAULT_BLOCK_SIZE, SDAR_MASK_ID
 from pdllm.shared.model.loader import CheckpointError, load_model, save_checkpoint
-from pdllm.shared.model.sdar import BlockCausalAttention, additive_mask, block_causal_mask, check_runnable
+from pdllm.shared.model.sdar import BlockCausalAttention, additive_mask, block_causal_mask
 from pdllm.shared.model.transformer import DiffusionLM
 
 from .helpers import tiny_model
@@ -186,6 +186,3 @@ def test_sdar_config_defaults_and_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="sliding-window"):
         load_model(tmp_path, load_tokenizer=False)
-    with pytest.raises(ValueError, match="`eval` cannot decode them yet"):
-        check_runnable("sdar", "eval")
-    check_runnable("dream", "generate")

@@ -1,0 +1,170 @@
+"""The decode worker on SDAR (block diffusion): a pdllm request's job equals the in-process engine's decode
+of the same selection token for token (its block-causal prefix rebuilt from the chunks' token ids, the
+session stepped alone, one denoising step per scheduler iteration); a vanilla one equals block diffusion over
+the whole prompt; what it does not run is INVALID_ARGUMENT naming the option, before any work."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from pdllm.decode_service.rounds import EagerRoundForward
+from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.decode_service.server import DecodeServicer
+from pdllm.decode_service.worker import DecodeWorker
+from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.block_diffusion import generate_block_diffusion
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.rpc.errors import PdllmError
+from tests.decode.helpers import pool_for
+from tests.engine.helpers import model, tokens
+
+BOS = 1
+# (seed, chunk size, K, instruction len, query len, generation); model block size 4.
+CASES = [
+    (0, 8, 2, 2, 4, GenerationConfig(gen_length=16, steps=16, block_length=4)),  # static 20, prompt 24
+    (1, 8, 3, 3, 5, GenerationConfig(gen_length=16, steps=8, block_length=8)),  # static 30, prompt 35
+    (2, 12, 1, 0, 3, GenerationConfig(gen_length=12, steps=12, block_length=12, temperature=0.9, seed=5)),
+    (3, 8, 2, 1, 6, GenerationConfig(gen_length=8, steps=8, threshold=0.2)),  # one block of 8
+]
+
+
+class _Context:
+    """What ``termination_event`` needs of a gRPC context: the call never ends early."""
+
+    def add_callback(self, callback) -> bool:  # type: ignore[no-untyped-def]
+        return True
+
+
+def _generation(gen: GenerationConfig) -> wpb.DecodeRequest:
+    request = wpb.DecodeRequest(request_id="r", stream_partials=True)
+    request.generation.gen_length = gen.gen_length
+    request.generation.steps = gen.steps
+    if gen.block_length is not None:
+        request.generation.block_length = gen.block_length
+    if gen.threshold is not None:
+        request.generation.threshold = gen.threshold
+    request.generation.temperature = gen.temperature
+    request.generation.seed = gen.seed
+    return request
+
+
+def _pdllm_request(instruction, chunks, query, gen: GenerationConfig, **method) -> wpb.DecodeRequest:  # type: ignore[no-untyped-def]
+    request = _generation(gen)
+    request.instruction_ids.extend(instruction)
+    request.question_ids.extend(query)
+    for i, chunk in enumerate(chunks):
+        request.chunks.add(key=f"k{i}", chunk_id=i, token_ids=chunk)
+    request.method.method = "pdllm"
+    for name, value in method.items():
+        setattr(request.method, name, value)
+    return request
+
+
+@pytest.fixture(scope="module")
+def served():
+    m = model("sdar")
+    pool = pool_for(m)
+    scheduler = DecodeScheduler(m, pool, EagerRoundForward(m, pool, "torch"))
+    yield m, DecodeServicer(DecodeWorker(m), scheduler)
+    scheduler.close()
+
+
+def _decode(servicer: DecodeServicer, request: wpb.DecodeRequest) -> tuple[wpb.DecodeResult, list]:
+    partials, final = [], None
+    for response in servicer.Decode(request, _Context()):  # type: ignore[arg-type]
+        if response.HasField("partial"):
+            partials.append(response.partial)
+        else:
+            final = response.final
+    assert final is not None
+    return final, partials
+
+
+@pytest.mark.parametrize(("seed", "chunk", "k", "instr", "query", "gen"), CASES)
+def test_pdllm_job_equals_the_engine(
+    served, seed: int, chunk: int, k: int, instr: int, query: int, gen
+) -> None:
+    m, servicer = served
+    engine = PrefillingEngine(m, config=EngineConfig(chunk_size=chunk, top_k=k), reuse_chunks=False)
+    context, question, instruction = tokens(40, seed), tokens(query, seed + 100), tokens(instr, seed + 200)
+    sel = engine.prefill(context, question, gen, instruction)
+    chunks = [sel.request.chunks[i] for i in sel.selected]  # what the router sends: the selected chunks
+    assert all(c[0] == BOS for c in chunks) and len(chunks) == k
+    final, partials = _decode(servicer, _pdllm_request(instruction, chunks, question, gen, top_k=k))
+    expected = engine.decode(sel, gen)
+    assert list(final.token_ids) == expected.token_ids and final.steps == expected.steps
+    assert final.kv_source == "built" and final.decode_policy.policy == "none"
+    # One partial per denoising step (each a scheduler iteration), the last one the answer itself.
+    assert len(partials) == expected.steps
+    assert list(partials[-1].token_ids) == expected.raw_tokens
+
+
+def test_vanilla_job_is_block_diffusion_over_the_prompt(served) -> None:
+    m, servicer = served
+    gen = GenerationConfig(gen_length=16, steps=16, block_length=8)
+    context, question, instruction = tokens(19, 5), tokens(4, 6), tokens(2, 7)
+    request = _generation(gen)
+    request.method.method = "vanilla"
+    request.instruction_ids.extend(instruction)
+    request.context_ids.extend(context)
+    request.question_ids.extend(question)
+    final, _ = _decode(servicer, request)
+    prompt = torch.tensor([BOS, *instruction, *context, *question])
+    assert list(final.token_ids) == generate_block_diffusion(m, prompt, gen).token_ids
+
+
+def test_concurrent_jobs_each_answer_exactly(served) -> None:
+    """SDAR sessions are stepped alone, interleaved in the same scheduler iterations."""
+    m, servicer = served
+    engine = PrefillingEngine(m, config=EngineConfig(chunk_size=8, top_k=2), reuse_chunks=False)
+    gen = GenerationConfig(gen_length=8, steps=8, block_length=4)
+    requests, expected = [], []
+    for seed in range(3):
+        context, question = tokens(40, seed + 10), tokens(3 + seed, seed + 20)
+        sel = engine.prefill(context, question, gen)
+        chunks = [sel.request.chunks[i] for i in sel.selected]
+        requests.append(_pdllm_request([], chunks, question, gen))
+        expected.append(engine.decode(sel, gen).token_ids)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        finals = list(pool.map(lambda r: _decode(servicer, r)[0], requests))
+    assert [list(f.token_ids) for f in finals] == expected
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"kv_mode": "chunk-only"}, "kv_mode='chunk-only' is not supported"),
+        ({"top_b": 3}, "top_b=3 is not supported"),
+        (
+            {"policy": "dual-cache"},
+            "decode_policy 'dual-cache' is not supported by the decode worker on SDAR",
+        ),
+        ({"policy": "focus"}, "decode_policy 'focus' is not supported by the decode worker on SDAR"),
+        ({"vanilla": True, "policy": "focus"}, "decode_policy 'focus' is not supported"),
+        ({"block_length": 6}, "block_length is 6, but this SDAR (block-diffusion) model has block size 4"),
+    ],
+)
+def test_unsupported_options_are_invalid_argument_before_any_work(edit: dict, message: str) -> None:
+    gen = GenerationConfig(gen_length=12, steps=12, block_length=edit.get("block_length", 4))
+    request = _pdllm_request([7], [[BOS, 8, 9, 10]], [5, 6], gen)
+    if "kv_mode" in edit:
+        request.method.kv_mode = edit["kv_mode"]
+    if "top_b" in edit:
+        request.method.top_b = edit["top_b"]
+    if "policy" in edit:
+        request.decode_policy.decode_policy = edit["policy"]
+    if edit.get("vanilla"):
+        del request.chunks[:]
+        request.context_ids.extend([8, 9, 10])
+        request.method.method = "vanilla"
+    # No scheduler: a request that got past the checks would fail on it with an AttributeError.
+    servicer = DecodeServicer(DecodeWorker(model("sdar")), scheduler=None)  # type: ignore[arg-type]
+    with pytest.raises(PdllmError) as err:
+        next(servicer.Decode(request, context=None))  # type: ignore[arg-type]
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
