@@ -114,11 +114,12 @@ class DyLLMFastLogits(DyLLMBase):
         return output
 
     def _capture(self, first: int, capacity: int) -> tuple[torch.cuda.CUDAGraph, StepOutput]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (library handles, lazy kernels)
-            self._attempt(first, capacity)
-        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:  # the session's first capture: warm up outside it (library handles, workspaces)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._attempt(first, capacity)
+            torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = self._attempt(first, capacity)
