@@ -7,8 +7,9 @@ in ``layout.make_request``. Decode ids come from the router's tokenizer, so a ba
 or a client calling the worker directly: without this check it fails in the embedding lookup on the
 scheduler thread, and the caller gets INTERNAL instead of INVALID_ARGUMENT naming the field.
 
-On an SDAR (block-diffusion) model a request runs exact block diffusion (``shared/generation/sdar_decode.py``);
-:func:`check_block_diffusion` refuses, with INVALID_ARGUMENT naming the option, what that decode does not run.
+On an SDAR (block-diffusion) model a request runs exact block diffusion (``shared/generation/sdar_decode.py``),
+plain or under FOCUS; :func:`check_block_diffusion` refuses, with INVALID_ARGUMENT naming the option, what that
+decode does not run.
 """
 
 from __future__ import annotations
@@ -59,15 +60,15 @@ def check_block_diffusion(
 ) -> None:
     """INVALID_ARGUMENT for what an SDAR request cannot run: ``kv_mode`` chunk-only and ``top_b`` (method
     pdllm), a ``block_length`` that is not a multiple of the model's block size, a ``decode_policy`` other
-    than none (either method: the worker steps plain block diffusion only)."""
+    than none and focus (either method: ``sdar_decode.POLICIES``)."""
     try:
         if method != "vanilla":
             sdar_decode.check_config(config, None, model)
         sdar_decode.check_generation(gen, model)
     except ValueError as exc:
         raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
-    if policy.name != "none":
+    if policy.name not in sdar_decode.POLICIES:
         raise PdllmError(
-            f"decode_policy {policy.name!r} is not supported by {_SDAR} (use decode_policy none)",
+            f"decode_policy {policy.name!r} is not supported by {_SDAR} (use decode_policy focus or none)",
             code=grpc.StatusCode.INVALID_ARGUMENT,
         )

@@ -18,10 +18,11 @@ On an SDAR (block-diffusion) model every request is exact block diffusion, stepp
 (:class:`~pdllm.shared.generation.block_diffusion.BlockDiffusionSession`, one denoising step per scheduler
 iteration): vanilla over its whole prompt, as ``generate_vanilla``; pdllm over ``[instruction, chunks,
 query]``, the in-process engine's very code (``shared/generation/sdar_decode.py``), its block-causal prefix
-rebuilt here from the chunks' token ids. It holds no pool pages and pulls no handoff: the prefill worker's
-chunk KV and a handed-off decode KV are not block-causal. What it does not run (chunk-only, top-B, decode
-policies, a block length off the model's blocks) is INVALID_ARGUMENT naming the option
-(``request_checks.check_block_diffusion``).
+rebuilt here from the chunks' token ids. Under decode policy ``focus`` either is FOCUS's session over the same
+cache (``FocusBlockSession``), its counters in the trace's ``decode_policy`` like a Dream/LLaDA FOCUS
+request's. It holds no pool pages and pulls no handoff: the prefill worker's chunk KV and a handed-off decode
+KV are not block-causal. What it does not run (chunk-only, top-B, decode policies other than focus, a block
+length off the model's blocks) is INVALID_ARGUMENT naming the option (``request_checks.check_block_diffusion``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 if batched is not None:
                     cache_tokens = cache_slots(len(request.question_ids), gen)
                 if sdar:  # stepped alone over a cache of its own: no pool pages, so no handoff pulled
-                    start = lambda: self._sdar_session(request, gen)  # noqa: E731
+                    start = lambda: self._sdar_session(request, gen, policy)  # noqa: E731
                     start_steps, kv_tokens = None, 0
             job = DecodeJob(
                 request.request_id,
@@ -182,8 +183,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
-        if sdar_decode.is_block_diffusion(model):  # generate_vanilla's block diffusion (no policy: checked)
-            return BlockDiffusionSession(model, prompt, gen)
+        if sdar_decode.is_block_diffusion(model):  # generate_vanilla's block diffusion (none / focus)
+            return sdar_decode.block_session(model, prompt, gen, policy)
         if policy.skips_compute:  # DyLLM / FOCUS: generate_vanilla's loop, a step per scheduler turn
             graphs = self.worker.cuda_graph  # DyLLM replays its sparse steps as the worker replays rounds
             return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy, graphs))
@@ -224,12 +225,15 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             static_policy_logits(self.worker.model, built.query, static, gen, cache_policy, attention)
         )
 
-    def _sdar_session(self, request: wpb.DecodeRequest, gen: GenerationConfig) -> BlockDiffusionSession:
-        """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]``, the in-process
-        engine's steps 6-7 (``sdar_decode.session``), its block-causal prefix built from the token ids."""
+    def _sdar_session(
+        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig
+    ) -> BlockDiffusionSession:
+        """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]`` (plain or under
+        FOCUS), the in-process engine's steps 6-7 (``sdar_decode.session``), its block-causal prefix built
+        from the token ids."""
         req = _request(request)
         layout = decode_layout(req, list(range(len(req.chunks))), gen.gen_length)
-        return sdar_decode.session(self.worker.model, req, layout, gen)
+        return sdar_decode.session(self.worker.model, req, layout, gen, policy)
 
     def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
         """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""

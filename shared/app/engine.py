@@ -14,8 +14,8 @@ and only when ``kv_mode="chunk-only"`` reuses it (the other modes rebuild the ch
 are cached in the chunk store under different position schemes.
 
 SDAR (block-diffusion) models: selection is unchanged, the decode phase is exact block diffusion over the
-selected prompt instead (``shared/generation/sdar_decode.py`` explains it and what it refuses), the decode
-worker's very code for an SDAR request.
+selected prompt instead, plain or under FOCUS (``shared/generation/sdar_decode.py`` explains it and what it
+refuses), the decode worker's very code for an SDAR request.
 """
 
 from __future__ import annotations
@@ -158,8 +158,9 @@ class PrefillingEngine:
         progress: bool,
         decode_policy: DecodePolicyConfig | None,
     ) -> GenerationResult:
-        """Steps 6-7 on SDAR: the block-causal prefix cache, then block diffusion over it; same trace
-        fields as :meth:`decode` (every token of a selected chunk is kept: no top-B)."""
+        """Steps 6-7 on SDAR: the block-causal prefix cache, then block diffusion over it (under FOCUS when
+        ``decode_policy`` is focus, its counters in the result's ``cache``); same trace fields as
+        :meth:`decode` (every token of a selected chunk is kept: no top-B)."""
         sdar_decode.check_config(sel.config, gen, self.model)
         sdar_decode.check_decode_options(decode_policy, policy)
         trace, device = sel.trace, self.device
@@ -169,7 +170,7 @@ class PrefillingEngine:
         trace.kept_tokens = list(layout.chunk_lens)
         sel.bank = None
         with trace.phase("decode", device):
-            result = sdar_decode.decode(self.model, sel.request, layout, prefix, gen, progress)
+            result = sdar_decode.decode(self.model, sel.request, layout, prefix, gen, progress, decode_policy)
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)

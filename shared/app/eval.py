@@ -15,8 +15,9 @@ with policy ``none`` and adds ``agreement``: the share of answer tokens the poli
 the no-cache one (by definition 1 under ``none``, where nothing is decoded twice).
 
 SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
-selected chunks (``shared/generation/sdar_decode.py``); ``--block-length`` must be a multiple of the model's
-block size, and pdllm's chunk-only, top-B and decode policies are refused before the first sample.
+selected chunks (``shared/generation/sdar_decode.py``), either plain or under ``--decode-policy focus``;
+``--block-length`` must be a multiple of the model's block size, and pdllm's chunk-only, top-B and decode
+policies other than focus are refused before the first sample.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def _check_sdar(
 ) -> None:
     """SDAR: vanilla is block diffusion over the whole prompt, pdllm over the selected chunks (both exact;
     ``shared/generation/sdar_decode.py``). Refuse what they do not run: a block length off the model's
-    blocks; for pdllm chunk-only, top-B and decode policies (vanilla's policies: ``generate_vanilla``)."""
+    blocks; for pdllm chunk-only, top-B and decode policies other than none and focus (vanilla's policies:
+    ``generate_vanilla``)."""
     sdar_decode.check_generation(gen, loaded.model)
     if "pdllm" in methods:
         sdar_decode.check_config(settings.engine_config(loaded, train_length, 16), None, loaded.model)

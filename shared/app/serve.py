@@ -6,8 +6,9 @@ an in-process CPU store, with Redis behind it when ``--kv-url redis://...`` is g
 reads ``PDLLM_<FLAG>`` from the environment (what the Kubernetes manifests set).
 
 SDAR (block-diffusion) checkpoints serve too: the decode worker decodes each of their requests by exact
-block diffusion (``decode_service/server.py``); ``--cuda-graph``, a ``--decode-policy`` other than none and
-the engine defaults it cannot run (chunk-only, top-B) are refused at startup, with one line naming the flag.
+block diffusion (``decode_service/server.py``), plain or under FOCUS; ``--cuda-graph``, a ``--decode-policy``
+other than none and focus and the engine defaults it cannot run (chunk-only, top-B) are refused at startup,
+with one line naming the flag.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
 def _engine(args: argparse.Namespace) -> Any:
     from pdllm.shared.app.engine import PrefillingEngine
     from pdllm.shared.config import EngineConfig
+    from pdllm.shared.generation import sdar_decode
     from pdllm.shared.model.loader import load_model, read_config, resolve_model_dir
 
     if args.cuda_graph and read_config(resolve_model_dir(args.model)).family == "sdar":  # config.json only
@@ -90,10 +92,10 @@ def _engine(args: argparse.Namespace) -> Any:
     settings.validate(settings.EngineOnlySettings, given, label=settings.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     policy = _policy_defaults(args).get("decode_policy") or "none"
-    if loaded.config.block_size is not None and policy != "none":  # SDAR: the worker refuses any policy
+    if loaded.config.block_size is not None and policy not in sdar_decode.POLICIES:  # the worker's refusal
         raise ValueError(
             f"--decode-policy {policy} is not supported on SDAR (block-diffusion) checkpoints: the decode "
-            "worker decodes them by plain block diffusion (leave --decode-policy none)"
+            "worker decodes them by block diffusion, plain or under FOCUS (--decode-policy none or focus)"
         )
     config = EngineConfig.from_settings(loaded.serving.engine, **given)
     store = _kv_store(args, loaded.config, args.dtype)

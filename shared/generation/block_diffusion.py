@@ -18,7 +18,8 @@ Memory: the cache is preallocated for prompt + answer per layer (no re-concatena
 
 :class:`BlockDiffusionSession` is one request's steps 1-3, advanced one denoising step at a time (the decode
 worker steps an SDAR request's session alone, beside its batched rounds); :func:`generate_block_diffusion`
-drives one to the end.
+drives one to the end (:func:`run_to_end`, which also drives a decode policy's session, e.g. FOCUS's
+``policies/focus_reference.FocusBlockSession``).
 
 ``step`` (optional, :data:`BlockStep`) replaces step 2's forward + sampler update with the caller's own
 (a decode policy's: FOCUS forwards only some rows of the block); prefill, recording and stopping stay here.
@@ -248,6 +249,15 @@ def generate_block_diffusion(
     already recorded (see the module docstring); it is filled further in place, so its capacity must hold
     ``prompt`` + answer."""
     session = BlockDiffusionSession(model, prompt, config, prefill_piece, step, prefix)
+    return run_to_end(session, config, progress)
+
+
+@torch.inference_mode()
+def run_to_end(
+    session: BlockDiffusionSession, config: GenerationConfig, progress: bool = False
+) -> GenerationResult:
+    """Step ``session`` (built with ``config``) until it is done: its result, ``decode_seconds`` the wall time
+    of the steps. Every in-process block diffusion ends here (plain, a decode policy's, pdllm's)."""
     start = time.perf_counter()
     total = config.gen_length if config.threshold is not None else min(config.steps, config.gen_length)
     with tqdm(total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False) as bar:

@@ -22,6 +22,11 @@ The decode must be exact block diffusion over the selected prompt ``[instruction
   positions. The result equals plain block diffusion on the selected prompt. The engine runs it to the end
   (:func:`decode`); the decode worker builds the same session (:func:`session`) and steps it alone, one
   denoising step per scheduler iteration.
+* Decode policy ``focus`` (FOCUS): step 7's session is a
+  :class:`~.policies.focus_reference.FocusBlockSession` over the same prefix (:func:`block_session`), so the
+  result equals vanilla FOCUS on the selected prompt (``generate_vanilla`` with the policy), its counters in
+  the result's ``cache``. The prefix itself is no FOCUS business: FOCUS only skips rows of each block's
+  window, and every finished block is still recorded from its final tokens.
 
 The prefix is always rebuilt from token ids, never taken from K/V another phase made: the prefill worker's
 step-3 chunk KV (chunk-local positions, causal or bidirectional inside a chunk) and the decode KV it can
@@ -29,7 +34,9 @@ hand off (one bidirectional forward) are not block-causal, and decoding over the
 
 Not supported (refused with a ValueError naming the option; the decode worker answers INVALID_ARGUMENT):
 ``kv_mode="chunk-only"`` (it reuses the step-3 chunk KV), ``top_b`` (holes in the positions break block
-alignment), decode policies other than ``none``, CUDA graphs (``serve --cuda-graph`` is refused at startup).
+alignment), decode policies other than ``none`` and ``focus`` (:data:`POLICIES`; the caching ones and DyLLM
+assume full bidirectional attention over every local row), a static-KV decode policy, CUDA graphs
+(``serve --cuda-graph`` is refused at startup).
 """
 
 from __future__ import annotations
@@ -39,17 +46,14 @@ import torch
 from ..config import EngineConfig
 from ..layout import DecodeLayout, Request
 from ..model.transformer import DiffusionLM
-from .block_diffusion import (
-    BlockDiffusionSession,
-    BlockKVCache,
-    generate_block_diffusion,
-    generation_block,
-    prefill_blocks,
-)
+from .block_diffusion import BlockDiffusionSession, BlockKVCache, generation_block, prefill_blocks, run_to_end
 from .policies import DecodePolicyConfig
+from .policies.compute_skip import compute_skip_sdar_session
 from .sampler import GenerationConfig, GenerationResult
 
 WHERE = "the pdllm engine on SDAR (block-diffusion) models"
+POLICIES = ("none", "focus")
+"""The decode policies block diffusion runs (either method)."""
 
 
 def is_block_diffusion(model: DiffusionLM) -> bool:
@@ -81,8 +85,10 @@ def check_generation(gen: GenerationConfig, model: DiffusionLM) -> None:
 def check_decode_options(
     decode_policy: DecodePolicyConfig | None, static_policy: object | None, where: str = WHERE
 ) -> None:
-    if decode_policy is not None and decode_policy.name != "none":
-        raise ValueError(f"decode policy {decode_policy.name!r} is not supported by {where}")
+    if decode_policy is not None and decode_policy.name not in POLICIES:
+        raise ValueError(
+            f"decode policy {decode_policy.name!r} is not supported by {where} (use focus or none)"
+        )
     if static_policy is not None:
         raise ValueError(f"a static-KV decode policy is not supported by {where}")
 
@@ -113,6 +119,22 @@ def build_prefix(
     return cache
 
 
+def block_session(
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    gen: GenerationConfig,
+    decode_policy: DecodePolicyConfig | None = None,
+    prefix: BlockKVCache | None = None,
+) -> BlockDiffusionSession:
+    """Block diffusion of ``prompt`` under ``decode_policy`` (None or ``none``: plain; ``focus``: FOCUS's
+    session, its counters in the result's ``cache``), continuing ``prefix`` when given: pdllm's step 7 here,
+    and the decode worker's vanilla SDAR session (no prefix, as ``generate_vanilla``)."""
+    check_decode_options(decode_policy, None, "block diffusion on SDAR models")
+    if decode_policy is not None and decode_policy.skips_compute:
+        return compute_skip_sdar_session(model, prompt, gen, decode_policy, prefix)
+    return BlockDiffusionSession(model, prompt, gen, prefix=prefix)
+
+
 def decode(
     model: DiffusionLM,
     request: Request,
@@ -120,19 +142,26 @@ def decode(
     prefix: BlockKVCache,
     gen: GenerationConfig,
     progress: bool = False,
+    decode_policy: DecodePolicyConfig | None = None,
 ) -> GenerationResult:
-    """Step 7 to the end: block diffusion over the selected prompt, continuing ``prefix`` (filled further
-    in place)."""
-    return generate_block_diffusion(model, _prompt(model, request, layout), gen, progress, prefix=prefix)
+    """Step 7 to the end: block diffusion over the selected prompt under ``decode_policy``, continuing
+    ``prefix`` (filled further in place)."""
+    prompt = _prompt(model, request, layout)
+    return run_to_end(block_session(model, prompt, gen, decode_policy, prefix), gen, progress)
 
 
 def session(
-    model: DiffusionLM, request: Request, layout: DecodeLayout, gen: GenerationConfig
+    model: DiffusionLM,
+    request: Request,
+    layout: DecodeLayout,
+    gen: GenerationConfig,
+    decode_policy: DecodePolicyConfig | None = None,
 ) -> BlockDiffusionSession:
     """Steps 6-7 as a session the decode worker steps alone: :func:`build_prefix`, then the rest of the
     prompt's prefill; each ``step()`` is one denoising step (the same steps as :func:`decode`)."""
+    check_decode_options(decode_policy, None)  # before the prefix's forwards
     prefix = build_prefix(model, request, layout, gen)
-    return BlockDiffusionSession(model, _prompt(model, request, layout), gen, prefix=prefix)
+    return block_session(model, _prompt(model, request, layout), gen, decode_policy, prefix)
 
 
 def _prompt(model: DiffusionLM, request: Request, layout: DecodeLayout) -> torch.Tensor:

@@ -69,7 +69,7 @@ def generate_vanilla(
             raise ValueError(
                 f"decode policy {policy.name!r} does not run on SDAR (block-diffusion) "
                 "models yet: their vanilla decoding already keeps the exact cache of finished blocks; "
-                "use --decode-policy none"
+                "use --decode-policy focus or none"
             )
         return generate_block_diffusion(model, prompt, config, progress)
     if skips and policy is not None:

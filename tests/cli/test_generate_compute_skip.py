@@ -1,6 +1,6 @@
 """`pdllm generate --decode-policy dyllm|focus` (the compute-skipping policies): both methods on a Dream
-checkpoint match the library, FOCUS runs on SDAR block by block, DyLLM on SDAR is one clear error, and bad
-knobs are one clear line (no stack trace)."""
+checkpoint match the library, FOCUS runs on SDAR block by block (both methods), DyLLM on SDAR is one clear
+error, and bad knobs are one clear line (no stack trace)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import pytest
 
 from pdllm.shared.app.cli import main
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
@@ -68,14 +70,27 @@ def test_sdar_vanilla_focus_runs_block_by_block(sdar_dir, capsys) -> None:
     assert out["answer"] == answer and out["decode_policy"] == cache and cache["policy"] == "focus"
 
 
-def test_sdar_refuses_dyllm_and_pdllm(sdar_dir, capsys) -> None:
+def test_sdar_pdllm_focus_matches_the_engine(sdar_dir, capsys) -> None:
+    assert main([*_generate(sdar_dir, *PDLLM), "--decode-policy", "focus", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    loaded = load_model(sdar_dir)
+    ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, EngineConfig(chunk_size=16, top_k=2))
+    result, _ = engine.generate(ids.context, ids.query, GEN, decode_policy=DecodePolicyConfig("focus"))
+    answer = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+    assert (
+        out["answer"] == answer and out["decode_policy"] == result.cache and result.cache["policy"] == "focus"
+    )
+
+
+def test_sdar_refuses_dyllm(sdar_dir, capsys) -> None:
     assert main(_generate(sdar_dir, "--method", "vanilla", "--decode-policy", "dyllm")) == 2
     err = capsys.readouterr().err
     assert "decode policy 'dyllm' runs on Dream and LLaDA only" in err and "Traceback" not in err
-    assert main([*_generate(sdar_dir, *PDLLM), "--decode-policy", "focus"]) == 2
+    assert main([*_generate(sdar_dir, *PDLLM), "--decode-policy", "dyllm"]) == 2
     err = capsys.readouterr().err
     assert (
-        "decode policy 'focus' is not supported by the pdllm engine on SDAR" in err and "Traceback" not in err
+        "decode policy 'dyllm' is not supported by the pdllm engine on SDAR" in err and "Traceback" not in err
     )
 
 

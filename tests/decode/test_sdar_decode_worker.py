@@ -1,7 +1,9 @@
 """The decode worker on SDAR (block diffusion): a pdllm request's job equals the in-process engine's decode
 of the same selection token for token (its block-causal prefix rebuilt from the chunks' token ids, the
 session stepped alone, one denoising step per scheduler iteration); a vanilla one equals block diffusion over
-the whole prompt; what it does not run is INVALID_ARGUMENT naming the option, before any work."""
+the whole prompt; under decode policy focus both equal their in-process FOCUS decodes, tokens and counters
+(the trace's ``decode_policy``); what it does not run is INVALID_ARGUMENT naming the option, before any
+work."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.block_diffusion import generate_block_diffusion
+from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.generation.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.errors import PdllmError
 from tests.decode.helpers import pool_for
@@ -119,6 +123,55 @@ def test_vanilla_job_is_block_diffusion_over_the_prompt(served) -> None:
     assert list(final.token_ids) == generate_block_diffusion(m, prompt, gen).token_ids
 
 
+def _counters(final: wpb.DecodeResult) -> dict:
+    """The trace's policy name and nonzero counters, like ``GenerationResult.cache``'s nonzero entries."""
+    p = final.decode_policy
+    named = {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "counters"}
+    return {k: v for k, v in {**named, **dict(p.counters)}.items() if v}
+
+
+FOCUS = [
+    ({}, CASES[0]),
+    ({"focus_budget": 2, "focus_delayed_cache": "off"}, CASES[1]),
+    ({"focus_alpha": 1.2, "focus_pool_kernel": 1}, CASES[2]),
+]
+
+
+@pytest.mark.parametrize(("knobs", "case"), FOCUS, ids=["paper", "b2-nocache", "alpha-k1-sampled"])
+def test_focus_jobs_equal_in_process_focus(served, knobs: dict, case: tuple) -> None:
+    m, servicer = served
+    seed, chunk, k, instr, query, gen = case
+    policy = DecodePolicyConfig("focus", focus=knobs)
+    engine = PrefillingEngine(m, config=EngineConfig(chunk_size=chunk, top_k=k), reuse_chunks=False)
+    context, question, instruction = tokens(40, seed), tokens(query, seed + 100), tokens(instr, seed + 200)
+    sel = engine.prefill(context, question, gen, instruction)
+    chunks = [sel.request.chunks[i] for i in sel.selected]
+    request = _pdllm_request(instruction, chunks, question, gen, top_k=k)
+    request.decode_policy.decode_policy = "focus"
+    for name, value in knobs.items():
+        setattr(request.decode_policy, name, value)
+    final, partials = _decode(servicer, request)
+    expected = engine.decode(sel, gen, decode_policy=policy)
+    assert list(final.token_ids) == expected.token_ids and final.steps == expected.steps
+    assert list(partials[-1].token_ids) == expected.raw_tokens and len(partials) == expected.steps
+    assert expected.cache["policy"] == "focus" and expected.cache["forwards"] == expected.steps
+    assert _counters(final) == {k: v for k, v in expected.cache.items() if v}
+    # vanilla: FOCUS over the whole prompt, as generate_vanilla runs it
+    request = _generation(gen)
+    request.method.method = "vanilla"
+    request.instruction_ids.extend(instruction)
+    request.context_ids.extend(context)
+    request.question_ids.extend(question)
+    request.decode_policy.decode_policy = "focus"
+    for name, value in knobs.items():
+        setattr(request.decode_policy, name, value)
+    final, _ = _decode(servicer, request)
+    prompt = torch.tensor([BOS, *instruction, *context, *question])
+    vanilla = generate_focus_block_diffusion(m, prompt, gen, policy.focus_config())
+    assert list(final.token_ids) == vanilla.token_ids and final.steps == vanilla.steps
+    assert _counters(final) == {k: v for k, v in vanilla.cache.items() if v}
+
+
 def test_concurrent_jobs_each_answer_exactly(served) -> None:
     """SDAR sessions are stepped alone, interleaved in the same scheduler iterations."""
     m, servicer = served
@@ -145,8 +198,9 @@ def test_concurrent_jobs_each_answer_exactly(served) -> None:
             {"policy": "dual-cache"},
             "decode_policy 'dual-cache' is not supported by the decode worker on SDAR",
         ),
-        ({"policy": "focus"}, "decode_policy 'focus' is not supported by the decode worker on SDAR"),
-        ({"vanilla": True, "policy": "focus"}, "decode_policy 'focus' is not supported"),
+        ({"policy": "dyllm"}, "decode_policy 'dyllm' is not supported by the decode worker on SDAR"),
+        ({"vanilla": True, "policy": "dyllm"}, "decode_policy 'dyllm' is not supported"),
+        ({"vanilla": True, "policy": "dual-cache"}, "decode_policy 'dual-cache' is not supported"),
         ({"block_length": 6}, "block_length is 6, but this SDAR (block-diffusion) model has block size 4"),
     ],
 )

@@ -1,7 +1,9 @@
 """The pdllm engine on SDAR (block diffusion), in process: selection as usual, then exact block diffusion.
 
 Spec: ``engine.generate`` equals :func:`generate_block_diffusion` on ``[instruction][BOS c_i for the chunks
-the engine itself selected, document order][query]`` token for token (tiny random fp32 models, CPU).
+the engine itself selected, document order][query]`` token for token (tiny random fp32 models, CPU); under
+decode policy focus it equals vanilla FOCUS (:func:`generate_focus_block_diffusion`) on that prompt, tokens and
+counters, and with a budget of the block and no intra-block cache (nothing evicted) plain pdllm itself.
 """
 
 from __future__ import annotations
@@ -12,11 +14,18 @@ import torch
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.block_diffusion import BlockKVCache, generate_block_diffusion, prefill_blocks
+from pdllm.shared.generation.block_diffusion import (
+    BlockKVCache,
+    answer_spans,
+    generate_block_diffusion,
+    prefill_blocks,
+)
 from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.generation.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import decode_layout
 
+from ..model.helpers import tiny_model
 from .helpers import model as tiny
 from .helpers import tokens
 
@@ -35,13 +44,24 @@ CASES = [
 ]
 
 
-def _run(seed: int, instr: int, query: int, top_k: int, gen: GenerationConfig, kv_mode: str = "full-mask"):
-    model = tiny("sdar", seed=seed)
+def _run(
+    seed: int,
+    instr: int,
+    query: int,
+    top_k: int,
+    gen: GenerationConfig,
+    kv_mode: str = "full-mask",
+    decode_policy: DecodePolicyConfig | None = None,
+    layers: int = 2,
+):
+    model = tiny("sdar", seed=seed) if layers == 2 else tiny_model("sdar", seed=seed, num_layers=layers)
     cfg = EngineConfig(chunk_size=CHUNK, top_k=top_k, kv_mode=kv_mode)  # type: ignore[arg-type]
     engine = PrefillingEngine(model, config=cfg, reuse_chunks=False)
     context, question = tokens(40, seed), tokens(query, seed + 100)
     instruction = tokens(instr, seed + 200)
-    result, trace = engine.generate(context, question, gen, instruction_ids=instruction)
+    result, trace = engine.generate(
+        context, question, gen, instruction_ids=instruction, decode_policy=decode_policy
+    )
     chunks = [[BOS, *context[i * CHUNK : (i + 1) * CHUNK]] for i in trace.selected]
     prompt = instruction + [t for c in chunks for t in c] + question
     return model, result, trace, prompt
@@ -115,14 +135,74 @@ def test_unsupported_settings_are_refused(cfg: EngineConfig, match: str) -> None
         )
 
 
-def test_unsupported_decode_options_are_refused() -> None:
+@pytest.mark.parametrize("name", ["dyllm", "dual-cache", "prefix-cache", "sparse-dllm", "polestar"])
+def test_decode_policies_but_focus_are_refused(name: str) -> None:
     engine = PrefillingEngine(tiny("sdar"), config=EngineConfig(chunk_size=CHUNK), reuse_chunks=False)
     gen = GenerationConfig(gen_length=8, steps=8, block_length=4)
-    with pytest.raises(ValueError, match="decode policy 'focus' is not supported .* SDAR"):
-        engine.generate(tokens(40, 0), tokens(4, 1), gen, decode_policy=DecodePolicyConfig(name="focus"))
+    with pytest.raises(ValueError, match=f"decode policy '{name}' is not supported .* SDAR"):
+        engine.generate(tokens(40, 0), tokens(4, 1), gen, decode_policy=DecodePolicyConfig(name=name))
+
+
+def test_unsupported_decode_options_are_refused() -> None:
+    engine = PrefillingEngine(tiny("sdar"), config=EngineConfig(chunk_size=CHUNK), reuse_chunks=False)
     with pytest.raises(ValueError, match="block_length is 6, .* multiple of 4"):
         engine.generate(
             tokens(40, 0), tokens(4, 1), GenerationConfig(gen_length=12, steps=12, block_length=6)
         )
     with pytest.raises(ValueError, match="cuda_graph is not supported"):
         PrefillingEngine(tiny("sdar"), cuda_graph=True, reuse_chunks=False)
+
+
+# FOCUS on 4 layers (layers >= 2 exist to evict from): (case index into CASES, focus knobs).
+FOCUS_CASES = [
+    (1, {}),  # the paper's defaults: dynamic budget, intra-block cache on
+    (3, {"focus_alpha": 1.2, "focus_pool_kernel": 5, "focus_delayed_cache": "off"}),
+    (5, {"focus_budget": 2}),
+    (0, {"focus_budget": 1, "focus_delayed_cache": "off"}),
+]
+
+
+@pytest.mark.parametrize(("case", "knobs"), FOCUS_CASES, ids=["paper", "alpha-k5-nocache", "b2", "b1"])
+def test_focus_equals_vanilla_focus_on_the_selected_prompt(case: int, knobs: dict) -> None:
+    seed, instr, query, top_k, gen_len, steps, block = CASES[case]
+    gen = GenerationConfig(gen_length=gen_len, steps=steps, block_length=block, stop_at_eos=False)
+    policy = DecodePolicyConfig("focus", focus=knobs)
+    model, result, trace, prompt = _run(seed, instr, query, top_k, gen, decode_policy=policy, layers=4)
+    expected = generate_focus_block_diffusion(model, torch.tensor(prompt), gen, policy.focus_config())
+    assert result.raw_tokens == expected.raw_tokens and result.steps == expected.steps == trace.decode_steps
+    assert result.cache == expected.cache and result.cache["policy"] == "focus"
+    assert result.cache["forwards"] == result.steps and result.cache["evicted"] > 0  # FOCUS did evict
+    assert {"build", "decode"} <= set(result.timings)
+
+
+@pytest.mark.parametrize(("seed", "instr", "query", "top_k", "gen_len", "steps", "block"), CASES)
+def test_focus_evicting_nothing_equals_plain_pdllm(
+    seed: int, instr: int, query: int, top_k: int, gen_len: int, steps: int, block: int
+) -> None:
+    """A budget of the block evicts nothing; without the intra-block cache every step then forwards every
+    row of the window: exactly the plain block diffusion over the same prefix."""
+    gen = GenerationConfig(gen_length=gen_len, steps=steps, block_length=block, stop_at_eos=False)
+    focus = DecodePolicyConfig("focus", focus={"focus_budget": block, "focus_delayed_cache": "off"})
+    _, plain, plain_trace, _ = _run(seed, instr, query, top_k, gen, layers=4)
+    _, result, trace, _ = _run(seed, instr, query, top_k, gen, decode_policy=focus, layers=4)
+    assert trace.selected == plain_trace.selected
+    assert result.raw_tokens == plain.raw_tokens and result.token_ids == plain.token_ids
+    assert result.steps == plain.steps and plain.cache == {}
+    assert result.cache["evicted"] == 0 and result.cache["rows_forwarded"] == result.cache["rows_plain"]
+
+
+@pytest.mark.parametrize("policy", [None, DecodePolicyConfig("focus")], ids=["plain", "focus"])
+def test_decode_continues_the_prefix_in_place(policy: DecodePolicyConfig | None) -> None:
+    """Step 7 runs over the step-6 prefix itself (any policy): the finished blocks land in that very cache."""
+    model = tiny_model("sdar", seed=1, num_layers=4)
+    engine = PrefillingEngine(model, config=EngineConfig(chunk_size=CHUNK, top_k=2), reuse_chunks=False)
+    gen = GenerationConfig(gen_length=16, steps=16, block_length=4, stop_at_eos=False)
+    sel = engine.prefill(tokens(40, 1), tokens(5, 101), gen, tokens(3, 201))
+    layout = decode_layout(sel.request, sel.selected, gen.gen_length)
+    prefix = sdar_decode.build_prefix(model, sel.request, layout, gen)
+    built = prefix.length
+    result = sdar_decode.decode(model, sel.request, layout, prefix, gen, decode_policy=policy)
+    prompt = layout.static_len + layout.query_len
+    last = answer_spans(prompt, gen.gen_length, 4)[-1][0]  # every answer block but the last is recorded
+    assert built > 0 and prefix.length == prompt + last
+    assert result.cache.get("policy") == (policy.name if policy else None)

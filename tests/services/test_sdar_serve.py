@@ -2,7 +2,8 @@
 
 Over gRPC a pdllm request's answer equals `pdllm generate --method pdllm` in process (same settings, same
 seed) token for token, a vanilla one equals `generate --method vanilla` (block diffusion over the whole
-prompt); what the SDAR decode does not run is INVALID_ARGUMENT naming the option, and the worker-level
+prompt); under decode policy focus both equal their in-process FOCUS decodes and the trace carries FOCUS's
+counters; what the SDAR decode does not run is INVALID_ARGUMENT naming the option, and the worker-level
 flags it does not run are refused at startup.
 """
 
@@ -20,6 +21,7 @@ from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.app.serve import build_parser, start
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.block_diffusion import answer_spans
+from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.layout import split_context
@@ -146,17 +148,88 @@ def test_stream_partials_name_the_aligned_blocks(deployment, loaded) -> None:
     assert blocks == sorted(blocks) and set(blocks) == {0, 1, 2}
 
 
+# (wire decode policy, the DecodePolicyConfig it is, generation): FOCUS's defaults and some knobs set.
+FOCUS = [
+    ({"decode_policy": "focus"}, {}, {"gen_length": 12, "steps": 12, "block_length": 4}),
+    (
+        {"decode_policy": "focus", **(f := {"focus_budget": 2, "focus_delayed_cache": "off"})},
+        f,
+        {"gen_length": 16, "steps": 8, "block_length": 8, "temperature": 0.7, "seed": 3},
+    ),
+    (
+        {"decode_policy": "focus", **(f := {"focus_alpha": 1.2, "focus_pool_kernel": 5})},
+        f,
+        {"gen_length": 16, "steps": 16, "block_length": 4, "threshold": 0.1},
+    ),
+]
+FOCUS_IDS = ["paper-g12-b4", "b2-nocache-g16-b8-sampled", "alpha-k5-threshold"]
+
+
+def _counters(response) -> dict[str, Any]:
+    """The trace's policy name and nonzero counters, like ``GenerationResult.cache``'s nonzero entries (a
+    proto3 scalar does not tell 0 from unset)."""
+    p = response.trace.decode_policy
+    named = {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "counters"}
+    return {k: v for k, v in {**named, **dict(p.counters)}.items() if v}
+
+
+@pytest.mark.parametrize(("wire", "knobs", "gen"), FOCUS, ids=FOCUS_IDS)
+def test_vanilla_focus_equals_generate_vanilla(
+    deployment, loaded, wire: dict, knobs: dict, gen: dict
+) -> None:
+    response = _ask(deployment.address, method="vanilla", **gen, **wire)
+    ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
+    policy = DecodePolicyConfig("focus", focus=knobs)
+    prompt = ids.vanilla(loaded.config.bos_token_id)
+    expected = generate_vanilla(loaded.model, prompt, GenerationConfig(**gen), policy=policy)
+    assert list(response.token_ids) == expected.token_ids and response.trace.steps == expected.steps
+    assert expected.cache["policy"] == "focus" and expected.cache["forwards"] == expected.steps
+    assert _counters(response) == {k: v for k, v in expected.cache.items() if v}
+
+
+@pytest.mark.parametrize(("wire", "knobs", "gen"), FOCUS, ids=FOCUS_IDS)
+def test_pdllm_focus_equals_the_engine(deployment, loaded, wire: dict, knobs: dict, gen: dict) -> None:
+    method = {"chunk_size": 16, "top_k": 2, "kv_mode": "chunk-query"}
+    response = _ask(deployment.address, **method, **gen, **wire)
+    ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, EngineConfig(**method))
+    policy = DecodePolicyConfig("focus", focus=knobs)
+    expected, trace = engine.generate(ids.context, ids.query, GenerationConfig(**gen), decode_policy=policy)
+    assert list(response.token_ids) == expected.token_ids and response.trace.steps == expected.steps
+    assert list(response.trace.selected_chunk_ids) == trace.selected
+    assert expected.cache["policy"] == "focus" and expected.cache["forwards"] == expected.steps
+    assert _counters(response) == {k: v for k, v in expected.cache.items() if v}
+
+
+def test_serve_decode_policy_focus_is_the_default_policy(sdar_dir, loaded) -> None:
+    """``serve --decode-policy focus`` starts on SDAR; a request naming no policy is decoded under it."""
+    dep = _serve(sdar_dir, "--decode-policy", "focus")
+    try:
+        gen = {"gen_length": 8, "steps": 8, "block_length": 4}
+        response = _ask(dep.address, method="vanilla", **gen)
+    finally:
+        dep.stop()
+    prompt = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION).vanilla(loaded.config.bos_token_id)
+    expected = generate_vanilla(
+        loaded.model, prompt, GenerationConfig(**gen), policy=DecodePolicyConfig("focus")
+    )
+    assert list(response.token_ids) == expected.token_ids
+    assert _counters(response) == {k: v for k, v in expected.cache.items() if v}
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"kv_mode": "chunk-only"}, "kv_mode='chunk-only' is not supported"),
         ({"top_b": 4}, "top_b=4 is not supported"),
         ({"decode_policy": "dual-cache"}, "decode_policy 'dual-cache' is not supported"),
-        ({"decode_policy": "focus"}, "decode_policy 'focus' is not supported"),
+        ({"decode_policy": "dyllm"}, "decode_policy 'dyllm' is not supported"),
+        ({"method": "vanilla", "decode_policy": "dyllm"}, "decode_policy 'dyllm' is not supported"),
         (
             {"method": "vanilla", "decode_policy": "prefix-cache"},
             "decode_policy 'prefix-cache' is not supported",
         ),
+        ({"method": "vanilla", "decode_policy": "dual-cache"}, "decode_policy 'dual-cache' is not supported"),
         ({"gen_length": 12, "steps": 12, "block_length": 6}, "block_length is 6"),
     ],
 )
@@ -173,6 +246,7 @@ def test_unsupported_options_are_invalid_argument(deployment, values: dict, mess
     [
         (["--cuda-graph"], {}, "--cuda-graph is not supported on SDAR"),
         (["--decode-policy", "dual-cache"], {}, "--decode-policy dual-cache is not supported on SDAR"),
+        (["--decode-policy", "dyllm"], {}, "--decode-policy dyllm is not supported on SDAR"),
         # The checkpoint's engine defaults (pdllm.json) are the worker's: the engine refuses them.
         ([], {"kv_mode": "chunk-only"}, "kv_mode='chunk-only' is not supported by the pdllm engine on SDAR"),
         ([], {"top_b": 4}, "top_b=4 is not supported by the pdllm engine on SDAR"),

@@ -11,8 +11,10 @@ instead, so that all of them run the very same code and an answer over gRPC equa
 - :func:`compute_skip_session`: a ``DenoiseSession`` stepping it (the decode worker steps it alone, one step
   per scheduler turn); FOCUS must be driven by its session, which hands the sampler the eligible rows;
 - :func:`run_compute_skip`: that loop to the end (the engine, ``generate_vanilla``);
-- :func:`generate_compute_skip_sdar`: SDAR (block diffusion): FOCUS block by block over the exact cache;
-  DyLLM is refused (its caches assume full bidirectional attention over every local row).
+- :func:`compute_skip_sdar_session`: SDAR (block diffusion): FOCUS block by block over the exact cache, over
+  the whole prompt (vanilla; :func:`generate_compute_skip_sdar` runs it to the end) or over pdllm's
+  block-causal prefix (``sdar_decode.py``); DyLLM is refused (its caches assume full bidirectional
+  attention over every local row).
 
 DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests; with
 ``cuda_graph``, as the decode worker and engine pass it, its sparse steps are graph replays); FOCUS its
@@ -26,11 +28,12 @@ import torch
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
+from ..block_diffusion import BlockDiffusionSession, BlockKVCache, run_to_end
 from ..sampler import DenoiseSession, GenerationConfig, GenerationResult
 from .base import DecodePolicyConfig, vanilla_local_rows
 from .dyllm_base import DyLLMBase
 from .dyllm_fast import DyLLMFastLogits
-from .focus_reference import FocusLogits, FocusSession, generate_focus_block_diffusion, run_focus
+from .focus_reference import FocusBlockSession, FocusLogits, FocusSession, run_focus
 from .runner import PolicySession, run_policy
 
 ComputeSkipLogits = DyLLMBase | FocusLogits
@@ -86,6 +89,26 @@ def run_compute_skip(logits_fn: ComputeSkipLogits, progress: bool = False) -> Ge
     return run_policy(logits_fn, progress)
 
 
+def compute_skip_sdar_session(
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    gen: GenerationConfig,
+    config: DecodePolicyConfig,
+    prefix: BlockKVCache | None = None,
+) -> BlockDiffusionSession:
+    """SDAR (block diffusion) under a compute-skipping policy, one denoising step per ``step()``: FOCUS over
+    each block's window (:class:`~.focus_reference.FocusBlockSession`; ``prefix``: pdllm's block-causal
+    cache of the selected chunks, ``sdar_decode.py``); DyLLM is refused with a clear error."""
+    config.validate()
+    if config.name == "focus":
+        return FocusBlockSession(model, prompt, gen, config.focus_config(), prefix=prefix)
+    raise ValueError(
+        f"decode policy {config.name!r} runs on Dream and LLaDA only, not on {model.config.family!r} "
+        "(block diffusion): its caches assume full bidirectional attention over every row; use "
+        "--decode-policy focus or none"
+    )
+
+
 def generate_compute_skip_sdar(
     model: DiffusionLM,
     prompt: torch.Tensor,
@@ -93,12 +116,5 @@ def generate_compute_skip_sdar(
     config: DecodePolicyConfig,
     progress: bool = False,
 ) -> GenerationResult:
-    """SDAR (block diffusion) under a compute-skipping policy: FOCUS over each block's window; DyLLM is
-    refused with a clear error."""
-    if config.name == "focus":
-        return generate_focus_block_diffusion(model, prompt, gen, config.focus_config(), progress)
-    raise ValueError(
-        f"decode policy {config.name!r} runs on Dream and LLaDA only, not on {model.config.family!r} "
-        "(block diffusion): its caches assume full bidirectional attention over every row; use "
-        "--decode-policy focus or none"
-    )
+    """Vanilla SDAR under a compute-skipping policy: :func:`compute_skip_sdar_session` to the end."""
+    return run_to_end(compute_skip_sdar_session(model, prompt, gen, config), gen, progress)

@@ -4,8 +4,10 @@
 selection of ``focus.py`` (Python sets, Algorithm 1 line by line), layers >= 2 over the selected rows, the
 LM head over the eligible rows only. It runs
 
-- for SDAR inside ``generate_block_diffusion``'s block loop (its ``step`` hook: the window over the exact
-  cache of the earlier blocks), :func:`generate_focus_block_diffusion`;
+- for SDAR inside block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window
+  over the exact cache of the earlier blocks), :class:`FocusBlockSession` (stepped by the decode worker,
+  run to the end by :func:`generate_focus_block_diffusion`), over the whole prompt (vanilla) or over
+  pdllm's block-causal prefix of the selected chunks (``sdar_decode.py``);
 - for Dream/LLaDA as a logits function (:class:`FocusLogits`) under ``denoise``'s semi-autoregressive
   blocks, over any method's backend (``inner``: dense attention for vanilla, pdllm's static chunk KV
   backend), driven by :class:`FocusSession` (a ``DenoiseSession`` that hands the sampler the eligible
@@ -25,7 +27,13 @@ import torch
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..block_diffusion import BlockKVCache, generate_block_diffusion
+from ..block_diffusion import (
+    PREFILL_PIECE_TOKENS,
+    BlockDiffusionSession,
+    BlockKVCache,
+    BlockStep,
+    run_to_end,
+)
 from ..sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from .base import check_local_rows
 from .focus import (
@@ -161,20 +169,12 @@ class FocusReference:
         return {"policy": self.focus.name, **self.stats.as_dict()}
 
 
-@torch.inference_mode()
-def generate_focus_block_diffusion(
-    model: DiffusionLM,
-    prompt: torch.Tensor,
-    config: GenerationConfig,
-    focus: FocusConfig,
-    progress: bool = False,
-) -> GenerationResult:
-    """SDAR under FOCUS: ``generate_block_diffusion`` with FOCUS's step over each block's window."""
-    check_model(model, block_diffusion=True)
-    ref = FocusReference(model, focus, config.block)
-    p = prompt.numel()
-    block_size = model.config.block_size
-    assert block_size is not None
+def focus_block_step(reference: FocusReference, prompt_length: int) -> BlockStep:
+    """FOCUS's denoising step of an SDAR block (a :data:`~..block_diffusion.BlockStep`): ``reference``'s
+    step over the window against the exact cache of the earlier blocks, the sampler unmasking among the
+    eligible rows only, which ``reference`` then observes."""
+    block_size = reference.model.config.block_size
+    assert block_size is not None, "FOCUS's block step needs a block-diffusion model"
 
     def step(
         state: DenoiseState,
@@ -183,16 +183,59 @@ def generate_focus_block_diffusion(
         rows: torch.Tensor,
         cache: BlockKVCache,
     ) -> None:
-        ref.start(state.block, window)
-        logits, eligible = ref.step(
-            window, positions, 0, window.numel(), rows, SdarRows(cache, positions, block_size), state.quota()
+        reference.start(state.block, window)
+        attention = SdarRows(cache, positions, block_size)
+        logits, eligible = reference.step(
+            window, positions, 0, window.numel(), rows, attention, state.quota()
         )
         picked = state.update(logits, eligible)
-        ref.observe((picked + (p - int(positions[0]))).tolist())
+        reference.observe((picked + (prompt_length - int(positions[0]))).tolist())
 
-    result = generate_block_diffusion(model, prompt, config, progress, step=step)
-    result.cache = ref.summary()
-    return result
+    return step
+
+
+class FocusBlockSession(BlockDiffusionSession):
+    """SDAR under FOCUS, one denoising step per :meth:`step`: a :class:`BlockDiffusionSession` whose block
+    step is FOCUS's (:func:`focus_block_step`); its result's ``cache`` holds FOCUS's counters. ``prefix``:
+    as the plain session's (pdllm's block-causal cache of ``[instruction, selected chunks]``,
+    ``sdar_decode.py``). In process it runs to the end (``block_diffusion.run_to_end``: vanilla's
+    :func:`generate_focus_block_diffusion`, the pdllm engine's ``sdar_decode.decode``); the decode worker
+    steps it alone, like a plain SDAR session."""
+
+    def __init__(
+        self,
+        model: DiffusionLM,
+        prompt: torch.Tensor,
+        config: GenerationConfig,
+        focus: FocusConfig,
+        prefill_piece: int = PREFILL_PIECE_TOKENS,
+        prefix: BlockKVCache | None = None,
+    ) -> None:
+        check_model(model, block_diffusion=True)
+        with torch.inference_mode():  # its block store, as the session's cache, holds inference tensors
+            self.reference = FocusReference(model, focus, config.block)
+        step = focus_block_step(self.reference, prompt.numel())
+        super().__init__(model, prompt, config, prefill_piece, step=step, prefix=prefix)
+
+    def result(self) -> GenerationResult:
+        result = super().result()
+        result.cache = self.reference.summary()
+        return result
+
+
+@torch.inference_mode()
+def generate_focus_block_diffusion(
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    config: GenerationConfig,
+    focus: FocusConfig,
+    progress: bool = False,
+    prefix: BlockKVCache | None = None,
+) -> GenerationResult:
+    """SDAR under FOCUS: ``generate_block_diffusion`` with FOCUS's step over each block's window (a
+    :class:`FocusBlockSession` to the end)."""
+    session = FocusBlockSession(model, prompt, config, focus, prefix=prefix)
+    return run_to_end(session, config, progress)
 
 
 class FocusLogits:
