@@ -1,14 +1,15 @@
 """Requests with a decode policy on the decode worker: the policy's reference loop, one step per turn.
 
 A request whose ``DecodeRequest.decode_policy`` names a policy the batched rounds do not run
-(``polestar``, the compute-skipping ``dyllm`` and ``focus``
-(``policies/compute_skip.py``: their :func:`static_compute_skip_logits`), or any policy on a vanilla request; ``shared/generation/policies``; the
-prefix and dual cache and Sparse-dLLM are batched, ``policy_rounds.py``) is **not batched**: the scheduler steps its
-:class:`~pdllm.shared.generation.policies.PolicySession` alone, one denoising step per scheduler
-iteration, interleaved with the batched rounds of the other requests exactly like a vanilla request
-(:func:`step_alone`). Each step runs the plain, eager reference loop (:class:`PolicyLogits`: one host read
-per step, no CUDA graph), the very code the in-process engine and ``generate_vanilla`` run, so an answer
-over gRPC equals ``engine.generate(..., decode_policy=...)`` token for token.
+(``polestar``, the compute-skipping ``dyllm`` (``policies/compute_skip.py``: its
+:func:`static_compute_skip_logits`), or a caching policy on a vanilla request; the prefix and dual cache and
+Sparse-dLLM are batched, ``policy_rounds.py``; FOCUS requests are batched among themselves,
+``focus_rounds.py``) is **not batched**: the scheduler steps its session alone, one denoising step per
+scheduler iteration, interleaved with the batched rounds of the other requests exactly like a vanilla
+request (:func:`step_alone`). Each step runs the policy's loop (the eager reference :class:`PolicyLogits`,
+one host read per step; DyLLM's fast path, with CUDA graphs when the worker uses them), the very code the
+in-process engine and ``generate_vanilla`` run, so an answer over gRPC equals
+``engine.generate(..., decode_policy=...)`` token for token.
 
 Composed with pdllm's chunk selection: the static chunk KV is built (or pulled from a prefill worker) as
 for any pdllm request and read by the same attention backend the engine uses (:func:`static_policy_logits`),
@@ -53,7 +54,7 @@ def static_policy_logits(
 ) -> PolicyLogits:
     """Step 7 of a pdllm request under ``cache_policy``: the policy's loop over the query + answer rows,
     around the static-KV attention ``static_policy`` (default: every segment, in ``decode_attention``)."""
-    local, positions, inner = _static_inputs(model, query, static, gen, decode_attention, static_policy)
+    local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
     return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner)
 
 
@@ -70,11 +71,11 @@ def static_compute_skip_logits(
     """Step 7 of a pdllm request under a compute-skipping policy (DyLLM, FOCUS): its loop over the query +
     answer rows around the same static-KV attention as :func:`static_policy_logits` (``cuda_graph``: see
     ``compute_skip_logits``)."""
-    local, positions, inner = _static_inputs(model, query, static, gen, decode_attention, static_policy)
+    local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
     return compute_skip_logits(model, local, positions, len(query), gen, config, inner, cuda_graph)
 
 
-def _static_inputs(
+def static_local_rows(
     model: DiffusionLM,
     query: list[int],
     static: StaticKV,
@@ -82,7 +83,8 @@ def _static_inputs(
     decode_attention: str,
     static_policy: DecodePolicy | None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
-    """The local rows, their positions and the static-KV backend a decode policy's loop runs around."""
+    """The local rows, their positions and the static-KV backend a decode policy's loop runs around (and
+    a FOCUS request's place in its batched group, ``focus_rounds.py``)."""
     if static_policy is not None and not static_policy.step_invariant:
         raise ValueError("a decode policy composes with step-invariant static-KV policies only")
     local, positions = local_inputs(model, query, static, gen)

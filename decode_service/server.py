@@ -10,9 +10,9 @@ prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are che
 model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request
 carries the whole context and is stepped alone. A pdllm request with Fast-dLLM's prefix or dual cache or
 Sparse-dLLM (``decode_policy``) joins the batched rounds under it, its cache of query + answer K/V in pool
-pages reserved after its static KV (``policy_rounds.py``); any other decode policy (Polestar-Cache,
-the compute-skipping DyLLM and FOCUS, or any policy on a vanilla request) is stepped alone through the
-policy's reference loop (``policy_sessions.py``). Partial outputs stream after every step when asked for.
+pages reserved after its static KV (``policy_rounds.py``); FOCUS requests (vanilla or pdllm) advance
+together in packed FOCUS steps (``focus_rounds.py``); any other decode policy (Polestar-Cache, DyLLM, or a
+caching policy on a vanilla request) is stepped alone through the policy's loop (``policy_sessions.py``). Partial outputs stream after every step when asked for.
 
 On an SDAR (block-diffusion) model every request is exact block diffusion, stepped alone
 (:class:`~pdllm.shared.generation.block_diffusion.BlockDiffusionSession`, one denoising step per scheduler
@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from pdllm.decode_service.focus_rounds import FocusGroups, FocusMember
 from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import PooledKV
@@ -38,6 +39,7 @@ from pdllm.decode_service.policy_rounds import BATCHED_POLICIES, cache_slots
 from pdllm.decode_service.policy_sessions import (
     pooled_static,
     static_compute_skip_logits,
+    static_local_rows,
     static_policy_logits,
 )
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
@@ -51,6 +53,7 @@ from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicySession, make_policy
+from pdllm.shared.generation.policies.base import vanilla_local_rows
 from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
 from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn, vanilla_policy_logits
@@ -63,6 +66,7 @@ from pdllm.shared.kv_transfer.payload import (
 )
 from pdllm.shared.kv_transfer.receiver import KvReceiver
 from pdllm.shared.layout import Request, decode_layout
+from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.rpc.convert import decode_policy_config, engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
@@ -106,6 +110,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         self.scheduler = scheduler
         self.max_vanilla_tokens = max_vanilla_tokens
         self.receiver = receiver
+        self.focus_groups = FocusGroups(worker.model)  # FOCUS requests, batched (scheduler thread only)
 
     def Decode(
         self, request: wpb.DecodeRequest, context: grpc.ServicerContext
@@ -134,7 +139,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                         f"worker (--max-vanilla-tokens), got {prompt}; use method 'pdllm' for long contexts",
                         code=grpc.StatusCode.INVALID_ARGUMENT,
                     )
-                start = lambda: self._vanilla_session(request, gen, policy)  # noqa: E731
+                start = lambda: self._vanilla_session(request, gen, policy, job)  # noqa: E731
                 start_steps = None
                 kv_tokens = 0
             else:
@@ -177,15 +182,21 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
 
     # ------------------------------------------------------------------ sessions (scheduler thread)
     def _vanilla_session(
-        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig
-    ) -> DenoiseSession | BlockDiffusionSession:
+        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob
+    ) -> DenoiseSession | BlockDiffusionSession | FocusMember:
         model = self.worker.model
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
         if sdar_decode.is_block_diffusion(model):  # generate_vanilla's block diffusion (none / focus)
             return sdar_decode.block_session(model, prompt, gen, policy)
-        if policy.skips_compute:  # DyLLM / FOCUS: generate_vanilla's loop, a step per scheduler turn
+        if policy.name == "focus":  # one packed step with the worker's other FOCUS requests per turn
+            local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
+            focus = policy.focus_config()
+            return self.focus_groups.join(
+                local, positions, prompt.numel(), DenseAttention(), gen, focus, job.cancelled
+            )
+        if policy.skips_compute:  # DyLLM: generate_vanilla's loop, a step per scheduler turn
             graphs = self.worker.cuda_graph  # DyLLM replays its sparse steps as the worker replays rounds
             return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy, graphs))
         cache_policy = make_policy(policy)
@@ -212,8 +223,12 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             static = pooled_static(self.scheduler.pool, job.pages, static, job.received.handoff)
         job.cache_stats, job.kv_source = built.cache_stats, built.kv_source
         attention = self.worker.decode_attention
+        model, query = self.worker.model, built.query
+        if policy.name == "focus":  # batched with the worker's other FOCUS requests (focus_rounds.py)
+            local, positions, inner = static_local_rows(model, query, static, gen, attention, None)
+            focus = policy.focus_config()
+            return self.focus_groups.join(local, positions, len(query), inner, gen, focus, job.cancelled)
         if policy.skips_compute:
-            model, query = self.worker.model, built.query
             return compute_skip_session(
                 static_compute_skip_logits(
                     model, query, static, gen, policy, attention, cuda_graph=self.worker.cuda_graph

@@ -18,7 +18,8 @@ instead, so that all of them run the very same code and an answer over gRPC equa
 
 DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests; with
 ``cuda_graph``, as the decode worker and engine pass it, its sparse steps are graph replays); FOCUS its
-reference request loop (the batched fast path packs several requests, which a lone session cannot use).
+reference request loop here (one request); the decode worker batches its Dream/LLaDA FOCUS requests
+through the fast path instead (``decode_service/focus_rounds.py``, equal token for token).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .focus_layers import RowsAttention, SdarRows, inner_rows
 
 
 @dataclass
-class _Request:
+class BatchedRequest:
     """One request's place: ``seq`` (device) holds its rows, the response from ``response_start``; SDAR
     requests also their cache (the window starts at ``cache.length``)."""
 
@@ -41,6 +41,7 @@ class _Request:
     seq: torch.Tensor
     positions: torch.Tensor
     response_start: int
+    slot: int
     inner: AttentionBackend | None = None
     cache: BlockKVCache | None = None
     memory: FocusMemory = field(default_factory=FocusMemory)
@@ -57,27 +58,44 @@ class FocusDecodeBatch:
         check_model(model, block_diffusion=self.sdar)
         self.block = generation_block(gen, model.config.block_size) if self.sdar else gen.block
         self.batch = FocusBatch(model, focus, self.block, slots)
-        self.requests: list[_Request] = []
+        self.requests: list[BatchedRequest] = []
+        self.free = list(range(slots))  # block-K/V slots no request holds
         self.seconds = 0.0
 
+    @property
+    def full(self) -> bool:
+        return not self.free
+
     def _state(self, spans: list[tuple[int, int]] | None = None) -> DenoiseState:
-        if len(self.requests) == self.batch.store.keys[0].shape[0]:
+        if self.full:
             raise ValueError(f"the batch holds {len(self.requests)} requests, all its slots")
         cfg = self.model.config
         return DenoiseState(self.gen, cfg.mask_token_id, cfg.eos_token_id, "cpu", spans)
 
+    def _add(self, req: BatchedRequest) -> BatchedRequest:
+        self.free.remove(req.slot)
+        self.requests.append(req)
+        return req
+
+    def remove(self, req: BatchedRequest) -> None:
+        """Drop ``req`` (finished or abandoned): it is stepped no more and its slot is free again."""
+        self.requests.remove(req)
+        self.free.append(req.slot)
+
     def local(
         self, local: torch.Tensor, positions: torch.Tensor, response_start: int, inner: AttentionBackend
-    ) -> None:
+    ) -> BatchedRequest:
         """Add a Dream/LLaDA request: ``local`` ``[N]`` rows (the response last), ``positions`` ``[N]``."""
         if self.sdar:
             raise ValueError("SDAR requests are added with block_diffusion(prompt)")
         if response_start != local.numel() - self.gen.gen_length or response_start < 1:
             raise ValueError("the response must be the last gen_length local rows, after at least one row")
-        self.requests.append(_Request(self._state(), local, positions, response_start, inner=inner))
+        return self._add(
+            BatchedRequest(self._state(), local, positions, response_start, self.free[0], inner=inner)
+        )
 
     @torch.inference_mode()  # its prefill's K/V are kept: without it they would hold their autograd graph
-    def block_diffusion(self, prompt: torch.Tensor) -> None:
+    def block_diffusion(self, prompt: torch.Tensor) -> BatchedRequest:
         """Add an SDAR request and prefill its prompt's whole generation blocks into its exact cache."""
         if not self.sdar:
             raise ValueError(f"{self.model.config.family!r} requests are added with local(...)")
@@ -90,9 +108,9 @@ class FocusDecodeBatch:
         for lo in range(0, cached, piece):  # as generate_block_diffusion prefills (the same pieces)
             record_span(self.model, cache, seq, lo, min(cached, lo + piece))
         positions = torch.arange(seq.numel(), device=seq.device)
-        self.requests.append(_Request(state, seq, positions, p, cache=cache))
+        return self._add(BatchedRequest(state, seq, positions, p, self.free[0], cache=cache))
 
-    def _window(self, req: _Request) -> tuple[int, int, int, list[bool], RowsAttention]:
+    def _window(self, req: BatchedRequest) -> tuple[int, int, int, list[bool], RowsAttention]:
         """The step's rows of ``req``: (first local row, block rows [lo, hi) in them, masked block rows,
         attention)."""
         state, rs = req.state, req.response_start
@@ -112,9 +130,9 @@ class FocusDecodeBatch:
     def step(self) -> None:
         """One step of every unfinished request."""
         begin = time.perf_counter()
-        live = [(i, r) for i, r in enumerate(self.requests) if not r.state.done]
+        live = [r for r in self.requests if not r.state.done]
         reqs, starts = [], []
-        for slot, req in live:
+        for req in live:
             start, lo, hi, masked, attention = self._window(req)
             # SDAR's window ends with its block; Dream/LLaDA forward every local row
             end = (
@@ -124,7 +142,7 @@ class FocusDecodeBatch:
             )
             at = (req.state.positions() + (req.response_start - start)).tolist()
             q = FocusRequest(
-                slot, req.seq[start:end], req.positions[start:end], lo, hi, at, attention,
+                req.slot, req.seq[start:end], req.positions[start:end], lo, hi, at, attention,
                 req.state.quota(), req.memory, req.stats,
             )  # fmt: skip
             self.batch.start(q, req.state.block, masked)
@@ -132,10 +150,8 @@ class FocusDecodeBatch:
             starts.append(start)
         outs = self.batch.step(reqs)
         logits = torch.cat([out[0] for out in outs])
-        preds = predict_many(logits, [r.state for _, r in live], [len(q.at) for q in reqs])
-        for (_, req), q, (tokens, conf), (_, eligible), start in zip(
-            live, reqs, preds, outs, starts, strict=True
-        ):
+        preds = predict_many(logits, [r.state for r in live], [len(q.at) for q in reqs])
+        for req, q, (tokens, conf), (_, eligible), start in zip(live, reqs, preds, outs, starts, strict=True):
             state = req.state
             block = state.block
             picked = state.apply(tokens, conf, eligible)
@@ -150,16 +166,17 @@ class FocusDecodeBatch:
         """Step until every request is done; their results (``cache``: FOCUS's counters), in order."""
         while any(not r.state.done for r in self.requests):
             self.step()
-        return [
-            GenerationResult(
-                token_ids=r.state.result(),
-                raw_tokens=r.state.tokens.tolist(),
-                steps=r.state.steps_taken,
-                decode_seconds=self.seconds,
-                cache={"policy": self.focus.name, **r.stats.as_dict()},
-            )
-            for r in self.requests
-        ]
+        return [self.result(r) for r in self.requests]
+
+    def result(self, req: BatchedRequest, seconds: float | None = None) -> GenerationResult:
+        """``req``'s result; ``decode_seconds``: ``seconds``, else the batch's stepping time."""
+        return GenerationResult(
+            token_ids=req.state.result(),
+            raw_tokens=req.state.tokens.tolist(),
+            steps=req.state.steps_taken,
+            decode_seconds=self.seconds if seconds is None else seconds,
+            cache={"policy": self.focus.name, **req.stats.as_dict()},
+        )
 
 
 @torch.inference_mode()

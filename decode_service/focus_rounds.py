@@ -1,0 +1,121 @@
+"""FOCUS requests on the decode worker, batched: one packed FOCUS forward per scheduler iteration for every
+FOCUS request of a group, so that what eviction saves in one request makes room for others (the paper's
+"effective batch grows", §4).
+
+A group is a :class:`~pdllm.shared.generation.policies.focus_batch.FocusDecodeBatch` (FOCUS's fast path,
+held token for token to the reference loop by its tests) of Dream/LLaDA requests that share the generation
+config and the FOCUS knobs (the packed step runs one schedule and one selection rule); requests with other
+settings form other groups, and a full group (``slots`` requests) starts another. Each request's job holds a
+:class:`FocusMember` as its session. The scheduler steps sessions that are not in the batched rounds one
+by one (``policy_sessions.step_alone``); a member's first ``step()`` of an iteration steps its whole group,
+and the other members' ``step()`` only take note that they were advanced, so every member advances by
+exactly one denoising step per iteration and emits one partial. A member whose request is done or cancelled
+leaves its group at the group's next step (its block-K/V slot is reused).
+
+Attention stays each request's own (vanilla: dense over prompt + response; pdllm: its static chunk KV
+through the method's backend), as in the reference loop: the gRPC answer equals the in-process one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from pdllm.shared.generation.policies.focus import FocusConfig
+from pdllm.shared.generation.policies.focus_batch import BatchedRequest, FocusDecodeBatch
+from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.transformer import DiffusionLM
+
+
+class FocusMember:
+    """One request's place in a :class:`FocusGroup`: the job's session (``state``, ``done``, ``step``,
+    ``partial``, ``result``, as a ``DenoiseSession``'s)."""
+
+    def __init__(self, group: FocusGroup, request: BatchedRequest, cancelled: threading.Event) -> None:
+        self.group, self.request, self.cancelled = group, request, cancelled
+        self.advanced = False  # stepped by another member's step() since this one's last step()
+        self.seconds = 0.0  # group steps while a member, in seconds
+
+    @property
+    def state(self) -> DenoiseState:
+        return self.request.state
+
+    @property
+    def done(self) -> bool:
+        return self.request.state.done
+
+    def step(self) -> None:
+        if self.advanced:
+            self.advanced = False
+            return
+        self.group.step(self)
+
+    def partial(self) -> list[int]:
+        """Response slots so far, -1 where still masked."""
+        mask = self.state.mask_id
+        return [-1 if t == mask else t for t in self.state.tokens.tolist()]
+
+    def result(self) -> GenerationResult:
+        return self.group.batch.result(self.request, self.seconds)
+
+
+class FocusGroup:
+    """FOCUS requests of one generation config and one set of knobs, stepped as one packed batch."""
+
+    def __init__(self, model: DiffusionLM, gen: GenerationConfig, focus: FocusConfig, slots: int) -> None:
+        self.batch = FocusDecodeBatch(model, gen, focus, slots)
+        self.members: list[FocusMember] = []
+
+    def prune(self) -> None:
+        """Members whose request is done or cancelled leave (their slots are free again)."""
+        for member in [m for m in self.members if m.done or m.cancelled.is_set()]:
+            self.batch.remove(member.request)
+            self.members.remove(member)
+
+    def step(self, caller: FocusMember) -> None:
+        """One denoising step of every member (``caller`` is the member whose ``step()`` asked)."""
+        self.prune()
+        if caller not in self.members:
+            return
+        start = time.perf_counter()
+        self.batch.step()  # synchronous: it reads its selection and the sampler's predictions
+        seconds = time.perf_counter() - start
+        for member in self.members:
+            member.seconds += seconds
+            member.advanced = member is not caller
+
+
+class FocusGroups:
+    """The decode worker's FOCUS groups (scheduler thread only)."""
+
+    def __init__(self, model: DiffusionLM, slots: int = 64) -> None:
+        self.model, self.slots = model, slots
+        self.groups: dict[tuple[GenerationConfig, FocusConfig], list[FocusGroup]] = {}
+
+    def join(
+        self,
+        local: torch.Tensor,
+        positions: torch.Tensor,
+        response_start: int,
+        inner: AttentionBackend,
+        gen: GenerationConfig,
+        focus: FocusConfig,
+        cancelled: threading.Event,
+    ) -> FocusMember:
+        """A member for a request with local rows ``local`` ``[N]`` (the response last) at ``positions``
+        (``[1, N]`` or ``[N]``), attending through ``inner``."""
+        groups = self.groups.setdefault((gen, focus), [])
+        for group in groups:
+            group.prune()
+        groups[:] = [g for g in groups if g.members]
+        group = next((g for g in groups if not g.batch.full), None)
+        if group is None:
+            group = FocusGroup(self.model, gen, focus, self.slots)
+            groups.append(group)
+        request = group.batch.local(local, positions.reshape(-1), response_start, inner)
+        member = FocusMember(group, request, cancelled)
+        group.members.append(member)
+        return member

@@ -1,0 +1,91 @@
+"""The decode worker's batched FOCUS (``decode_service/focus_rounds.py``), driven as the scheduler drives
+sessions stepped alone: every member advances by exactly one denoising step per iteration whatever the
+order of its members' ``step()`` calls, joins mid-way, leaves when done or cancelled (its slot reused),
+and ends with the reference loop's tokens and counters."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pdllm.decode_service.focus_rounds import FocusGroups, FocusMember
+from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.generation.policies.focus import FocusConfig
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.generation.vanilla import generate_vanilla
+from pdllm.shared.model.attention import DenseAttention
+from pdllm.shared.model.transformer import DiffusionLM
+
+from ..model.helpers import tiny_model
+
+PROMPTS = [[1, 17, 33, 8, 61, 5, 40, 22, 9, 70], [1, 5, 6, 7, 8, 9, 10], [4, 44, 55, 66, 3, 12, 13, 14, 15]]
+GEN = GenerationConfig(gen_length=16, steps=16, block_length=8, stop_at_eos=False)  # 16 steps each
+PAPER = FocusConfig()
+
+
+def _reference(model: DiffusionLM, prompt: list[int], gen: GenerationConfig) -> GenerationResult:
+    return generate_vanilla(model, prompt, gen, policy=DecodePolicyConfig("focus"))  # the paper's knobs
+
+
+def _join(groups: FocusGroups, model: DiffusionLM, prompt: list[int], gen: GenerationConfig) -> FocusMember:
+    local = torch.tensor(prompt + [model.config.mask_token_id] * gen.gen_length)
+    positions = torch.arange(local.numel())[None]
+    return groups.join(local, positions, len(prompt), DenseAttention(), gen, PAPER, threading.Event())
+
+
+def _iteration(members: list[FocusMember]) -> None:
+    """One scheduler iteration: each live member's step(), then the retiring of finished ones."""
+    for m in members:
+        m.step()
+    members[:] = [m for m in members if not m.done]
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_members_advance_once_per_iteration_and_match_the_reference(family: str) -> None:
+    model = tiny_model(family, seed=2, num_layers=4)
+    groups = FocusGroups(model, slots=4)
+    a, b = _join(groups, model, PROMPTS[0], GEN), _join(groups, model, PROMPTS[1], GEN)
+    live, done = [a, b], [a, b]
+    _iteration(live)
+    assert a.state.steps_taken == b.state.steps_taken == 1
+    c = _join(groups, model, PROMPTS[2], GEN)  # joins the running group mid-way
+    assert c.group is a.group
+    live.insert(0, c)  # and is the member whose step() steps the group
+    done.append(c)
+    for n in range(2, 5):
+        _iteration(live if n % 2 else live[::-1])
+        assert (a.state.steps_taken, b.state.steps_taken, c.state.steps_taken) == (n, n, n - 1)
+    while live:
+        _iteration(live)
+    for member, prompt in zip(done, PROMPTS, strict=True):
+        ref, got = _reference(model, prompt, GEN), member.result()
+        assert got.raw_tokens == ref.raw_tokens and got.steps == ref.steps
+        assert got.cache == ref.cache
+
+
+def test_cancelled_and_finished_members_free_their_slots() -> None:
+    model = tiny_model("dream", seed=1, num_layers=4)
+    groups = FocusGroups(model, slots=2)
+    a, b = _join(groups, model, PROMPTS[0], GEN), _join(groups, model, PROMPTS[1], GEN)
+    c = _join(groups, model, PROMPTS[2], GEN)
+    assert c.group is not a.group and a.group is b.group  # the first group was full
+    b.step()  # a's block K/V fill its slot
+    a.cancelled.set()
+    b.step()
+    assert a.state.steps_taken == 1 and b.state.steps_taken == 2  # a left at the group's step
+    d = _join(groups, model, PROMPTS[2], GEN)
+    assert d.group is b.group and d.request.slot == a.request.slot
+    other = GenerationConfig(gen_length=8, steps=8, block_length=4, stop_at_eos=False)
+    e = _join(groups, model, PROMPTS[0], other)
+    assert e.group not in (b.group, c.group)  # another schedule: another group
+    e.step()
+    e.step()
+    assert e.state.steps_taken == 2  # alone in its group, it advances at each of its steps
+    live = [b, c, d, e]
+    while live:
+        _iteration(live)
+    ref, got = _reference(model, PROMPTS[2], GEN), d.result()
+    assert got.raw_tokens == ref.raw_tokens and got.cache == ref.cache
+    assert e.result().raw_tokens == _reference(model, PROMPTS[0], other).raw_tokens
