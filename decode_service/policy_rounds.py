@@ -41,7 +41,7 @@ from pdllm.decode_service.rounds import BatchSession, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.device_state import DeviceDenoiseState
 from pdllm.shared.generation.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
-from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep
+from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, kept_count
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -124,6 +124,7 @@ class PolicyBatchSession(BatchSession):
             rows=len(self.query) + state.config.gen_length,
             lead=self.lead,
             unmasked=block - masked,
+            protected=len(self.query),  # pdllm's question (``StepContext.protected``)
         )
 
     def _plan(self, ctx: StepContext) -> StepPlan:
@@ -165,7 +166,7 @@ class PolicyBatchSession(BatchSession):
 
     def _record_salient(self, ctx: StepContext, keep: SaliencyKeep) -> RoundRows:
         """Sparse-dLLM's caching step: each layer stores the rows its selection keeps (a fixed count)."""
-        kept = int((ctx.rows - (keep.end - keep.start)) * keep.retention)  # as ``sparse_dllm.keep_rows``
+        kept = kept_count(ctx.rows, keep)
         device = self.device
         if self.lead and self.drop is None:
             self.drop = torch.zeros(self.row_layers, dtype=torch.int32, device=device)

@@ -55,7 +55,8 @@ def static_policy_logits(
     """Step 7 of a pdllm request under ``cache_policy``: the policy's loop over the query + answer rows,
     around the static-KV attention ``static_policy`` (default: every segment, in ``decode_attention``)."""
     local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
-    return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner)
+    # The question's rows are protected from eviction (``StepContext.protected``).
+    return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner, len(query))
 
 
 def static_compute_skip_logits(

@@ -23,6 +23,7 @@ from pdllm.shared.generation.policies import (
     StepPlan,
     denoise_with_policy,
 )
+from pdllm.shared.generation.policies.sparse_dllm import saliency
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.attention import DenseAttention
@@ -273,3 +274,39 @@ def test_direct_construction_checks_its_knobs() -> None:
 def test_paper_defaults() -> None:
     assert _sparse().sparse() == (0.5, 3, 1)
     assert SparseDLLM() == SparseDLLM(retention=0.5, pool_kernel=3, delay_steps=1)
+
+
+@pytest.mark.parametrize("protected", [0, 3, 8])
+@pytest.mark.parametrize("retention", [0.5, 0.05, 1.0])
+def test_protected_rows_are_kept_and_the_others_selected_by_saliency(
+    protected: int, retention: float
+) -> None:
+    """Rows [0, p) (pdllm's question) are always kept; the top floor((M - p) r) of the other candidates by
+    pooled saliency fill the rest (p = 0: the paper's selection)."""
+    gen = torch.Generator().manual_seed(protected)
+    q, k = torch.randn(1, 4, 20, 16, generator=gen), torch.randn(1, 2, 20, 16, generator=gen)
+    start, end = 12, 16
+    got = SaliencyKeep(start, end, retention, 3, protected)(0, q, k).tolist()
+    n = int((16 - protected) * retention)
+    assert got[:protected] == list(range(protected)) and len(got) == protected + n
+    pooled = torch.nn.functional.max_pool1d(saliency(q, k, start, end)[None, None], 3, 1, 1)[0, 0]
+    candidates = list(range(protected, 16))
+    best = sorted(candidates, key=lambda c: (-float(pooled[c]), c))[:n]
+    assert got[protected:] == sorted(c + (end - start) * (c >= start) for c in best)
+    if protected == 0:
+        assert got == _from_scratch(q, k, start, end, retention, 3)
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_protected_rows_stay_in_every_layers_cache(family: str) -> None:
+    model, gen = tiny_model(family, seed=2), _gen(8, 8, 4, None)
+    local = torch.tensor(PROMPT + [model.config.mask_token_id] * 8)
+    positions = torch.arange(local.numel())[None]
+    policy = SparseDLLM(retention=0.05, delay_steps=0)
+    fn = PolicyLogits(model, local, positions, len(PROMPT), gen, policy, DenseAttention(), protected=5)
+    response, at = torch.full((8,), model.config.mask_token_id), torch.arange(4)
+    with torch.inference_mode():
+        fn(response, at)
+    assert fn.cache.held and all(h is not None and h[:5].tolist() == list(range(5)) for h in fn.cache.held)
+    with pytest.raises(ValueError, match="protected rows"):
+        PolicyLogits(model, local, positions, len(PROMPT), gen, policy, DenseAttention(), protected=14)

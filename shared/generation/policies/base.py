@@ -139,6 +139,9 @@ class StepContext:
     lead: int
     # Tokens of the block already unmasked when the step runs (Polestar-Cache's update trigger counts them).
     unmasked: int = 0
+    # Local rows [0, protected) an evicting policy keeps whatever their saliency: pdllm's question (the
+    # prompt's context is its static chunk KV, already selected and never evicted); 0 under vanilla.
+    protected: int = 0
 
 
 class RowSelector(Protocol):

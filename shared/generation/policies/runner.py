@@ -73,7 +73,8 @@ class PolicyLogits:
 
     ``local``: the local rows' tokens ``[N]`` (owned: the response part is overwritten every call);
     ``positions``: their position ids ``[1, N]``; ``response_start``: the local row of response token 0;
-    ``inner``: the method's attention backend, called with every local row's K/V (cached or fresh).
+    ``inner``: the method's attention backend, called with every local row's K/V (cached or fresh);
+    ``protected``: local rows an evicting policy keeps (``StepContext.protected``: pdllm's question).
     """
 
     def __init__(
@@ -85,8 +86,12 @@ class PolicyLogits:
         gen: GenerationConfig,
         policy: CachePolicy,
         inner: AttentionBackend,
+        protected: int = 0,
     ) -> None:
         check_local_rows(local, positions, response_start, gen)
+        if not 0 <= protected <= response_start:
+            raise ValueError(f"protected rows must be within the {response_start} rows before the response")
+        self.protected = protected
         self.model, self.local, self.positions = model, local, positions
         self.response_start, self.gen, self.policy, self.inner = response_start, gen, policy, inner
         self.lead = 1 if model.config.shift_logits else 0
@@ -112,6 +117,7 @@ class PolicyLogits:
             rows=self.local.shape[0],
             lead=self.lead,
             unmasked=unmasked,
+            protected=self.protected,
         )
 
     def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
