@@ -3,8 +3,9 @@ FOCUS request of a group, so that what eviction saves in one request makes room 
 "effective batch grows", §4).
 
 A group is a :class:`~pdllm.shared.generation.policies.focus_batch.FocusDecodeBatch` (FOCUS's fast path,
-held token for token to the reference loop by its tests) of Dream/LLaDA requests that share the generation
-config and the FOCUS knobs (the packed step runs one schedule and one selection rule); requests with other
+held token for token to the reference loop by its tests) of requests that share the generation config and
+the FOCUS knobs (Dream/LLaDA: local rows over the method's attention; SDAR: block diffusion over each
+request's exact cache, pdllm's continuing its block-causal prefix) (the packed step runs one schedule and one selection rule); requests with other
 settings form other groups, and a full group (``slots`` requests) starts another. Each request's job holds a
 :class:`FocusMember` as its session. The scheduler steps sessions that are not in the batched rounds one
 by one (``policy_sessions.step_alone``); a member's first ``step()`` of an iteration steps its whole group,
@@ -13,7 +14,8 @@ exactly one denoising step per iteration and emits one partial. A member whose r
 leaves its group at the group's next step (its block-K/V slot is reused).
 
 Attention stays each request's own (vanilla: dense over prompt + response; pdllm: its static chunk KV
-through the method's backend), as in the reference loop: the gRPC answer equals the in-process one.
+through the method's backend; SDAR: its cache of earlier blocks), as in the reference loop: the gRPC
+answer equals the in-process one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 
 import torch
 
+from pdllm.shared.generation.block_diffusion import BlockKVCache
 from pdllm.shared.generation.policies.focus import FocusConfig
 from pdllm.shared.generation.policies.focus_batch import BatchedRequest, FocusDecodeBatch
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
@@ -69,6 +72,11 @@ class FocusGroup:
         self.batch = FocusDecodeBatch(model, gen, focus, slots)
         self.members: list[FocusMember] = []
 
+    def add(self, request: BatchedRequest, cancelled: threading.Event) -> FocusMember:
+        member = FocusMember(self, request, cancelled)
+        self.members.append(member)
+        return member
+
     def prune(self) -> None:
         """Members whose request is done or cancelled leave (their slots are free again)."""
         for member in [m for m in self.members if m.done or m.cancelled.is_set()]:
@@ -105,8 +113,26 @@ class FocusGroups:
         focus: FocusConfig,
         cancelled: threading.Event,
     ) -> FocusMember:
-        """A member for a request with local rows ``local`` ``[N]`` (the response last) at ``positions``
-        (``[1, N]`` or ``[N]``), attending through ``inner``."""
+        """A Dream/LLaDA member for a request with local rows ``local`` ``[N]`` (the response last) at
+        ``positions`` (``[1, N]`` or ``[N]``), attending through ``inner``."""
+        group = self._group(gen, focus)
+        return group.add(group.batch.local(local, positions.reshape(-1), response_start, inner), cancelled)
+
+    def join_block_diffusion(
+        self,
+        prompt: torch.Tensor,
+        gen: GenerationConfig,
+        focus: FocusConfig,
+        cancelled: threading.Event,
+        prefix: BlockKVCache | None = None,
+    ) -> FocusMember:
+        """An SDAR member: block diffusion of ``prompt`` (its prefill runs now), continuing ``prefix`` when
+        given (pdllm's block-causal cache of ``[instruction, chunks]``)."""
+        group = self._group(gen, focus)
+        return group.add(group.batch.block_diffusion(prompt, prefix), cancelled)
+
+    def _group(self, gen: GenerationConfig, focus: FocusConfig) -> FocusGroup:
+        """A group of these settings with a free slot (empty groups are dropped)."""
         groups = self.groups.setdefault((gen, focus), [])
         for group in groups:
             group.prune()
@@ -115,7 +141,4 @@ class FocusGroups:
         if group is None:
             group = FocusGroup(self.model, gen, focus, self.slots)
             groups.append(group)
-        request = group.batch.local(local, positions.reshape(-1), response_start, inner)
-        member = FocusMember(group, request, cancelled)
-        group.members.append(member)
-        return member
+        return group

@@ -18,9 +18,9 @@ On an SDAR (block-diffusion) model every request is exact block diffusion, stepp
 (:class:`~pdllm.shared.generation.block_diffusion.BlockDiffusionSession`, one denoising step per scheduler
 iteration): vanilla over its whole prompt, as ``generate_vanilla``; pdllm over ``[instruction, chunks,
 query]``, the in-process engine's very code (``shared/generation/sdar_decode.py``), its block-causal prefix
-rebuilt here from the chunks' token ids. Under decode policy ``focus`` either is FOCUS's session over the same
-cache (``FocusBlockSession``), its counters in the trace's ``decode_policy`` like a Dream/LLaDA FOCUS
-request's. It holds no pool pages and pulls no handoff: the prefill worker's chunk KV and a handed-off decode
+rebuilt here from the chunks' token ids. Under decode policy ``focus`` either joins the worker's batched
+FOCUS requests (``focus_rounds.py``: block diffusion over the same prompt and prefix through FOCUS's fast
+path), its counters in the trace's ``decode_policy`` like a Dream/LLaDA FOCUS request's. It holds no pool pages and pulls no handoff: the prefill worker's chunk KV and a handed-off decode
 KV are not block-causal. What it does not run (chunk-only, top-B, decode policies other than focus, a block
 length off the model's blocks) is INVALID_ARGUMENT naming the option (``request_checks.check_block_diffusion``).
 """
@@ -159,7 +159,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 if batched is not None:
                     cache_tokens = cache_slots(len(request.question_ids), gen)
                 if sdar:  # stepped alone over a cache of its own: no pool pages, so no handoff pulled
-                    start = lambda: self._sdar_session(request, gen, policy)  # noqa: E731
+                    start = lambda: self._sdar_session(request, gen, policy, job)  # noqa: E731
                     start_steps, kv_tokens = None, 0
             job = DecodeJob(
                 request.request_id,
@@ -189,6 +189,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
         prompt = prompt_tensor(model, ids)
         if sdar_decode.is_block_diffusion(model):  # generate_vanilla's block diffusion (none / focus)
+            if policy.name == "focus":  # batched with the worker's other FOCUS requests
+                return self.focus_groups.join_block_diffusion(
+                    prompt, gen, policy.focus_config(), job.cancelled
+                )
             return sdar_decode.block_session(model, prompt, gen, policy)
         if policy.name == "focus":  # one packed step with the worker's other FOCUS requests per turn
             local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
@@ -241,14 +245,20 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         )
 
     def _sdar_session(
-        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig
-    ) -> BlockDiffusionSession:
+        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob
+    ) -> BlockDiffusionSession | FocusMember:
         """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]`` (plain or under
         FOCUS), the in-process engine's steps 6-7 (``sdar_decode.session``), its block-causal prefix built
-        from the token ids."""
-        req = _request(request)
+        from the token ids; under FOCUS it joins the worker's batched FOCUS requests."""
+        req, model = _request(request), self.worker.model
         layout = decode_layout(req, list(range(len(req.chunks))), gen.gen_length)
-        return sdar_decode.session(self.worker.model, req, layout, gen, policy)
+        if policy.name != "focus":
+            return sdar_decode.session(model, req, layout, gen, policy)
+        prefix = sdar_decode.build_prefix(model, req, layout, gen)
+        prompt = sdar_decode.selected_prompt_tensor(model, req, layout)
+        return self.focus_groups.join_block_diffusion(
+            prompt, gen, policy.focus_config(), job.cancelled, prefix
+        )
 
     def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
         """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""

@@ -185,7 +185,7 @@ class BlockDiffusionSession:
         self.seq = torch.cat([prompt, self.state.tokens])
         cached_prompt = p // block * block  # the last partial block is decoded with the answer
         self.cache = BlockKVCache(self.seq.numel(), model_block) if prefix is None else prefix
-        _check_prefix(self.cache, self.seq.numel(), model_block, cached_prompt)
+        check_prefix(self.cache, self.seq.numel(), model_block, cached_prompt)
         start = time.perf_counter()
         prefill_blocks(model, self.cache, self.seq, cached_prompt, max(block, prefill_piece // block * block))
         _sync(self.device)
@@ -269,7 +269,9 @@ def run_to_end(
     return result
 
 
-def _check_prefix(cache: BlockKVCache, total: int, model_block: int, cached_prompt: int) -> None:
+def check_prefix(cache: BlockKVCache, total: int, model_block: int, cached_prompt: int) -> None:
+    """A ValueError unless ``cache`` can start a block diffusion of ``total`` positions whose prompt's whole
+    generation blocks end at ``cached_prompt``."""
     # A prefix past the prompt's whole generation blocks would hold K/V of tokens that must still see the
     # answer's first block; one ending mid model block would hold K/V that never saw the rest of its block.
     if cache.capacity < total or cache.block_size != model_block:

@@ -25,7 +25,8 @@ The decode must be exact block diffusion over the selected prompt ``[instruction
 * Decode policy ``focus`` (FOCUS): step 7's session is a
   :class:`~.policies.focus_reference.FocusBlockSession` over the same prefix (:func:`block_session`), so the
   result equals vanilla FOCUS on the selected prompt (``generate_vanilla`` with the policy), its counters in
-  the result's ``cache``. The prefix itself is no FOCUS business: FOCUS only skips rows of each block's
+  the result's ``cache`` (the decode worker batches such requests through FOCUS's fast path instead,
+  ``decode_service/focus_rounds.py``, continuing the same prefix). The prefix itself is no FOCUS business: FOCUS only skips rows of each block's
   window, and every finished block is still recorded from its final tokens.
 
 The prefix is always rebuilt from token ids, never taken from K/V another phase made: the prefill worker's
@@ -113,7 +114,7 @@ def build_prefix(
     block = generation_block(gen, model_block)
     prompt_len = layout.static_len + layout.query_len
     end = min(layout.static_len // model_block * model_block, prompt_len // block * block)
-    seq = _prompt(model, request, layout)[:end]
+    seq = selected_prompt_tensor(model, request, layout)[:end]
     cache = BlockKVCache(prompt_len + gen.gen_length, model_block)
     prefill_blocks(model, cache, seq, end)
     return cache
@@ -146,7 +147,7 @@ def decode(
 ) -> GenerationResult:
     """Step 7 to the end: block diffusion over the selected prompt under ``decode_policy``, continuing
     ``prefix`` (filled further in place)."""
-    prompt = _prompt(model, request, layout)
+    prompt = selected_prompt_tensor(model, request, layout)
     return run_to_end(block_session(model, prompt, gen, decode_policy, prefix), gen, progress)
 
 
@@ -161,9 +162,10 @@ def session(
     prompt's prefill; each ``step()`` is one denoising step (the same steps as :func:`decode`)."""
     check_decode_options(decode_policy, None)  # before the prefix's forwards
     prefix = build_prefix(model, request, layout, gen)
-    return block_session(model, _prompt(model, request, layout), gen, decode_policy, prefix)
+    return block_session(model, selected_prompt_tensor(model, request, layout), gen, decode_policy, prefix)
 
 
-def _prompt(model: DiffusionLM, request: Request, layout: DecodeLayout) -> torch.Tensor:
+def selected_prompt_tensor(model: DiffusionLM, request: Request, layout: DecodeLayout) -> torch.Tensor:
+    """:func:`selected_prompt` on the model's device."""
     device = next(model.parameters()).device
     return torch.tensor(selected_prompt(request, layout), dtype=torch.long, device=device)

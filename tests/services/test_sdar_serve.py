@@ -201,6 +201,37 @@ def test_pdllm_focus_equals_the_engine(deployment, loaded, wire: dict, knobs: di
     assert _counters(response) == {k: v for k, v in expected.cache.items() if v}
 
 
+def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, monkeypatch) -> None:
+    """SDAR FOCUS requests in flight together (vanilla and pdllm) advance in one packed FOCUS step per
+    scheduler iteration (``decode_service/focus_rounds.py``) and each answers as in process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdllm.shared.generation.policies.focus_batch import FocusDecodeBatch
+
+    sizes: list[int] = []
+    step = FocusDecodeBatch.step
+
+    def counting(self: FocusDecodeBatch) -> None:
+        sizes.append(sum(not r.state.done for r in self.requests))
+        step(self)
+
+    monkeypatch.setattr(FocusDecodeBatch, "step", counting)
+    gen = {"gen_length": 12, "steps": 12, "block_length": 4}
+    method = {"chunk_size": 16, "top_k": 2, "kv_mode": "chunk-query"}
+    asks = [method, {"method": "vanilla"}, method]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        responses = list(
+            pool.map(lambda v: _ask(deployment.address, decode_policy="focus", **gen, **v), asks)
+        )
+    ids, policy = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION), DecodePolicyConfig("focus")
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, EngineConfig(**method))
+    pdllm, _ = engine.generate(ids.context, ids.query, GenerationConfig(**gen), decode_policy=policy)
+    prompt = ids.vanilla(loaded.config.bos_token_id)
+    vanilla = generate_vanilla(loaded.model, prompt, GenerationConfig(**gen), policy=policy)
+    assert [list(r.token_ids) for r in responses] == [pdllm.token_ids, vanilla.token_ids, pdllm.token_ids]
+    assert max(sizes) >= 2  # some step advanced several requests at once
+
+
 def test_serve_decode_policy_focus_is_the_default_policy(sdar_dir, loaded) -> None:
     """``serve --decode-policy focus`` starts on SDAR; a request naming no policy is decoded under it."""
     dep = _serve(sdar_dir, "--decode-policy", "focus")

@@ -25,7 +25,15 @@ import torch
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache, answer_spans, generation_block, record_span
+from ..block_diffusion import (
+    PREFILL_PIECE_TOKENS,
+    BlockKVCache,
+    answer_spans,
+    check_prefix,
+    generation_block,
+    prefill_blocks,
+    record_span,
+)
 from ..sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
 from .focus import FocusConfig, FocusMemory, FocusStats, check_model
 from .focus_fast import FocusBatch, FocusRequest
@@ -95,18 +103,21 @@ class FocusDecodeBatch:
         )
 
     @torch.inference_mode()  # its prefill's K/V are kept: without it they would hold their autograd graph
-    def block_diffusion(self, prompt: torch.Tensor) -> BatchedRequest:
-        """Add an SDAR request and prefill its prompt's whole generation blocks into its exact cache."""
+    def block_diffusion(self, prompt: torch.Tensor, prefix: BlockKVCache | None = None) -> BatchedRequest:
+        """Add an SDAR request and prefill its prompt's whole generation blocks into its exact cache,
+        continuing ``prefix`` when given (pdllm's block-causal cache of its static part, ``sdar_decode``)."""
         if not self.sdar:
             raise ValueError(f"{self.model.config.family!r} requests are added with local(...)")
         p, block = prompt.numel(), self.block
         state = self._state(answer_spans(p, self.gen.gen_length, block))
         seq = torch.cat([prompt, state.tokens.to(prompt.device)])
-        assert self.model.config.block_size is not None
-        cache = BlockKVCache(seq.numel(), self.model.config.block_size)
-        cached, piece = p // block * block, max(block, PREFILL_PIECE_TOKENS // block * block)
-        for lo in range(0, cached, piece):  # as generate_block_diffusion prefills (the same pieces)
-            record_span(self.model, cache, seq, lo, min(cached, lo + piece))
+        model_block = self.model.config.block_size
+        assert model_block is not None
+        cache = BlockKVCache(seq.numel(), model_block) if prefix is None else prefix
+        cached = p // block * block
+        check_prefix(cache, seq.numel(), model_block, cached)
+        # as BlockDiffusionSession prefills (the same pieces, so the same K/V)
+        prefill_blocks(self.model, cache, seq, cached, max(block, PREFILL_PIECE_TOKENS // block * block))
         positions = torch.arange(seq.numel(), device=seq.device)
         return self._add(BatchedRequest(state, seq, positions, p, self.free[0], cache=cache))
 

@@ -5,8 +5,9 @@ selection of ``focus.py`` (Python sets, Algorithm 1 line by line), layers >= 2 o
 LM head over the eligible rows only. It runs
 
 - for SDAR inside block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window
-  over the exact cache of the earlier blocks), :class:`FocusBlockSession` (stepped by the decode worker,
-  run to the end by :func:`generate_focus_block_diffusion`), over the whole prompt (vanilla) or over
+  over the exact cache of the earlier blocks), :class:`FocusBlockSession` (run to the end by
+  :func:`generate_focus_block_diffusion` and the pdllm engine; the decode worker batches through the fast
+  path instead), over the whole prompt (vanilla) or over
   pdllm's block-causal prefix of the selected chunks (``sdar_decode.py``);
 - for Dream/LLaDA as a logits function (:class:`FocusLogits`) under ``denoise``'s semi-autoregressive
   blocks, over any method's backend (``inner``: dense attention for vanilla, pdllm's static chunk KV
@@ -199,8 +200,7 @@ class FocusBlockSession(BlockDiffusionSession):
     step is FOCUS's (:func:`focus_block_step`); its result's ``cache`` holds FOCUS's counters. ``prefix``:
     as the plain session's (pdllm's block-causal cache of ``[instruction, selected chunks]``,
     ``sdar_decode.py``). In process it runs to the end (``block_diffusion.run_to_end``: vanilla's
-    :func:`generate_focus_block_diffusion`, the pdllm engine's ``sdar_decode.decode``); the decode worker
-    steps it alone, like a plain SDAR session."""
+    :func:`generate_focus_block_diffusion`, the pdllm engine's ``sdar_decode.decode``)."""
 
     def __init__(
         self,
