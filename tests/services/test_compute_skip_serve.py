@@ -5,6 +5,7 @@ carries its counters (``DecodePolicyTrace.counters``); bad knobs are INVALID_ARG
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -109,21 +110,10 @@ def test_bad_knobs_are_invalid_argument(deployment, values: dict, message: str) 
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.message
 
 
-def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, monkeypatch) -> None:  # noqa: F811
+def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_step_sizes) -> None:  # noqa: F811
     """FOCUS requests in flight together are stepped as one packed batch (``decode_service/focus_rounds.py``)
     and each still answers as the engine's reference loop does."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from pdllm.shared.generation.policies.focus_batch import FocusDecodeBatch
-
-    sizes: list[int] = []
-    step = FocusDecodeBatch.step
-
-    def counting(self: FocusDecodeBatch) -> None:
-        sizes.append(sum(not r.state.done for r in self.requests))
-        step(self)
-
-    monkeypatch.setattr(FocusDecodeBatch, "step", counting)
     asks = [{**METHOD, "kv_mode": "full-mask"}, {"method": "vanilla"}, {**METHOD, "kv_mode": "full-mask"}]
     with ThreadPoolExecutor(len(asks)) as pool:
         responses = list(pool.map(lambda v: _ask(deployment.address, decode_policy="focus", **v), asks))
@@ -132,4 +122,4 @@ def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, monkey
     prompt = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION).vanilla(loaded.config.bos_token_id)
     vanilla = generate_vanilla(loaded.model, prompt, GenerationConfig(**GEN), policy=policy).token_ids
     assert [list(r.token_ids) for r in responses] == [pdllm, vanilla, pdllm]
-    assert max(sizes) >= 2  # some step advanced several requests at once
+    assert max(focus_step_sizes) >= 2  # some step advanced several requests at once

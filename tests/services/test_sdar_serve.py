@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -201,21 +202,10 @@ def test_pdllm_focus_equals_the_engine(deployment, loaded, wire: dict, knobs: di
     assert _counters(response) == {k: v for k, v in expected.cache.items() if v}
 
 
-def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, monkeypatch) -> None:
+def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_step_sizes) -> None:
     """SDAR FOCUS requests in flight together (vanilla and pdllm) advance in one packed FOCUS step per
     scheduler iteration (``decode_service/focus_rounds.py``) and each answers as in process."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from pdllm.shared.generation.policies.focus_batch import FocusDecodeBatch
-
-    sizes: list[int] = []
-    step = FocusDecodeBatch.step
-
-    def counting(self: FocusDecodeBatch) -> None:
-        sizes.append(sum(not r.state.done for r in self.requests))
-        step(self)
-
-    monkeypatch.setattr(FocusDecodeBatch, "step", counting)
     gen = {"gen_length": 12, "steps": 12, "block_length": 4}
     method = {"chunk_size": 16, "top_k": 2, "kv_mode": "chunk-query"}
     asks = [method, {"method": "vanilla"}, method]
@@ -229,7 +219,7 @@ def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, monkey
     prompt = ids.vanilla(loaded.config.bos_token_id)
     vanilla = generate_vanilla(loaded.model, prompt, GenerationConfig(**gen), policy=policy)
     assert [list(r.token_ids) for r in responses] == [pdllm.token_ids, vanilla.token_ids, pdllm.token_ids]
-    assert max(sizes) >= 2  # some step advanced several requests at once
+    assert max(focus_step_sizes) >= 2  # some step advanced several requests at once
 
 
 def test_serve_decode_policy_focus_is_the_default_policy(sdar_dir, loaded) -> None:
