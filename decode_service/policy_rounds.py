@@ -124,7 +124,9 @@ class PolicyBatchSession(BatchSession):
             rows=len(self.query) + state.config.gen_length,
             lead=self.lead,
             unmasked=block - masked,
-            protected=len(self.query),  # pdllm's question (``StepContext.protected``)
+            # pdllm's question (``StepContext.protected``); a session without static KV (vanilla: its query
+            # is the whole prompt) has none, as the reference vanilla loop.
+            protected=len(self.query) if self.kv_tokens else 0,
         )
 
     def _plan(self, ctx: StepContext) -> StepPlan:

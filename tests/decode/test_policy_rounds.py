@@ -184,3 +184,26 @@ def test_sparse_dllm_sessions_in_rounds_equal_the_reference_loop(family: str, ki
         result = s.result()
         assert result.raw_tokens == tokens, case
         assert result.cache == cache, case
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_vanilla_sparse_session_in_rounds_evicts_the_prompt_as_the_reference(family: str) -> None:
+    """A session without static KV (the whole prompt as its query: vanilla) protects no row from Sparse-dLLM's
+    eviction, as ``generate_vanilla``'s loop; only pdllm's question is protected."""
+    from pdllm.shared.generation.vanilla import generate_vanilla
+    from tests.engine.helpers import tokens
+
+    m = model(family, seed=1)
+    prompt = tokens(14, 5)
+    gen = GenerationConfig(gen_length=8, steps=8, block_length=4)
+    policy = DecodePolicyConfig(name="sparse-dllm", retention=0.3)
+    want = generate_vanilla(m, prompt, gen, policy=policy)
+    pool = pool_for(m, pages=32)
+    pages = pool.reserve(cache_slots(len(prompt), gen))
+    assert pages is not None
+    cache_policy = make_policy(policy)
+    assert cache_policy is not None
+    s = PolicyBatchSession.start_policy(m, prompt, 0, 0, pages, gen, cache_policy, pool.page_size)
+    run_rounds(EagerRoundForward(m, pool, "torch"), [s])
+    assert s.result().raw_tokens == want.raw_tokens
+    assert s.result().cache == want.cache
