@@ -132,11 +132,15 @@ class FocusGroups:
         return group.add(group.batch.block_diffusion(prompt, prefix), cancelled)
 
     def _group(self, gen: GenerationConfig, focus: FocusConfig) -> FocusGroup:
-        """A group of these settings with a free slot (empty groups are dropped)."""
+        """A group of these settings with a free slot. Groups left empty, of any settings, are dropped here
+        (their block-K/V stores with them)."""
+        for key, kept in list(self.groups.items()):
+            for group in kept:
+                group.prune()
+            kept[:] = [g for g in kept if g.members]
+            if not kept:
+                del self.groups[key]
         groups = self.groups.setdefault((gen, focus), [])
-        for group in groups:
-            group.prune()
-        groups[:] = [g for g in groups if g.members]
         group = next((g for g in groups if not g.batch.full), None)
         if group is None:
             group = FocusGroup(self.model, gen, focus, self.slots)

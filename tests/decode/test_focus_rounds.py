@@ -89,3 +89,14 @@ def test_cancelled_and_finished_members_free_their_slots() -> None:
     ref, got = _reference(model, PROMPTS[2], GEN), d.result()
     assert got.raw_tokens == ref.raw_tokens and got.cache == ref.cache
     assert e.result().raw_tokens == _reference(model, PROMPTS[0], other).raw_tokens
+
+
+def test_groups_left_empty_are_dropped_at_the_next_join() -> None:
+    model = tiny_model("llada", seed=3, num_layers=4)
+    groups = FocusGroups(model, slots=2)
+    other = GenerationConfig(gen_length=8, steps=8, block_length=4, stop_at_eos=False)
+    a = _join(groups, model, PROMPTS[0], other)
+    while not a.done:
+        a.step()
+    _join(groups, model, PROMPTS[1], GEN)
+    assert list(groups.groups) == [(GEN, PAPER)]  # the finished request's group is gone
