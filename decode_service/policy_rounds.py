@@ -21,8 +21,8 @@ full step.
 
 **Sparse-dLLM** (``SparseDLLM``'s plans): its delayed steps (``record=False``) are plain full steps; its
 caching step is a refresh whose stores are chosen on the device inside the forward (:class:`SalientStore`:
-per layer, the selection from that layer's queries and keys, a fixed ``floor((N - b) r)`` rows compacted
-into the cache slots), so a round holding one runs eagerly, not as a graph (once per block and session);
+per layer, the selection from that layer's queries and keys, a fixed ``p + floor((N - b - p) r)`` rows
+compacted into the cache slots, ``p`` the question's protected rows: ``sparse_dllm.kept_count``), so a round holding one runs eagerly, not as a graph (once per block and session);
 its cached steps replay like the dual cache's. On Dream the row before the block may be kept at some
 layer and is also forwarded fresh by the cached steps: it is stored in the last slot and, at that layer,
 not read there (``drop``: per-layer cached slot counts, subtracted from ``kv_len``), as the reference's

@@ -240,9 +240,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             )
         cache_policy = make_policy(policy)
         assert cache_policy is not None, "only a caching policy takes this path"
-        return PolicySession(
-            static_policy_logits(self.worker.model, built.query, static, gen, cache_policy, attention)
-        )
+        return PolicySession(static_policy_logits(model, query, static, gen, cache_policy, attention))
 
     def _sdar_session(
         self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob
