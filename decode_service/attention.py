@@ -115,8 +115,8 @@ class PagedSplitSAttention:
             self.page_table,
             self.kv_lens,
             offsets,
-            k_local=k[0].transpose(0, 1).contiguous(),
-            v_local=v[0].transpose(0, 1).contiguous(),
+            k_local=k[0].transpose(0, 1),  # strided views: the kernel takes row strides, no copy
+            v_local=v[0].transpose(0, 1),
             max_q_len=t,
             max_kv_len=self.static_len,
         )

@@ -148,8 +148,8 @@ class PagedBatchAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qt = q[0].transpose(0, 1)
-        kl = k[0].transpose(0, 1).contiguous()
-        vl = v[0].transpose(0, 1).contiguous()
+        kl = k[0].transpose(0, 1)  # strided views: the kernel takes row strides, no copy
+        vl = v[0].transpose(0, 1)
         if self.writes is not None:
             rows, pages, slots = self.writes
             self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)

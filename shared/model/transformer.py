@@ -20,6 +20,7 @@ from pdllm.kernels import HAS_TRITON
 from pdllm.kernels.rms_norm import rms_norm
 from pdllm.kernels.rope import apply_rope as apply_rope_fused
 from pdllm.kernels.silu_mul import silu_mul_fused
+from pdllm.kernels.skinny_gemm import pick_config, skinny_linear, skinny_silu_mul
 from pdllm.shared.stepwise import Steps, drain
 
 from .attention import AttentionBackend, DenseAttention
@@ -184,14 +185,37 @@ class MLP(nn.Module):
         self.fused = True
         self.gate_up: Packed | None = None  # set by pack_projections
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (the decoder layer's skip)."""
         if self.gate_up is not None and fused_route(self, x):
-            return self.down_proj(silu_mul_fused(self.gate_up.linear(x)))
-        if self.gate_up is not None:
+            out = self._skinny(x, residual)
+            if out is not None:
+                return out
+            out = self.down_proj(silu_mul_fused(self.gate_up.linear(x)))
+        elif self.gate_up is not None:
             gate, up = self.gate_up(x)
+            out = self.down_proj(F.silu(gate) * up)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if residual is None else residual + out
+
+    def _skinny(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """A decode step's few rows: SwiGLU in the gate/up GEMM's epilogue and the skip in down's
+        (``kernels/skinny_gemm.py``); None where those kernels have no config (cuBLAS then)."""
+        rows = x.reshape(-1, x.shape[-1])
+        w_gu, w_down = self.gate_up.weight, self.down_proj.weight
+        glu = pick_config(rows.shape[0], w_gu.shape[0] // 2, rows.shape[1], glu=True)
+        if glu is None or not rows.is_contiguous():
+            return None
+        h = skinny_silu_mul(rows, w_gu, glu)
+        down = pick_config(h.shape[0], w_down.shape[0], h.shape[1], glu=False)
+        res = None if residual is None else residual.reshape(-1, residual.shape[-1])
+        if down is None:
+            out = F.linear(h, w_down)
+            out = out if res is None else res + out
+        else:
+            out = skinny_linear(h, w_down, residual=res, config=down)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class DecoderLayer(nn.Module):
@@ -210,7 +234,7 @@ class DecoderLayer(nn.Module):
         if fused_route(self, x):  # residual add and the second norm in one pass over the activations
             norm = self.post_attention_layernorm
             h, x = rms_norm(attn, norm.weight, norm.eps, residual=x)
-            return x + self.mlp(h)
+            return self.mlp(h, residual=x)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -50,6 +50,17 @@ def case_split_s() -> None:
         wide = dataclasses.replace(p, q=p.q * 8)
         want_wide = split_s_attention_reference(*wide.args(), config=cfg)
         assert _rel(split_s_attention(*wide.args(), config=cfg), want_wide) < tol, q_lens
+        if local:
+            # Local K/V as the model hands them over: strided views, K and V with different row strides
+            # (V a column slice of a packed q/k/v output), nothing copied.
+            t, hkv_, d = p.k_local.shape
+            packed = torch.randn(t, 5 * hkv_ * d, generator=gen, dtype=dtype)
+            v_view = packed[:, 2 * hkv_ * d : 3 * hkv_ * d].view(t, hkv_, d)
+            v_view.copy_(p.v_local)
+            k_view = torch.empty(hkv_, t, d, dtype=dtype).transpose(0, 1)
+            k_view.copy_(p.k_local)
+            strided = dataclasses.replace(p, k_local=k_view, v_local=v_view)
+            assert _rel(split_s_attention(*strided.args(), config=cfg), want) < tol, q_lens
         if splits != 1:
             # In-kernel merge through a reused counter workspace: same answer, workspace left zeroed.
             ws = torch.zeros(64, dtype=torch.int32)
@@ -304,7 +315,8 @@ def case_silu_mul() -> None:
 
 
 def case_model_fused() -> None:
-    """The model's fused route (packed GEMMs + the three kernels, as taken on CUDA) == its eager ops."""
+    """The model's fused route (packed GEMMs + the three kernels, as taken on CUDA) == its eager ops: 38 rows
+    (the skinny SwiGLU GEMM, as a decode step) and 76 (the cuBLAS GEMM + SiLU*up kernel)."""
     from pdllm.shared.model import transformer
     from tests.model.helpers import tiny_model
 
@@ -312,15 +324,42 @@ def case_model_fused() -> None:
     for family in ("dream", "llada"):
         model = tiny_model(family, seed=8)
         model.pack_projections()
-        ids = torch.randint(3, 90, (2, 19), generator=torch.Generator().manual_seed(5))
+        ids = torch.randint(3, 90, (4, 19), generator=torch.Generator().manual_seed(5))
         one_row = torch.arange(3, 22)[None]  # one row of positions for the batch: eager broadcasts it
         with torch.no_grad():
-            fused = torch.cat([model(ids), model(ids, one_row)])
+            fused = torch.cat([model(ids[:2]), model(ids[:2], one_row), model(ids)])
             model.set_fused(False)
-            eager = torch.cat([model(ids), model(ids, one_row)])
+            eager = torch.cat([model(ids[:2]), model(ids[:2], one_row), model(ids)])
         err = _rel(fused, eager)
         assert err < 1e-5, (family, err)
         print(f"model {family} fused vs eager fp32 rel={err:.2e}")
+
+
+def case_skinny_gemm() -> None:
+    """Skinny GEMMs (bias, residual, K splits, the SwiGLU epilogue) == their references, ragged row counts
+    (fp32: the interpreter has no bf16 matmul; the GPU check covers bf16)."""
+    from pdllm.kernels.skinny_gemm import (
+        SkinnyConfig,
+        skinny_linear,
+        skinny_linear_reference,
+        skinny_silu_mul,
+        skinny_silu_mul_reference,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 5, 17, 64):
+        x = torch.randn(m, 128, generator=gen)
+        w = torch.randn(96, 128, generator=gen) / 8
+        bias, res = torch.randn(96, generator=gen), torch.randn(m, 96, generator=gen)
+        for split in (1, 2, 4):
+            cfg = SkinnyConfig(block_n=32, block_k=16, split=split, num_stages=2)
+            for b, r in ((None, None), (bias, None), (None, res), (bias, res)):
+                got = skinny_linear(x, w, b, r, config=cfg)
+                assert _rel(got, skinny_linear_reference(x, w, b, r)) < 1e-6, (m, split, b is None, r is None)
+        w_gu = torch.randn(2 * 48, 128, generator=gen) / 8
+        got = skinny_silu_mul(x, w_gu, SkinnyConfig(block_n=16, block_k=32, num_stages=2))
+        assert _rel(got, skinny_silu_mul_reference(x, w_gu)) < 1e-6, m
+    print("skinny gemm ok")
 
 
 def case_elementwise() -> None:
