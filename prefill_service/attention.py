@@ -7,7 +7,7 @@ mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,16 +23,25 @@ class BankPrefixAttention:
     rows: slice
     prefix_valid: torch.Tensor
     local_causal: bool
+    # The mask is the same at every layer: built at the first, as an additive one (0 / -inf) in the
+    # queries' dtype, which the attention kernels take without converting it again at each layer.
+    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def mask(self, t: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._mask is None or self._mask.shape[-2] != t or self._mask.dtype != dtype:
+            local = torch.ones(t, t, dtype=torch.bool, device=self.prefix_valid.device)
+            if self.local_causal:
+                local = local.tril()
+            n = self.prefix_valid.shape[0]
+            visible = torch.cat(
+                [self.prefix_valid[:, None, :].expand(-1, t, -1), local[None].expand(n, -1, -1)], dim=2
+            )
+            zero = torch.zeros((), dtype=dtype, device=visible.device)
+            self._mask = torch.where(visible, zero, float("-inf"))[:, None]
+        return self._mask
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.prefix_valid.shape[1]
         kk = torch.cat([self.bank.kv[layer, 0, self.rows, :, :p], k], dim=2)
         vv = torch.cat([self.bank.kv[layer, 1, self.rows, :, :p], v], dim=2)
-        t = q.shape[2]
-        local = torch.ones(t, t, dtype=torch.bool, device=q.device)
-        if self.local_causal:
-            local = local.tril()
-        mask = torch.cat(
-            [self.prefix_valid[:, None, :].expand(-1, t, -1), local[None].expand(q.shape[0], -1, -1)], dim=2
-        )
-        return sdpa(q, kk, vv, mask=mask[:, None])
+        return sdpa(q, kk, vv, mask=self.mask(q.shape[2], q.dtype))

@@ -16,7 +16,8 @@ import torch
 from pdllm.prefill_service.attention import BankPrefixAttention
 from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.sampler import DenoiseState
+from pdllm.shared.generation.device_sampler import unmask_window
+from pdllm.shared.generation.sampler import greedy_predictions, step_schedule
 from pdllm.shared.layout import Request
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.reference import ChunkScore, draft_config
@@ -97,21 +98,31 @@ def _draft(
     span: torch.Tensor,
     query: torch.Tensor,
 ) -> torch.Tensor:
-    """Pseudo-labels per chunk, unmasked by the shared sampler (one state per chunk, batched forwards)."""
+    """Pseudo-labels per chunk: greedy denoising of ``p`` [MASK] slots after the query, all chunks at once.
+
+    The unmasking is :class:`~pdllm.shared.generation.sampler.DenoiseState`'s decision for the draft config
+    (one block, greedy, no EOS stop: every chunk follows the same schedule) made on the device for every
+    chunk together (:func:`~pdllm.shared.generation.device_sampler.unmask_window`), so the rounds run with
+    no host sync and no per-chunk Python; the reference unmasks chunk by chunk (``reference_scores``)."""
     device = lens.device
     n, q, p = lens.shape[0], query.shape[0], config.pseudo_labels
     mask_id = model.config.mask_token_id
-    states = [DenoiseState(draft_config(config), mask_id, None, device) for _ in range(n)]
+    gen = draft_config(config)
+    if gen.temperature != 0 or gen.threshold is not None or gen.num_blocks != 1:
+        raise ValueError("the pseudo-label draft is greedy over one block on a fixed schedule")
     tokens = torch.cat([query.expand(n, -1), torch.full((n, p), mask_id, device=device)], dim=1)
     positions = lens[:, None] + torch.arange(q + p, device=device)
     attention = BankPrefixAttention(bank, rows, span[None] < lens[:, None], local_causal=False)
     label_rows = (q + torch.arange(p, device=device)).expand(n, -1)
-    while not all(s.done for s in states):
-        for j, state in enumerate(states):
-            tokens[j, q:] = state.tokens
+    no_threshold = torch.zeros(n, dtype=torch.float32, device=device)
+    by_schedule = torch.zeros(n, dtype=torch.bool, device=device)
+    for k in step_schedule(p, gen.steps):  # sums to p: the last step unmasks what is left, as the reference
         hidden = model.hidden_states(tokens, positions, attention)
         logits = model.logits_from_hidden(hidden, label_rows)
-        for j, state in enumerate(states):
-            if not state.done:
-                state.update(logits[j, state.positions()])
-    return torch.stack([s.tokens for s in states])
+        confidence, predicted = greedy_predictions(logits.reshape(n * p, -1), mask_id)
+        ks = torch.full((n,), k, dtype=torch.long, device=device)
+        window = unmask_window(
+            tokens[:, q:], confidence.view(n, p), predicted.view(n, p), ks, no_threshold, by_schedule, mask_id
+        )
+        tokens[:, q:] = window
+    return tokens[:, q:]
