@@ -16,7 +16,7 @@ import torch
 from pdllm.prefill_service.attention import BankPrefixAttention
 from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.device_sampler import unmask_window
+from pdllm.shared.generation.device_sampler import to_device, unmask_window
 from pdllm.shared.generation.sampler import greedy_predictions, step_schedule
 from pdllm.shared.layout import Request
 from pdllm.shared.model.transformer import DiffusionLM
@@ -65,15 +65,16 @@ def _score_group(
     model: DiffusionLM, request: Request, config: EngineConfig, bank: ChunkBank, rows: slice, query: list[int]
 ) -> list[ChunkScore]:
     device = bank.kv.device
-    lens = torch.tensor(bank.lens[rows], device=device)
+    # host lists reach the device through pinned copies: a pageable copy would wait for queued kernels
+    lens = to_device(bank.lens[rows], torch.long, device)
     n, width, q = lens.shape[0], int(lens.max()), len(query)
     span = torch.arange(width, device=device)
-    query_t = torch.tensor(query, device=device)
+    query_t = to_device(query, torch.long, device)
     labels = torch.empty(n, 0, dtype=torch.long, device=device)
     pseudo = config.score_mode == "pseudo-label"
     if pseudo:
         labels = _draft(model, config, bank, rows, lens, span, query_t)
-    last = torch.tensor([request.chunks[i][-1] for i in range(rows.start, rows.stop)], device=device)
+    last = to_device([request.chunks[i][-1] for i in range(rows.start, rows.stop)], torch.long, device)
     tokens = torch.cat([last[:, None], query_t.expand(n, -1), labels], dim=1)
     positions = lens[:, None] - 1 + torch.arange(tokens.shape[1], device=device)
     attention = BankPrefixAttention(bank, rows, span[None] < (lens[:, None] - 1), local_causal=True)

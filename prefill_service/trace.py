@@ -21,7 +21,7 @@ class Trace:
     chunk_scores: list[dict[str, float | int | None]] = field(default_factory=list)
     selected: list[int] = field(default_factory=list)
     kept_tokens: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
+    _timings: dict[str, float] = field(default_factory=dict, repr=False)
     peak_memory_bytes: int = 0
     memory_kind: str = "cpu-rss-delta"
     cache_hits: int = 0
@@ -29,19 +29,49 @@ class Trace:
     prefill_skipped: bool = False
     chunks_written: int = 0  # chunk KV values handed to the KV tier after selection (its write policy)
     decode_steps: int = 0
+    # event-timed phases not read yet: (name, start, end) on the stream that ran them
+    _pending: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase. Event-timed phases are settled here, waiting for their end if need be."""
+        for name, start, end in self._pending:
+            end.synchronize()
+            self._timings[name] = self._timings.get(name, 0.0) + start.elapsed_time(end) / 1e3
+        self._pending.clear()
+        return self._timings
 
     @contextmanager
-    def phase(self, name: str, device: torch.device) -> Iterator[None]:
-        """Time one phase; on CUDA synchronise first so the time belongs to this phase."""
+    def phase(self, name: str, device: torch.device, sync: bool = True) -> Iterator[None]:
+        """Time one phase. ``sync`` (or off CUDA): host time, on CUDA synchronising first and last so the
+        time belongs to this phase. Without ``sync`` on CUDA: the phase's span on the current stream, from
+        CUDA events, and nothing waits, so the host can queue the next phase's work while the device still
+        runs this one's (the prefill worker's prefill and scoring: their host time is mostly kernel
+        launches). Such phases are settled when :attr:`timings` is read."""
+        if device.type == "cuda" and not sync:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((name, start, end))
+            return
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        began = time.perf_counter()
         try:
             yield
         finally:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            self._timings[name] = self._timings.get(name, 0.0) + time.perf_counter() - began
+
+    def adopt(self, other: Trace, name: str) -> None:
+        """Take ``other``'s timing of phase ``name`` (a batch's shared prefill) without settling it."""
+        self._pending += [p for p in other._pending if p[0] == name]
+        if name in other._timings:
+            self._timings[name] = other._timings[name]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -207,7 +207,9 @@ class PrefillWorker:
             keys = chunk_keys(self.model.config.model_id, dtype, chunk_size, "causal", chunks)  # hashed once
             everyone_gone = lambda m=members: all(jobs[j].is_cancelled for j in m)  # noqa: E731
             try:
-                with timer.phase("prefill", self.device):  # (includes the time others ran between pieces)
+                # event-timed: scoring's launches queue behind the prefill's kernels instead of waiting
+                # (includes the time others ran between pieces)
+                with timer.phase("prefill", self.device, sync=False):
                     bank, stats = yield from chunk_prefill_steps(
                         self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens,
                         stop=everyone_gone, publish=False,  # written below, once each job's top-K is known
@@ -224,7 +226,7 @@ class PrefillWorker:
                     continue
                 request = jobs[j].request
                 trace = Trace(num_chunks=request.num_chunks, context_tokens=jobs[j].num_context_tokens)
-                trace.timings["prefill"] = timer.timings["prefill"]
+                trace.adopt(timer, "prefill")
                 trace.cache_hits = sum(i in hit for i in idx)
                 trace.cache_misses = len(idx) - trace.cache_hits
                 trace.prefill_skipped = trace.cache_misses == 0  # all its chunks came from the store
@@ -277,7 +279,7 @@ class PrefillWorker:
         """Steps 4-5 of ``job``, in scoring groups; PrefillStopped once its caller has gone."""
         model, device, cfg, request = self.model, self.device, job.config, job.request
         stop = lambda: job.is_cancelled  # noqa: E731
-        with trace.phase("score", device):  # (includes the time others ran between groups)
+        with trace.phase("score", device, sync=False):  # (includes the time others ran between groups)
             scores = yield from score_chunks_steps(model, request, cfg, bank, stop)
         with trace.phase("select", device):
             selected = select_top_k([s.total for s in scores], cfg.top_k)
