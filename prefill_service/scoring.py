@@ -67,7 +67,7 @@ def _score_group(
     device = bank.kv.device
     # host lists reach the device through pinned copies: a pageable copy would wait for queued kernels
     lens = to_device(bank.lens[rows], torch.long, device)
-    n, width, q = lens.shape[0], int(lens.max()), len(query)
+    n, width, q = lens.shape[0], max(bank.lens[rows]), len(query)
     span = torch.arange(width, device=device)
     query_t = to_device(query, torch.long, device)
     labels = torch.empty(n, 0, dtype=torch.long, device=device)

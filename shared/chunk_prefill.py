@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys
+from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, VarlenAttention
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.stepwise import Steps, drain
@@ -191,11 +192,11 @@ def _forward_group(
     kernel: ChunkAttentionKernel,
 ) -> None:
     width = max(bank.lens[i] for i in group)
-    tokens = torch.full((len(group), width), model.config.mask_token_id, dtype=torch.long, device=device)
-    valid = torch.zeros(len(group), width, dtype=torch.bool, device=device)
-    for row, i in enumerate(group):
-        tokens[row, : bank.lens[i]] = torch.as_tensor(chunks[i], device=device)
-        valid[row, : bank.lens[i]] = True
+    pad = model.config.mask_token_id
+    # one pinned copy of the padded tokens: per-chunk pageable copies would each wait for queued kernels
+    tokens = to_device([[*chunks[i], *[pad] * (width - bank.lens[i])] for i in group], torch.long, device)
+    lens = to_device([bank.lens[i] for i in group], torch.long, device)
+    valid = torch.arange(width, device=device)[None] < lens[:, None]
     inner: AttentionBackend
     if kernel == "varlen":
         inner = VarlenAttention([bank.lens[i] for i in group], width, attention == "causal", device)
