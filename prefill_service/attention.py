@@ -14,6 +14,10 @@ import torch
 from pdllm.shared.chunk_prefill import ChunkBank
 from pdllm.shared.model.attention import sdpa
 
+# Keys per call padded to a multiple of this (masked): cuDNN's masked attention took 108 instead of 182 µs
+# for 16 chunks of 1025 + 28 keys when given 1056 (H100, bf16; benchmarks/results/e2e_notes.md).
+KEY_MULTIPLE = 8
+
 
 @dataclass
 class BankPrefixAttention:
@@ -26,15 +30,17 @@ class BankPrefixAttention:
     # The mask is the same at every layer: built at the first, as an additive one (0 / -inf) in the
     # queries' dtype, which the attention kernels take without converting it again at each layer.
     _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _pad: torch.Tensor | None = field(default=None, init=False, repr=False)  # zero keys after the local ones
 
     def mask(self, t: int, dtype: torch.dtype) -> torch.Tensor:
         if self._mask is None or self._mask.shape[-2] != t or self._mask.dtype != dtype:
             local = torch.ones(t, t, dtype=torch.bool, device=self.prefix_valid.device)
             if self.local_causal:
                 local = local.tril()
-            n = self.prefix_valid.shape[0]
+            n, p = self.prefix_valid.shape
+            pad = torch.zeros(n, t, -(p + t) % KEY_MULTIPLE, dtype=torch.bool, device=local.device)
             visible = torch.cat(
-                [self.prefix_valid[:, None, :].expand(-1, t, -1), local[None].expand(n, -1, -1)], dim=2
+                [self.prefix_valid[:, None, :].expand(-1, t, -1), local[None].expand(n, -1, -1), pad], dim=2
             )
             zero = torch.zeros((), dtype=dtype, device=visible.device)
             self._mask = torch.where(visible, zero, float("-inf"))[:, None]
@@ -42,6 +48,9 @@ class BankPrefixAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.prefix_valid.shape[1]
-        kk = torch.cat([self.bank.kv[layer, 0, self.rows, :, :p], k], dim=2)
-        vv = torch.cat([self.bank.kv[layer, 1, self.rows, :, :p], v], dim=2)
+        pad = -(p + k.shape[2]) % KEY_MULTIPLE
+        if self._pad is None or self._pad.shape[2] != pad or self._pad.dtype != k.dtype:
+            self._pad = k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3])
+        kk = torch.cat([self.bank.kv[layer, 0, self.rows, :, :p], k, self._pad], dim=2)
+        vv = torch.cat([self.bank.kv[layer, 1, self.rows, :, :p], v, self._pad], dim=2)
         return sdpa(q, kk, vv, mask=self.mask(q.shape[2], q.dtype))
