@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdllm.prefill_service.attention import BankPrefixAttention
+from pdllm.prefill_service.attention import KEY_MULTIPLE, BankPrefixAttention
 from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.device_sampler import to_device, unmask_window
@@ -27,6 +27,17 @@ from pdllm.shared.stepwise import Steps, drain
 # (unchanged), fewer of longer ones, so that one group stays short whatever chunk size a request asks for
 # (64 chunks of 16K: 1.0-1.6 s on the tiny model on a 2-core CPU; 4 of them: 0.05 s).
 SCORE_GROUP_TOKENS = 64 * 1024
+
+
+def score_tail(request: Request, config: EngineConfig, width: int) -> int:
+    """Free bank slots after rows of ``width`` tokens that scoring's forwards use in place
+    (:class:`BankPrefixAttention`): its longest local block (the NLL forward's last chunk token, query
+    window and labels), plus what makes a row's keys a multiple of ``KEY_MULTIPLE``."""
+    window = config.scoring_window()
+    q = len(request.query[-window:] if window else request.query)
+    labels = config.pseudo_labels if config.score_mode == "pseudo-label" else 0
+    tail = 1 + q + labels
+    return tail + -(width + tail) % KEY_MULTIPLE
 
 
 def score_chunks(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pdllm.prefill_service.handoff import DecodeKVBuild, HandoffKV, handoff_kv
-from pdllm.prefill_service.scoring import score_chunks_steps
+from pdllm.prefill_service.scoring import score_chunks_steps, score_tail
 from pdllm.prefill_service.trace import MemoryMeter, Trace
 from pdllm.shared.chunk_prefill import ChunkBank, PrefillStopped, chunk_prefill_steps
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys, position_scheme
@@ -205,6 +205,7 @@ class PrefillWorker:
             chunks = [list(c) for c in unique]
             dtype = next(self.model.parameters()).dtype
             keys = chunk_keys(self.model.config.model_id, dtype, chunk_size, "causal", chunks)  # hashed once
+            width = max(len(c) for c in chunks)  # the bank's rows, before the scoring slots after them
             everyone_gone = lambda m=members: all(jobs[j].is_cancelled for j in m)  # noqa: E731
             try:
                 # event-timed: scoring's launches queue behind the prefill's kernels instead of waiting
@@ -213,6 +214,7 @@ class PrefillWorker:
                     bank, stats = yield from chunk_prefill_steps(
                         self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens,
                         stop=everyone_gone, publish=False,  # written below, once each job's top-K is known
+                        tail=max(score_tail(jobs[j].request, jobs[j].config, width) for j in members),
                     )  # fmt: skip
             except PrefillStopped as stopped:
                 for j in members:

@@ -80,10 +80,12 @@ class PrefillStats:
         return len(self.hit_rows)
 
 
-def empty_bank(model: DiffusionLM, lens: Sequence[int]) -> ChunkBank:
+def empty_bank(model: DiffusionLM, lens: Sequence[int], tail: int = 0) -> ChunkBank:
+    """A zeroed bank for chunks of ``lens`` tokens; ``tail`` free slots after the longest (scoring writes
+    its query tokens' K/V there and attends over the row in place, instead of concatenating a copy)."""
     cfg = model.config
     p = next(model.parameters())
-    shape = (cfg.num_layers, 2, len(lens), cfg.num_kv_heads, max(lens), cfg.head_dim)
+    shape = (cfg.num_layers, 2, len(lens), cfg.num_kv_heads, max(lens) + tail, cfg.head_dim)
     return ChunkBank(kv=torch.zeros(shape, dtype=p.dtype, device=p.device), lens=list(lens))
 
 
@@ -116,16 +118,18 @@ def chunk_prefill_steps(
     kernel: ChunkAttentionKernel = "sdpa",
     stop: Callable[[], bool] | None = None,
     publish: bool = True,
+    tail: int = 0,
 ) -> Steps[tuple[ChunkBank, PrefillStats]]:
     """:func:`chunk_prefill` in pieces: yields after each batched forward, which holds at most ``batch``
     chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk).
     ``stop`` is asked before every forward; True raises :class:`PrefillStopped` (nothing is stored).
     ``publish``: write the computed chunks' KV to ``store`` at the end; False leaves the writes to the
-    caller (the prefill worker writes after selection, by its write policy; the store is then only read)."""
+    caller (the prefill worker writes after selection, by its write policy; the store is then only read).
+    ``tail``: free slots after each bank row (:func:`empty_bank`)."""
     if kernel not in CHUNK_ATTENTION_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(CHUNK_ATTENTION_KERNELS)}; got {kernel!r}")
     device = next(model.parameters()).device
-    bank = empty_bank(model, [len(c) for c in chunks])
+    bank = empty_bank(model, [len(c) for c in chunks], tail)
     stats = PrefillStats(chunks=len(chunks))
     todo = list(range(len(chunks)))
     if store is not None:
