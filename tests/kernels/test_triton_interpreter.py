@@ -11,6 +11,8 @@ from tests.interpreter import run_under_interpreter
 CASES = Path(__file__).with_name("interpreter_cases.py")
 
 
-@pytest.mark.parametrize("case", ["split_s", "split_s_configs", "split_s_tuner", "retention", "elementwise", "skinny_gemm"])
+@pytest.mark.parametrize(
+    "case", ["split_s", "split_s_configs", "split_s_tuner", "retention", "elementwise", "skinny_gemm"]
+)
 def test_kernel_under_interpreter(case: str) -> None:
     run_under_interpreter(CASES, case, timeout_s=300)
