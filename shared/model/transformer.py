@@ -205,7 +205,8 @@ class MLP(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         w_gu, w_down = self.gate_up.weight, self.down_proj.weight
         glu = pick_config(rows.shape[0], w_gu.shape[0] // 2, rows.shape[1], glu=True)
-        if glu is None or not rows.is_contiguous():
+        usable = rows.is_contiguous() and rows.dtype == w_gu.dtype == w_down.dtype
+        if glu is None or not usable or w_gu.stride(1) != 1 or w_down.stride(1) != 1:
             return None
         h = skinny_silu_mul(rows, w_gu, glu)
         down = pick_config(h.shape[0], w_down.shape[0], h.shape[1], glu=False)
