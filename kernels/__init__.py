@@ -13,6 +13,8 @@
 - :mod:`.rms_norm`: RMSNorm, optionally fused with the residual add before it (Triton + reference).
 - :mod:`.rope`: RoPE of q and k in one launch from strided views (Triton + reference).
 - :mod:`.silu_mul`: SwiGLU ``silu(gate) * up``, separate or from one fused ``gate_up`` (Triton + reference).
+- :mod:`.skinny_gemm`: GEMMs of at most 64 rows (a decode step) with SwiGLU or the residual add in the
+  epilogue; the model's MLP takes them on CUDA where :func:`~.skinny_gemm.pick_config` has a config.
 
 Measured behaviour and the backend choice are in ``benchmarks/results/attention_notes.md``.
 """
