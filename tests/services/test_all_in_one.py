@@ -27,12 +27,15 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
+def serve_all(model_dir, *extra: str):  # type: ignore[no-untyped-def]
+    """An in-process `serve --role all` of ``model_dir`` on a free port, no metrics endpoint."""
+    args = ["--role", "all", "--model", str(model_dir), "--port", "0", "--metrics-port", "-1", *extra]
+    return start(build_parser().parse_args(args))
+
+
 @pytest.fixture(scope="module")
 def deployment(tiny_dir):
-    args = build_parser().parse_args(
-        ["--role", "all", "--model", str(tiny_dir), "--port", "0", "--metrics-port", "-1"]
-    )
-    dep = start(args)
+    dep = serve_all(tiny_dir)
     yield dep
     dep.stop()
 

@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from pdllm.shared.app.engine import PrefillingEngine
-from pdllm.shared.app.serve import build_parser, start
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
@@ -24,7 +23,7 @@ from pdllm.shared.rpc.client import PdllmClient
 from pdllm.shared.rpc.errors import InvalidRequestError
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
-from .test_all_in_one import CONTEXT, QUESTION
+from .test_all_in_one import CONTEXT, QUESTION, serve_all
 
 GEN = {"gen_length": 12, "steps": 12, "block_length": 4}
 METHOD = {"chunk_size": 32, "top_k": 2}
@@ -56,14 +55,9 @@ def loaded(tiny_dir):
     return load_model(tiny_dir)
 
 
-def _serve(tiny_dir, *extra: str):
-    args = ["--role", "all", "--model", str(tiny_dir), "--port", "0", "--metrics-port", "-1", *extra]
-    return start(build_parser().parse_args(args))
-
-
 @pytest.fixture(scope="module")
 def deployment(tiny_dir):
-    dep = _serve(tiny_dir)
+    dep = serve_all(tiny_dir)
     yield dep
     dep.stop()
 
@@ -176,7 +170,7 @@ def test_bad_knobs_are_invalid_argument(deployment, values: dict, message: str) 
 
 
 def test_serve_flag_is_the_default_of_requests_that_name_none(tiny_dir, loaded) -> None:
-    dep = _serve(tiny_dir, "--decode-policy", "dual-cache", "--cache-refresh-steps", "2")
+    dep = serve_all(tiny_dir, "--decode-policy", "dual-cache", "--cache-refresh-steps", "2")
     try:
         default = _ask(dep.address, **METHOD)
         named = _ask(dep.address, **METHOD, decode_policy="none")
@@ -189,4 +183,4 @@ def test_serve_flag_is_the_default_of_requests_that_name_none(tiny_dir, loaded) 
 
 def test_serve_refuses_a_bad_policy_flag(tiny_dir) -> None:
     with pytest.raises(ValueError, match=r"^--sparse-retention needs --decode-policy sparse-dllm, not none$"):
-        _serve(tiny_dir, "--sparse-retention", "0.5")
+        serve_all(tiny_dir, "--sparse-retention", "0.5")

@@ -19,7 +19,6 @@ import pytest
 
 from pdllm.shared.app.cli import main as cli_main
 from pdllm.shared.app.engine import PrefillingEngine
-from pdllm.shared.app.serve import build_parser, start
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.block_diffusion import answer_spans
 from pdllm.shared.generation.policies import DecodePolicyConfig
@@ -32,7 +31,7 @@ from pdllm.shared.rpc.client import PdllmClient
 from pdllm.shared.rpc.errors import InvalidRequestError
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
-from .test_all_in_one import CONTEXT, QUESTION
+from .test_all_in_one import CONTEXT, QUESTION, serve_all
 
 # (wire / CLI settings): chunk size, top-K, kv mode, generation; the model's block size is 4.
 CASES = [
@@ -61,14 +60,9 @@ def loaded(sdar_dir):
     return load_model(sdar_dir)
 
 
-def _serve(sdar_dir, *extra: str):
-    args = ["--role", "all", "--model", str(sdar_dir), "--port", "0", "--metrics-port", "-1", *extra]
-    return start(build_parser().parse_args(args))
-
-
 @pytest.fixture(scope="module")
 def deployment(sdar_dir):
-    dep = _serve(sdar_dir)
+    dep = serve_all(sdar_dir)
     yield dep
     dep.stop()
 
@@ -224,7 +218,7 @@ def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_
 
 def test_serve_decode_policy_focus_is_the_default_policy(sdar_dir, loaded) -> None:
     """``serve --decode-policy focus`` starts on SDAR; a request naming no policy is decoded under it."""
-    dep = _serve(sdar_dir, "--decode-policy", "focus")
+    dep = serve_all(sdar_dir, "--decode-policy", "focus")
     try:
         gen = {"gen_length": 8, "steps": 8, "block_length": 4}
         response = _ask(dep.address, method="vanilla", **gen)
@@ -282,4 +276,4 @@ def test_worker_level_settings_are_refused_at_startup(
         shutil.copytree(sdar_dir, model)
         (model / "pdllm.json").write_text(json.dumps({"engine": engine}))
     with pytest.raises(ValueError, match=message):
-        _serve(model, *flags)
+        serve_all(model, *flags)
