@@ -85,25 +85,6 @@ def select_clusters(kl: torch.Tensor, top: int, threshold: float) -> list[int]:
     return [c for c in order if float(kl[c]) >= threshold][:top]
 
 
-@dataclass
-class PolestarState:
-    """One session's Polestar state (kept in ``LocalKVCache.aux``): per layer the clustered hidden states
-    and the last proxy; the block's unmasked count at the last update; counters."""
-
-    stores: list[ClusteredHidden] = field(default_factory=list)
-    log_prev: list[torch.Tensor] = field(default_factory=list)
-    unmasked_at_update: int = 0
-    updates: int = 0
-    rows_recomputed: int = 0
-    # Set per update step: rows recomputed at the previous layer and their inputs to this layer.
-    carried_rows: torch.Tensor | None = None
-    carried_x: torch.Tensor | None = None
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # refresh: layer inputs, by layer
-
-    def num_bytes(self) -> int:
-        return sum(s.num_bytes() for s in self.stores)
-
-
 def _project(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Layer ``layer``'s RoPE'd q, k, v ``[1, H, n, D]`` of inputs ``x`` ``[1, n, hidden]`` (the eager ops
     of ``transformer.SelfAttention``, so a recomputed row matches a forwarded one)."""
@@ -117,10 +98,115 @@ def _project(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def layer_proxy(model: Any, layer: int, store: ClusteredHidden, k: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer``'s drift proxy ``[Hq, C, N]`` of ``store``'s centroids against the keys ``k``
+    ``[1, Hkv, N, D]`` of every local row, in row order (the KL compares proxies key by key)."""
+    pos = store.centroid_positions[None]
+    cos, sin = model.model.rotary_emb(pos, store.centroids.dtype)
+    q, _, _ = _project(model.model.layers[layer], store.centroids[None], cos, sin)
+    return proxy_log_attention(q, k)
+
+
+@dataclass
+class PolestarState:
+    """One session's Polestar state: per layer the clustered hidden states and the last proxy; the block's
+    unmasked count at the last update; counters. Its methods are the per-layer work of a step, shared by
+    the reference hook (:class:`PolestarStep`) and the batched rounds (``decode_service/polestar_rounds``),
+    which differ only in where the K/V live and how the recomputed rows attend."""
+
+    stores: list[ClusteredHidden] = field(default_factory=list)
+    log_prev: list[torch.Tensor] = field(default_factory=list)
+    unmasked_at_update: int = 0
+    updates: int = 0
+    rows_recomputed: int = 0
+    # Set per update step: rows recomputed at the previous layer and their inputs to this layer.
+    carried_rows: torch.Tensor | None = None
+    carried_x: torch.Tensor | None = None
+
+    def num_bytes(self) -> int:
+        return sum(s.num_bytes() for s in self.stores)
+
+    def update_due(self, policy: Polestar, unmasked: int) -> bool:
+        """§4.3's trigger at a cached step (``unmasked``: the block's unmasked tokens); starts the update."""
+        if unmasked - self.unmasked_at_update <= policy.update_threshold:
+            return False
+        self.unmasked_at_update, self.updates = unmasked, self.updates + 1
+        self.carried_rows, self.carried_x = None, None
+        return True
+
+    def record(
+        self,
+        policy: Polestar,
+        model: Any,
+        layer: int,
+        x: torch.Tensor,
+        k: torch.Tensor,
+        span: tuple[int, int],
+        positions: torch.Tensor,
+    ) -> None:
+        """A refresh at ``layer``: cluster and offload the inputs ``x`` ``[N, hidden]`` of the rows outside
+        the forwarded ``span`` ``[lo, hi)``, keep their proxy against ``k`` ``[1, Hkv, N, D]`` (every row,
+        in row order; ``positions`` ``[N]``)."""
+        if layer == 0:
+            self.stores.clear()
+            self.log_prev.clear()
+        lo, hi = span
+        n = x.shape[0]
+        rows = torch.cat([torch.arange(0, lo), torch.arange(hi, n)]).to(x.device)
+        spans = split_clusters(policy.clusters, lo, n - hi)
+        store = ClusteredHidden.build(x, rows, positions, lo, spans, policy.residual_format, KMEANS_ROUNDS)
+        self.stores.append(store)
+        self.log_prev.append(layer_proxy(model, layer, store, k) if store.clusters else torch.empty(0))
+
+    def drifting(
+        self, policy: Polestar, model: Any, layer: int, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An update at ``layer``, before its attention: the rows to recompute there (ascending) and their
+        inputs ``[n, hidden]``, or None; ``k`` ``[1, Hkv, N, D]``: every local row's keys as the step sees
+        them, in row order."""
+        store = self.stores[layer]
+        if self.carried_rows is not None:  # the previous layer's recomputed rows: their new inputs here
+            store.update(self.carried_rows, self.carried_x)
+        chosen: list[int] = []
+        if store.clusters:
+            log_p = layer_proxy(model, layer, store, k)
+            kl = kl_drift(log_p, self.log_prev[layer])
+            chosen = select_clusters(kl, policy.top_clusters, policy.drift_threshold)
+            self.log_prev[layer] = log_p
+        fresh = store.members(chosen)
+        carried = self.carried_rows
+        rows = fresh if carried is None else torch.unique(torch.cat([carried, fresh]))  # ascending
+        if rows.numel() == 0:
+            self.carried_rows, self.carried_x = None, None
+            return None
+        x = store.hidden(rows)  # fetched and dequantized; the carried rows' exact inputs replace theirs
+        if carried is not None and self.carried_x is not None:
+            x = x.index_copy(0, torch.searchsorted(rows, carried), self.carried_x)
+        return rows, x
+
+    @staticmethod
+    def project(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v ``[1, H, n, D]`` of the recomputed rows (inputs ``x`` ``[n, hidden]`` at ``positions``
+        ``[1, n]``): the caller stores k/v where this and later steps read them, and attends with q."""
+        cos, sin = model.model.rotary_emb(positions, x.dtype)
+        return _project(model.model.layers[layer], x[None], cos, sin)
+
+    def finish(self, model: Any, layer: int, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The rest of layer ``layer`` for the recomputed ``rows`` from their attention output ``out``
+        ``[1, Hq, n, D]``: o_proj, residual, MLP; the outputs are their inputs at the next layer."""
+        layer_mod = model.model.layers[layer]
+        n = rows.numel()
+        h = x[None] + layer_mod.self_attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        self.carried_x = (h + layer_mod.mlp(layer_mod.post_attention_layernorm(h)))[0]
+        self.carried_rows = rows
+        self.rows_recomputed += n
+
+
 @dataclass
 class PolestarStep:
-    """One step's per-layer hook (a ``local_cache.RowsHook``): at a refresh, cluster and offload each
-    layer's cached hidden states; at a partial step, detect drift and recompute the drifting rows."""
+    """One step's per-layer hook (a ``local_cache.RowsHook``) of the reference loop: at a refresh, cluster
+    and offload each layer's cached hidden states; at a partial step, detect drift and recompute the
+    drifting rows over the :class:`~pdllm.shared.model.local_cache.LocalKVCache`."""
 
     policy: Polestar
     lo: int  # forwarded rows [lo, hi): the block (and the lead row)
@@ -131,38 +217,21 @@ class PolestarStep:
     model: Any = None
     positions: torch.Tensor | None = None
     update: bool = False
-    _state_holder: dict[int, torch.Tensor] = field(default_factory=dict)  # layer inputs (refresh)
+    _inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer inputs (refresh)
 
     @contextmanager
     def attach(self, model: Any, positions: torch.Tensor) -> Iterator[None]:
         """Around the forward: keep the model (layer weights, RoPE) and, at a refresh, each layer's input."""
         self.model, self.positions = model, positions
-        self._state_holder = {}
-        handles = []
-        for i, layer in enumerate(model.model.layers):
-
-            def grab(_module: Any, args: tuple[Any, ...], i: int = i) -> None:
-                self._state_holder[i] = args[0]
-
-            handles.append(layer.register_forward_pre_hook(grab))
-        try:
+        self._inputs = {}
+        with layer_inputs(model, self._inputs):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def _state(self, cache: LocalKVCache) -> PolestarState:
         state = cache.aux.get("polestar")
         if not isinstance(state, PolestarState):
             state = cache.aux["polestar"] = PolestarState()
         return state
-
-    def _proxy(self, layer: int, store: ClusteredHidden, k: torch.Tensor) -> torch.Tensor:
-        assert self.model is not None and self.positions is not None
-        pos = store.centroid_positions[None]
-        cos, sin = self.model.model.rotary_emb(pos, store.centroids.dtype)
-        q, _, _ = _project(self.model.model.layers[layer], store.centroids[None], cos, sin)
-        return proxy_log_attention(q, k)
 
     def __call__(
         self,
@@ -178,79 +247,45 @@ class PolestarStep:
             raise RuntimeError("polestar's rows hook runs attached to the model (PolicyLogits does it)")
         state = self._state(cache)
         if record:
-            self._record(layer, k, state)
+            if layer == 0:
+                state.unmasked_at_update = self.unmasked
+            x = self._inputs[layer][0]  # [N, hidden]: this layer's input, every local row
+            state.record(self.policy, self.model, layer, x, k, (self.lo, self.hi), self.positions[0])
             return k, v
         if layer == 0:
-            due = self.unmasked - state.unmasked_at_update > self.policy.update_threshold
-            self.update = due
-            if due:
-                state.unmasked_at_update, state.updates = self.unmasked, state.updates + 1
-                state.carried_rows, state.carried_x = None, None
+            self.update = state.update_due(self.policy, self.unmasked)
         if not self.update:
             return k, v
-        return self._update(layer, k, v, cache, inner, state)
-
-    def _record(self, layer: int, k: torch.Tensor, state: PolestarState) -> None:
-        if layer == 0:
-            state.stores.clear()
-            state.log_prev.clear()
-            state.unmasked_at_update = self.unmasked
-        x = self._state_holder[layer][0]  # [N, hidden]: this layer's input, every local row
-        n = x.shape[0]
-        rows = torch.cat([torch.arange(0, self.lo), torch.arange(self.hi, n)]).to(x.device)
-        spans = split_clusters(self.policy.clusters, self.lo, n - self.hi)
-        assert self.positions is not None
-        store = ClusteredHidden.build(
-            x, rows, self.positions[0], self.lo, spans, self.policy.residual_format, KMEANS_ROUNDS
-        )
-        state.stores.append(store)
-        state.log_prev.append(self._proxy(layer, store, k) if store.clusters else torch.empty(0))
-
-    def _update(
-        self,
-        layer: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LocalKVCache,
-        inner: AttentionBackend,
-        state: PolestarState,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.model is not None and self.positions is not None
-        store = state.stores[layer]
-        if state.carried_rows is not None:  # the previous layer's recomputed rows: their new inputs here
-            store.update(state.carried_rows, state.carried_x)
-        chosen: list[int] = []
-        if store.clusters:
-            log_p = self._proxy(layer, store, k)
-            kl = kl_drift(log_p, state.log_prev[layer])
-            chosen = select_clusters(kl, self.policy.top_clusters, self.policy.drift_threshold)
-            state.log_prev[layer] = log_p
-        fresh = store.members(chosen)
-        carried = state.carried_rows
-        rows = fresh if carried is None else torch.unique(torch.cat([carried, fresh]))  # ascending
-        if rows.numel() == 0:
-            state.carried_rows, state.carried_x = None, None
+        picked = state.drifting(self.policy, self.model, layer, k)
+        if picked is None:
             return k, v
-        x = store.hidden(rows)  # fetched and dequantized; the carried rows' exact inputs replace theirs
-        if carried is not None and state.carried_x is not None:
-            at = torch.searchsorted(rows, carried)
-            x = x.index_copy(0, at, state.carried_x)
-        layer_mod = self.model.model.layers[layer]
-        cos, sin = self.model.model.rotary_emb(self.positions[:, rows], x.dtype)
-        qd, kd, vd = _project(layer_mod, x[None], cos, sin)
+        rows, x = picked
+        qd, kd, vd = state.project(self.model, layer, x, self.positions[:, rows])
         cache.replace(layer, rows, kd, vd)
         k, v = k.index_copy(2, rows, kd), v.index_copy(2, rows, vd)
-        attn = layer_mod.self_attn
         n = rows.numel()
         # Queries padded to a power of two: the recomputed row count changes at every layer and update, and
         # on CUDA SDPA's cuDNN backend builds a plan per new shape (~37 ms each). Rows attend independently.
         padded = F.pad(qd, (0, 0, 0, (1 << max(n - 1, 15).bit_length()) - n))
-        out = inner(layer, padded, k, v)[:, :, :n].transpose(1, 2).reshape(1, n, -1)
-        h = x[None] + attn.o_proj(out)
-        state.carried_x = (h + layer_mod.mlp(layer_mod.post_attention_layernorm(h)))[0]
-        state.carried_rows = rows
-        state.rows_recomputed += int(rows.numel())
+        state.finish(self.model, layer, rows, x, inner(layer, padded, k, v)[:, :, :n])
         return k, v
+
+
+@contextmanager
+def layer_inputs(model: Any, into: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While open, each decoder layer's input ``[B, T, hidden]`` of a forward lands in ``into[layer]``."""
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+
+        def grab(_module: Any, args: tuple[Any, ...], i: int = i) -> None:
+            into[i] = args[0]
+
+        handles.append(layer.register_forward_pre_hook(grab))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @dataclass(frozen=True)
