@@ -11,6 +11,9 @@ weights; block 32, one token per step, greedy, no EOS stop.
   over no static KV: plain steps forward all of it; Fast-dLLM's caches keep its K/V in the pool.
 - ``pdllm`` cells: the engine's prefill + selection + build (C=1024, K=4, full-mask) of the context gives
   the static KV (written into the pool once per session); the local rows are the question + answer.
+- Policies at their defaults: Sparse-dLLM's r = 0.5, s = 3, one-step delay; Polestar-Cache's 8 clusters,
+  top 2, update threshold 4, int8 residuals (``polestar_rounds.py``: its refresh and update rounds run
+  eagerly, its other cached steps replay like the dual cache's).
 
 Timing: each cell runs twice with the same sessions' shapes, the first capturing every graph bucket, the
 second timed; a run stops at the first block boundary past ``--cell-s`` seconds (blocks of one policy cost
@@ -39,7 +42,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.e2e_speedup import QUERY_TOKENS, random_ids  # noqa: E402
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
-from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots  # noqa: E402
+from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots, session_kind  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, decode_round  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
@@ -47,7 +50,7 @@ from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 
-POLICIES = "none,dual-cache,prefix-cache,sparse-dllm"
+POLICIES = "none,dual-cache,prefix-cache,sparse-dllm,polestar"
 
 
 class Prompt:
@@ -75,7 +78,7 @@ def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n:
         if cache_policy is None:
             out.append(BatchSession.start(*args))
         else:
-            out.append(PolicyBatchSession.start_policy(*args, cache_policy, pool.page_size))
+            out.append(session_kind(policy).start_policy(*args, cache_policy, pool.page_size))
     return out
 
 
@@ -127,15 +130,16 @@ def round_check(device: torch.device) -> str:
     """Policy sessions in graphed rounds (split-S kernel and CUDA graphs on CUDA) == the engine's reference
     policy loop, tiny fp32 models, the CPU tests' cases: "matching/total"."""
     from pdllm.decode_service.round_graphs import GraphedRoundForward as Graphed
-    from tests.decode.helpers import pool_for, run_rounds
-    from tests.decode.test_policy_rounds import POLICY_CASES, policy_session, reference
+    from tests.decode.helpers import POLICY_CASES, policy_session, pool_for, reference, run_rounds
     from tests.engine.helpers import model as tiny_model
 
+    # Polestar-Cache with an update at every cached step (the tiny cases' blocks are 2-6 tokens).
+    polestar = {"polestar_clusters": 2, "polestar_top_clusters": 1, "polestar_update_threshold": 0}
     good = total = 0
     for family in ("dream", "llada"):
         m = tiny_model(family).to(device)
-        for name in ("dual-cache", "prefix-cache", "sparse-dllm"):
-            policy = DecodePolicyConfig(name)
+        for name in ("dual-cache", "prefix-cache", "sparse-dllm", "polestar"):
+            policy = DecodePolicyConfig(name, polestar=polestar if name == "polestar" else {})
             want = [reference(m, case, seed, policy)[0] for seed, case in enumerate(POLICY_CASES)]
             pool = pool_for(m, pages=128)
             cuda = device.type == "cuda"

@@ -26,18 +26,18 @@ compacted into the cache slots, ``p`` the question's protected rows: ``sparse_dl
 its cached steps replay like the dual cache's. On Dream the row before the block may be kept at some
 layer and is also forwarded fresh by the cached steps: it is stored in the last slot and, at that layer,
 not read there (``drop``: per-layer cached slot counts, subtracted from ``kv_len``), as the reference's
-fresh rows replace cached ones. Polestar-Cache (``rows_hook``) is not batched; the worker steps it alone
-through the reference loop.
+fresh rows replace cached ones. Polestar-Cache's sessions (``polestar_rounds.py``) build on these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
 from pdllm.decode_service.jobs import StaticDecode
-from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.device_state import DeviceDenoiseState
 from pdllm.shared.generation.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
@@ -45,7 +45,8 @@ from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, kept_coun
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
-BATCHED_POLICIES = ("prefix-cache", "dual-cache", "sparse-dllm")
+BATCHED_POLICIES = ("prefix-cache", "dual-cache", "sparse-dllm", "polestar")
+"""The decode policies whose sessions join the batched rounds (:func:`batch_session` picks the kind)."""
 
 
 def cache_slots(query_tokens: int, gen: GenerationConfig) -> int:
@@ -55,10 +56,11 @@ def cache_slots(query_tokens: int, gen: GenerationConfig) -> int:
 
 @dataclass
 class PolicyBatchSession(BatchSession):
-    """A batched session under a row-range decode policy (:data:`BATCHED_POLICIES`); ``pages`` hold its
+    """A batched session under a row-range decode policy (:attr:`runs`); ``pages`` hold its
     static KV, then room for :func:`cache_slots` cached rows (``page_size`` slots per page). Made by
     :meth:`start_policy`."""
 
+    runs: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache", "sparse-dllm")
     policy: CachePolicy = DualCache()
     page_size: int = 64
     lead: int = 0  # rows before the block whose hidden states its logits need (1: shifted logits)
@@ -84,8 +86,8 @@ class PolicyBatchSession(BatchSession):
         page_size: int,
         device_sampler: bool = True,
     ) -> PolicyBatchSession:
-        if policy.name not in BATCHED_POLICIES:
-            raise ValueError(f"decode policy {policy.name!r} is not batched; batched: {BATCHED_POLICIES}")
+        if policy.name not in cls.runs:
+            raise ValueError(f"{cls.__name__} does not run decode policy {policy.name!r}, only {cls.runs}")
         need = -(-(kv_tokens + cache_slots(len(query), gen)) // page_size)
         if len(pages) < need:
             raise ValueError(
@@ -130,7 +132,9 @@ class PolicyBatchSession(BatchSession):
         )
 
     def _plan(self, ctx: StepContext) -> StepPlan:
-        plan = self.policy.plan(ctx)
+        return self._batchable(self.policy.plan(ctx), ctx)
+
+    def _batchable(self, plan: StepPlan, ctx: StepContext) -> StepPlan:
         plan.check(ctx)
         selective = plan.keep is not None and not isinstance(plan.keep, SaliencyKeep)
         if selective or plan.visible is not None or plan.rows_hook is not None:
@@ -194,13 +198,23 @@ def batch_session(
     kv_tokens: int,
     pages: list[int],
     page_size: int,
+    device_sampler: bool = True,
 ) -> BatchSession:
     """A built request's session in the rounds: under its batched decode policy, if it has one."""
+    args = (model, built.query, query_start, kv_tokens, pages, built.gen)
     if built.cache_policy is None:
-        return BatchSession.start(model, built.query, query_start, kv_tokens, pages, built.gen)
-    return PolicyBatchSession.start_policy(
-        model, built.query, query_start, kv_tokens, pages, built.gen, built.cache_policy, page_size
-    )
+        return BatchSession.start(*args, device_sampler)
+    kind = session_kind(built.cache_policy.name)
+    return kind.start_policy(*args, built.cache_policy, page_size, device_sampler)
+
+
+def session_kind(policy: str) -> type[PolicyBatchSession]:
+    """The batched session class that runs decode policy ``policy`` (one of :data:`BATCHED_POLICIES`)."""
+    if policy == "polestar":
+        from pdllm.decode_service.polestar_rounds import PolestarBatchSession  # it builds on this module
+
+        return PolestarBatchSession
+    return PolicyBatchSession
 
 
 @dataclass
@@ -218,7 +232,13 @@ class SalientStore:
     drop: torch.Tensor | None
 
     def __call__(
-        self, layer: int, base: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor
+        self,
+        layer: int,
+        base: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: PagedBatchAttention,
     ) -> None:
         own = slice(base, base + self.rows)
         kept = self.keep(layer, q[:, :, own], k[own].transpose(0, 1)[None])
@@ -228,5 +248,6 @@ class SalientStore:
             assert self.drop is not None
             self.drop[layer] = hit.any().to(torch.int32)
         src = kept + base
+        kv = attention.kv
         kv[layer, 0][self.pages, :, self.offsets] = k.index_select(0, src)
         kv[layer, 1][self.pages, :, self.offsets] = v.index_select(0, src)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -112,8 +113,11 @@ class RoundRows:
     drop: torch.Tensor | None = None
 
 
-LayerStore = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""``(layer, first packed row, q [1, Hq, T, D], k [T, Hkv, D], v [T, Hkv, D], pool K/V [layers, 2, ...])``."""
+LayerStore = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, "PagedBatchAttention"], None]
+"""``(layer, first packed row, q [1, Hq, T, D], k [T, Hkv, D], v [T, Hkv, D], the round's attention)``,
+called before the layer's attention; it may store into ``attention.kv`` (the pool's K/V) and attend with
+``attention.paged``. A store with an ``attach(model)`` context manager has it entered around the forward
+(to read layer inputs: Polestar-Cache's)."""
 
 
 class PagedBatchAttention:
@@ -155,18 +159,35 @@ class PagedBatchAttention:
             self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)
             self.kv[layer, 1][pages, :, slots] = vl.index_select(0, rows)
         for base, store in self.stores:
-            store(layer, base, q, kl, vl, self.kv)
+            store(layer, base, q, kl, vl, self)
         kv_lens = self.kv_lens if self.drop is None else self.kv_lens - self.drop[layer]
-        args = (qt, self.kv[layer, 0], self.kv[layer, 1], self.page_table, kv_lens, self.q_offsets)
+        out = self.paged(
+            layer, qt, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len, kl, vl
+        )
+        return out.transpose(0, 1)[None]
+
+    def paged(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_offsets: torch.Tensor,
+        max_q_len: int,
+        max_kv_len: int,
+        k_local: torch.Tensor | None = None,
+        v_local: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Split-S attention ``[T, Hq, D]`` of packed queries ``q`` ``[T, Hq, D]`` over layer ``layer``'s
+        pool pages (and local K/V, if given), in this round's kernel."""
+        args = (q, self.kv[layer, 0], self.kv[layer, 1], page_table, kv_lens, q_offsets)
         if self.kernel == "triton":
             from pdllm.kernels.split_s_attention import split_s_attention
 
-            out = split_s_attention(
-                *args, k_local=kl, v_local=vl, max_q_len=self.max_q_len, max_kv_len=self.max_kv_len
+            return split_s_attention(
+                *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len
             )
-        else:
-            out = split_s_attention_reference(qt.contiguous(), *args[1:], k_local=kl, v_local=vl)
-        return out.transpose(0, 1)[None]
+        return split_s_attention_reference(q.contiguous(), *args[1:], k_local=k_local, v_local=v_local)
 
 
 @dataclass
@@ -290,7 +311,12 @@ class EagerRoundForward:
             packed.stores,
             packed.drop_table(self.model.config.num_layers, b, device),
         )
-        hidden = self.model.hidden_states(ids[None], positions[None], attention)
+        with ExitStack() as stack:
+            for _, store in packed.stores:
+                attach = getattr(store, "attach", None)
+                if attach is not None:
+                    stack.enter_context(attach(self.model))
+            hidden = self.model.hidden_states(ids[None], positions[None], attention)
         return self.model.logits_from_hidden(hidden, rows[None])[0]
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, RoundForward, decode_round
 from pdllm.decode_service.scheduler import StaticDecode
 from pdllm.prefill_service.worker import Selection
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
@@ -130,3 +132,37 @@ def run_rounds(forward: RoundForward, sessions: list[BatchSession]) -> int:
         rounds += 1
         active = [s for s in active if not s.done]
     return rounds
+
+
+# Several blocks in every case, so refreshes and cached steps alternate.
+POLICY_CASES = [
+    replace(CASES[0], gen=GenerationConfig(gen_length=8, steps=8, block_length=4)),
+    CASES[1],
+    replace(CASES[2], gen=GenerationConfig(gen_length=8, steps=8, block_length=2, temperature=0.8, seed=3)),
+    replace(CASES[3], gen=GenerationConfig(gen_length=10, steps=10, block_length=5, threshold=0.3)),
+    CASES[4],
+]
+
+
+def reference(m: DiffusionLM, case: Case, seed: int, policy: DecodePolicyConfig) -> tuple[list[int], dict]:
+    """The engine's eager policy loop (``PolicyLogits``): the specification."""
+    engine, sel = prefill(m, case, seed)
+    result = engine.decode(sel, case.gen, decode_policy=policy)
+    return result.raw_tokens, dict(result.cache)
+
+
+def policy_session(
+    m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int, policy: DecodePolicyConfig, device_sampler=True
+) -> PolicyBatchSession:
+    """The case's session in the rounds under ``policy`` (its batched kind: ``batch_session``)."""
+    built = static_decode(m, case, seed)
+    s = built.static
+    pages = pool.reserve(s.num_tokens + cache_slots(len(built.query), case.gen))
+    assert pages is not None
+    pool.write(pages, s.tensor())
+    cache_policy = make_policy(policy)
+    assert cache_policy is not None
+    built = replace(built, cache_policy=cache_policy)
+    out = batch_session(m, built, s.query_start, s.num_tokens, pages, pool.page_size, device_sampler)
+    assert isinstance(out, PolicyBatchSession)
+    return out

@@ -8,64 +8,24 @@ from dataclasses import replace
 import pytest
 
 from pdllm.decode_service.jobs import DecodeJob, Final
-from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.model.transformer import DiffusionLM
 from tests.decode.helpers import (
     CASES,
-    Case,
+    POLICY_CASES,
     alone,
+    policy_session,
     pool_for,
-    prefill,
+    reference,
     round_forward,
     run_rounds,
     session,
     static_decode,
 )
 from tests.engine.helpers import model
-
-# Several blocks in every case, so refreshes and cached steps alternate.
-POLICY_CASES = [
-    replace(CASES[0], gen=GenerationConfig(gen_length=8, steps=8, block_length=4)),
-    CASES[1],
-    replace(CASES[2], gen=GenerationConfig(gen_length=8, steps=8, block_length=2, temperature=0.8, seed=3)),
-    replace(CASES[3], gen=GenerationConfig(gen_length=10, steps=10, block_length=5, threshold=0.3)),
-    CASES[4],
-]
-
-
-def reference(m: DiffusionLM, case: Case, seed: int, policy: DecodePolicyConfig) -> tuple[list[int], dict]:
-    """The engine's eager policy loop (``PolicyLogits``): the specification."""
-    engine, sel = prefill(m, case, seed)
-    result = engine.decode(sel, case.gen, decode_policy=policy)
-    return result.raw_tokens, dict(result.cache)
-
-
-def policy_session(
-    m: DiffusionLM, pool: DecodeKVPool, case: Case, seed: int, policy: DecodePolicyConfig, device_sampler=True
-) -> PolicyBatchSession:
-    built = static_decode(m, case, seed)
-    s = built.static
-    pages = pool.reserve(s.num_tokens + cache_slots(len(built.query), case.gen))
-    assert pages is not None
-    pool.write(pages, s.tensor())
-    cache_policy = make_policy(policy)
-    assert cache_policy is not None
-    return PolicyBatchSession.start_policy(
-        m,
-        built.query,
-        s.query_start,
-        s.num_tokens,
-        pages,
-        case.gen,
-        cache_policy,
-        pool.page_size,
-        device_sampler,
-    )
 
 
 @pytest.mark.parametrize("family", ["dream", "llada"])
@@ -112,7 +72,7 @@ def test_host_sampler_sessions_equal_the_reference_loop() -> None:
     assert s.state.tokens.tolist() == reference(m, case, 1, policy)[0]
 
 
-def test_unbatched_policies_and_short_page_lists_are_refused() -> None:
+def test_other_kinds_policies_and_short_page_lists_are_refused() -> None:
     m = model("dream")
     pool = pool_for(m, pages=128)
     case = POLICY_CASES[0]
@@ -123,7 +83,8 @@ def test_unbatched_policies_and_short_page_lists_are_refused() -> None:
     assert polestar is not None and dual is not None
     pages = pool.reserve(s.num_tokens)
     assert pages is not None
-    with pytest.raises(ValueError, match="not batched"):
+    # Polestar-Cache's sessions are their own kind (``polestar_rounds.PolestarBatchSession``).
+    with pytest.raises(ValueError, match="PolicyBatchSession does not run decode policy 'polestar'"):
         PolicyBatchSession.start_policy(
             m, built.query, s.query_start, s.num_tokens, pages, case.gen, polestar, 16
         )

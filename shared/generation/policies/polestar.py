@@ -82,7 +82,8 @@ def kl_drift(log_p: torch.Tensor, log_prev: torch.Tensor) -> torch.Tensor:
 def select_clusters(kl: torch.Tensor, top: int, threshold: float) -> list[int]:
     """The ``top`` clusters of largest KL among those with ``KL >= threshold`` (ties: the lower index)."""
     order = torch.sort(kl, descending=True, stable=True).indices.tolist()
-    return [c for c in order if float(kl[c]) >= threshold][:top]
+    values = kl.tolist()  # one read of the device, not one per cluster
+    return [c for c in order if values[c] >= threshold][:top]
 
 
 def _project(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
