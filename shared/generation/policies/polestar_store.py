@@ -112,7 +112,7 @@ class ClusteredHidden:
         pos = torch.zeros(offset, dtype=torch.float64, device=x.device)
         pos.index_add_(0, assign, positions[rows].double())
         store.centroid_positions = (pos / counts).round().long()
-        store._encode(h, torch.arange(offset, device=x.device))
+        store._encode(torch.arange(rows.numel(), device=x.device), h, torch.arange(offset, device=x.device))
         return store
 
     def _entries(self, rows: torch.Tensor) -> torch.Tensor:
@@ -121,19 +121,18 @@ class ClusteredHidden:
             raise ValueError("rows asked of a polestar store that does not hold them")
         return at
 
-    def _encode(self, h_all: torch.Tensor, touched: torch.Tensor) -> None:
-        """Recompute the ``touched`` clusters' centroids from ``h_all`` (every row's hidden state) and
-        re-encode their members' residuals to the CPU."""
-        members = torch.isin(self.assign, touched).nonzero().squeeze(1)
+    def _encode(self, members: torch.Tensor, h: torch.Tensor, touched: torch.Tensor) -> None:
+        """Recompute the ``touched`` clusters' centroids from the hidden states ``h`` of their ``members``
+        (entries, ascending: every member of those clusters) and re-encode those residuals to the CPU."""
         sums = torch.zeros_like(self.centroids, dtype=torch.float32)
-        sums.index_add_(0, self.assign[members], h_all[members].float())
+        sums.index_add_(0, self.assign[members], h.float())
         counts = torch.bincount(self.assign[members], minlength=self.clusters).clamp_min(1)
         mean = (sums / counts[:, None]).to(self.centroids.dtype)
         self.centroids[touched] = mean[touched]
         if self.fmt == "none":
-            coded, scale = h_all[members].cpu(), torch.empty(0)
+            coded, scale = h.cpu(), torch.empty(0)
         else:
-            coded, scale = quantize(h_all[members] - self.centroids[self.assign[members]], self.fmt)
+            coded, scale = quantize(h - self.centroids[self.assign[members]], self.fmt)
             coded, scale = coded.cpu(), scale.cpu()
         if self.codes.numel() == 0:
             self.codes, self.scales = coded, scale
@@ -143,15 +142,19 @@ class ClusteredHidden:
         if self.fmt != "none":
             self.scales[at] = scale
 
-    def hidden(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[n, H]`` of local ``rows`` (None: all held), fetched from the CPU, dequantized."""
-        at = torch.arange(self.rows.numel(), device=self.rows.device) if rows is None else self._entries(rows)
+    def _fetch(self, at: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[n, H]`` of entries ``at``, fetched from the CPU and dequantized."""
         cpu_at = at.cpu()
         device, dtype = self.centroids.device, self.centroids.dtype
         if self.fmt == "none":
             return self.codes[cpu_at].to(device)
         r = dequantize(self.codes[cpu_at], self.scales[cpu_at]).to(device)
         return (self.centroids[self.assign[at]].float() + r).to(dtype)
+
+    def hidden(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[n, H]`` of local ``rows`` (None: all held), fetched from the CPU, dequantized."""
+        at = torch.arange(self.rows.numel(), device=self.rows.device) if rows is None else self._entries(rows)
+        return self._fetch(at)
 
     def members(self, clusters: list[int]) -> torch.Tensor:
         """Local rows (ascending) of the given clusters."""
@@ -160,15 +163,17 @@ class ClusteredHidden:
 
     def update(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         """New hidden states ``x`` ``[n, H]`` of local ``rows``: their clusters' centroids move to the new
-        members' mean and those clusters' residuals are re-encoded."""
+        members' mean and those clusters' residuals are re-encoded (only those members are fetched)."""
         keep = torch.isin(rows, self.rows)  # rows recomputed upstream are all cached rows; guard anyway
         rows, x = rows[keep], x[keep]
         if rows.numel() == 0:
             return
         at = self._entries(rows)
-        h_all = self.hidden()
-        h_all[at] = x.to(h_all.dtype)
-        self._encode(h_all, torch.unique(self.assign[at]))
+        touched = torch.unique(self.assign[at])
+        members = torch.isin(self.assign, touched).nonzero().squeeze(1)
+        h = self._fetch(members)
+        h[torch.searchsorted(members, at)] = x.to(h.dtype)
+        self._encode(members, h, touched)
 
     def num_bytes(self) -> int:
         """Bytes held: centroids (device), codes and scales (CPU); cluster ids and rows not counted."""
