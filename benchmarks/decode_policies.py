@@ -9,9 +9,10 @@ context + 24-token question, every local row in the policy's hands) and a 16K co
 (C=1024, K=4, full-mask: the policy sees the question + response, the chunk KV is static), gen 256 then
 1,024, block 32, one token per step (steps = gen length: the same step count for every policy, and no
 confidence threshold, which random weights would make meaningless), greedy, no EOS stop. Per cell: ``none``
-(the plain loop), ``prefix-cache``, ``dual-cache`` and ``sparse-dllm`` (the paper's r = 0.5, s = 3, one-step
-delay). At 16K, vanilla (``none``, the ``speedup_vs_vanilla`` baseline) and Fast-dLLM's dual cache on the
-whole prompt also run. ``tokens_per_s`` = gen length / the denoising loop's seconds (pdllm's prefill,
+(the plain loop), ``prefix-cache``, ``dual-cache``, ``sparse-dllm`` (the paper's r = 0.5, s = 3, one-step
+delay) and ``polestar`` (the paper's 8 clusters, top 2, update threshold 4; int8 residuals). At 16K,
+vanilla (``none``, the ``speedup_vs_vanilla`` baseline) and Fast-dLLM's dual cache on the whole prompt also
+run. ``tokens_per_s`` = gen length / the denoising loop's seconds (pdllm's prefill,
 scoring and KV build are policy-independent and excluded; they are in ``meta.runs``); ``peak_gib`` = the
 CUDA allocator's peak during the run, weights included. Every pdllm run decodes eagerly with the ``buffer``
 attention (the policy loop cannot use the split-S kernel or CUDA graphs), ``none`` too, so that rows
@@ -46,7 +47,8 @@ from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from pdllm.shared.generation.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.model.transformer import DiffusionLM  # noqa: E402
 
-POLICIES = ("none", "dual-cache", "sparse-dllm", "prefix-cache")  # a cell's runs, most needed first
+# A cell's runs, most needed first.
+POLICIES = ("none", "dual-cache", "sparse-dllm", "prefix-cache", "polestar")
 ROW_KEYS = ("policy", "method", "context_tokens", "gen_length", "batch", "tokens_per_s",
             "speedup_vs_vanilla", "speedup_vs_dual_cache", "peak_gib")  # fmt: skip
 BATCH_SKIP = (
@@ -343,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                                 DecodePolicyConfig("sparse-dllm").sparse(), strict=True)),
         "setup": f"{mcfg.model_id}, {dtype}, block {args.block}, steps = gen length (one token per step), "
                  f"greedy, batch 1; pdllm: C={ecfg.chunk_size}, K={ecfg.top_k}, {ecfg.kv_mode}, eager "
-                 "`buffer` decode attention for every policy; sparse-dllm: r=0.5, s=3, delay 1. tokens/s = "
+                 "`buffer` decode attention for every policy; sparse-dllm: r=0.5, s=3, delay 1; polestar: 8 clusters, "
+                 "top 2, update threshold 4, int8. tokens/s = "
                  "gen / denoising-loop seconds (pdllm's fixed phases excluded, listed). peak GiB: CUDA "
                  "allocator peak, weights included (0 on CPU).",
     }  # fmt: skip

@@ -1,9 +1,9 @@
 """Requests with a decode policy on the decode worker: the policy's reference loop, one step per turn.
 
 A request whose ``DecodeRequest.decode_policy`` names a policy the batched rounds do not run
-(``polestar``, the compute-skipping ``dyllm`` (``policies/compute_skip.py``: its
-:func:`static_compute_skip_logits`), or a caching policy on a vanilla request; the prefix and dual cache and
-Sparse-dLLM are batched, ``policy_rounds.py``; FOCUS requests are batched among themselves,
+(the compute-skipping ``dyllm`` (``policies/compute_skip.py``: its :func:`static_compute_skip_logits`), or
+a caching policy on a vanilla request; the prefix and dual cache, Sparse-dLLM and Polestar-Cache are
+batched, ``policy_rounds.py``; FOCUS requests are batched among themselves,
 ``focus_rounds.py``) is **not batched**: the scheduler steps its session alone, one denoising step per
 scheduler iteration, interleaved with the batched rounds of the other requests exactly like a vanilla
 request (:func:`step_alone`). Each step runs the policy's loop (the eager reference :class:`PolicyLogits`,

@@ -9,8 +9,8 @@ before the next round. On CUDA builds run on their own stream and rounds on a hi
 build (~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes
 before the round. Sessions that cannot share a round are stepped alone in the same iteration, one step
 each (``policy_sessions.step_alone``): vanilla (full attention over the whole prompt) and requests whose
-decode policy the rounds do not batch (its reference loop); prefix-cache, dual-cache and Sparse-dLLM
-sessions take part in the rounds (``policy_rounds.py``). gRPC handler threads only wait on their job's
+decode policy the rounds do not batch (its reference loop); prefix-cache, dual-cache, Sparse-dLLM and
+Polestar-Cache sessions take part in the rounds (``policy_rounds.py``, ``polestar_rounds.py``). gRPC handler threads only wait on their job's
 event queue.
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its

@@ -40,7 +40,6 @@ from pdllm.decode_service.policy_sessions import (
     pooled_static,
     static_compute_skip_logits,
     static_local_rows,
-    static_policy_logits,
 )
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
@@ -217,9 +216,9 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         job: DecodeJob,
         policy: DecodePolicyConfig,
     ) -> DenoiseSession:
-        """A pdllm session under a decode policy: the build, then the engine's policy loop over its static
-        KV (``static_policy_logits`` / ``static_compute_skip_logits``, the in-process engine's very path),
-        stepped alone."""
+        """A pdllm session under a compute-skipping decode policy: the build, then the engine's policy loop
+        over its static KV (``static_compute_skip_logits``, the in-process engine's very path), stepped
+        alone; FOCUS's joins the worker's batched FOCUS group."""
         built = drain(self._pdllm_steps(request, gen, cfg, job))
         static = built.static
         if isinstance(static, PooledKV):  # a handoff landed in the job's pages
@@ -232,15 +231,13 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             local, positions, inner = static_local_rows(model, query, static, gen, attention, None)
             focus = policy.focus_config()
             return self.focus_groups.join(local, positions, len(query), inner, gen, focus, job.cancelled)
-        if policy.skips_compute:
-            return compute_skip_session(
-                static_compute_skip_logits(
-                    model, query, static, gen, policy, attention, cuda_graph=self.worker.cuda_graph
-                )
+        # Caching policies run in the batched rounds (BATCHED_POLICIES); the compute-skipping ones come here.
+        assert policy.skips_compute, f"decode policy {policy.name!r} does not take this path"
+        return compute_skip_session(
+            static_compute_skip_logits(
+                model, query, static, gen, policy, attention, cuda_graph=self.worker.cuda_graph
             )
-        cache_policy = make_policy(policy)
-        assert cache_policy is not None, "only a caching policy takes this path"
-        return PolicySession(static_policy_logits(model, query, static, gen, cache_policy, attention))
+        )
 
     def _sdar_session(
         self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob

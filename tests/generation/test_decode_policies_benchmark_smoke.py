@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.decode_policies import ROW_KEYS, main
 
-POLICIES = {"none", "prefix-cache", "dual-cache", "sparse-dllm"}
+POLICIES = {"none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar"}
 
 
 def test_smoke_writes_every_policy_row(tmp_path: Path) -> None:
@@ -53,6 +53,6 @@ def test_no_budget_skips_every_cell_with_a_reason(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "decode_policies.json").read_text())
     assert data["rows"] == [] and data["meta"]["runs"] == []
     skipped = data["meta"]["skipped"]
-    assert len(skipped) == 4 + 4 + 2 + 1  # the three cells' policies, then batch 16
+    assert len(skipped) == 5 + 5 + 2 + 1  # the three cells' policies, then batch 16
     assert all(s["reason"].startswith("time budget") for s in skipped[:-1])
     assert "| method |" in (tmp_path / "decode_policies.md").read_text()
