@@ -57,6 +57,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale[:, None]
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in CPU memory: pinned when it comes from a GPU, so that fetching it back is one fast copy."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t)
+
+
 @dataclass
 class ClusteredHidden:
     """One layer's hidden states of the cached rows ``rows`` (ascending local rows): the cluster of each,
@@ -130,10 +138,10 @@ class ClusteredHidden:
         mean = (sums / counts[:, None]).to(self.centroids.dtype)
         self.centroids[touched] = mean[touched]
         if self.fmt == "none":
-            coded, scale = h.cpu(), torch.empty(0)
+            coded, scale = to_host(h), torch.empty(0)
         else:
             coded, scale = quantize(h - self.centroids[self.assign[members]], self.fmt)
-            coded, scale = coded.cpu(), scale.cpu()
+            coded, scale = to_host(coded), to_host(scale)
         if self.codes.numel() == 0:
             self.codes, self.scales = coded, scale
             return
@@ -143,12 +151,14 @@ class ClusteredHidden:
             self.scales[at] = scale
 
     def _fetch(self, at: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[n, H]`` of entries ``at``, fetched from the CPU and dequantized."""
-        cpu_at = at.cpu()
+        """Hidden states ``[n, H]`` of entries ``at``: the layer's codes copied from the CPU whole (one
+        copy from pinned memory costs less than gathering rows on the host), picked and dequantized on the
+        device (the same float32 products as on the host)."""
         device, dtype = self.centroids.device, self.centroids.dtype
+        codes = self.codes.to(device, non_blocking=True)  # the host writes codes only after a sync
         if self.fmt == "none":
-            return self.codes[cpu_at].to(device)
-        r = dequantize(self.codes[cpu_at], self.scales[cpu_at]).to(device)
+            return codes[at]
+        r = dequantize(codes[at], self.scales.to(device, non_blocking=True)[at])
         return (self.centroids[self.assign[at]].float() + r).to(dtype)
 
     def hidden(self, rows: torch.Tensor | None = None) -> torch.Tensor:
