@@ -18,8 +18,10 @@ row ranges (Polestar-Cache is the dual cache with drift-triggered recomputation;
   attention just after, read them), attends them over the static KV and every local row (one split-S call
   on the session's pages, in the round's kernel), and carries their outputs to the next layer.
 
-Refresh and update rounds run eagerly (their choices are made inside the forward); the drift selection
-reads the device once per layer of an update step. Sessions of every other kind share those rounds.
+Refresh and update rounds run eagerly (their choices are made inside the forward) and read the device
+several times per layer (the k-means' convergence, the drift choice, the residuals' copy to the CPU).
+Sessions of every other kind share those rounds. Speed and profile: ``benchmarks/results/
+polestar_rounds_notes.md``.
 """
 
 from __future__ import annotations
