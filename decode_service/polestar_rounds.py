@@ -50,6 +50,9 @@ class PolestarBatchSession(PolicyBatchSession):
     polestar: PolestarState = field(default_factory=PolestarState)
     # (page, slot in page) of every local row, ``[2, N]`` long on the device, from the last refresh
     row_slots: torch.Tensor | None = None
+    # int32 on the device: the slots an update's recomputed rows read (static KV + every local row), then
+    # the session's pages (the split-S call's kv_lens and page table)
+    paged: torch.Tensor | None = None
     span: tuple[int, int] = (0, 0)  # the forwarded rows [lo, hi) of the block's cached steps
 
     def _plan(self, ctx: StepContext) -> StepPlan:
@@ -58,13 +61,13 @@ class PolestarBatchSession(PolicyBatchSession):
 
     def round_rows(self) -> RoundRows:
         ctx = self.context()
-        refresh = self._plan(ctx).refresh
-        rows = super().round_rows()
+        plan = self._plan(ctx)
+        rows = self._rows(ctx, plan)
         policy = self.policy
         assert isinstance(policy, Polestar)
         state = self.polestar
         lo, hi = ctx.block_start - ctx.lead, ctx.block_end
-        if refresh:
+        if plan.refresh:
             state.unmasked_at_update = ctx.unmasked
             self.span = (lo, hi)
             cached, n = ctx.rows - (hi - lo), ctx.rows
@@ -72,11 +75,12 @@ class PolestarBatchSession(PolicyBatchSession):
             slots = [self._slot(j) for j in slot_of]
             pages = [p for p, _ in slots]
             self.row_slots = to_device(pages + [o for _, o in slots], torch.long, self.device).view(2, n)
+            self.paged = to_device([self.kv_tokens + n, *self.pages], torch.int32, self.device)
             positions = torch.arange(self.query_start, self.query_start + n, device=self.device)
             return replace(rows, store=PolestarRecord(self, policy, positions))
         if not state.update_due(policy, ctx.unmasked):
             return rows
-        return replace(rows, store=PolestarUpdate(self, policy, ctx.rows))
+        return replace(rows, store=PolestarUpdate(self, policy))
 
     def result(self) -> GenerationResult:
         self.stats.updates = self.polestar.updates
@@ -122,7 +126,6 @@ class PolestarUpdate:
 
     session: PolestarBatchSession
     policy: Polestar
-    rows: int  # local rows N
     model: Any = None
 
     @contextmanager
@@ -140,7 +143,7 @@ class PolestarUpdate:
         attention: PagedBatchAttention,
     ) -> None:
         s, state = self.session, self.session.polestar
-        assert s.row_slots is not None
+        assert s.row_slots is not None and s.paged is not None
         lo, hi = s.span
         pages, offsets = s.row_slots
         kv = attention.kv[layer]
@@ -157,8 +160,9 @@ class PolestarUpdate:
         kv[0][pages[rows], :, offsets[rows]] = kd[0].transpose(0, 1)
         kv[1][pages[rows], :, offsets[rows]] = vd[0].transpose(0, 1)
         n = rows.numel()
-        ints = to_device([0, n, s.kv_tokens + self.rows, *s.pages], torch.int32, qd.device)
+        q_offsets = to_device([0, n], torch.int32, qd.device)
+        slots = s.kv_tokens + offsets.numel()  # static KV + every local row
         out = attention.paged(
-            layer, qd[0].transpose(0, 1), ints[3:][None], ints[2:3], ints[:2], n, s.kv_tokens + self.rows
+            layer, qd[0].transpose(0, 1), s.paged[1:][None], s.paged[:1], q_offsets, n, slots
         )
         state.finish(self.model, layer, rows, x, out.transpose(0, 1)[None])

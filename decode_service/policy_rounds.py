@@ -149,7 +149,9 @@ class PolicyBatchSession(BatchSession):
     def round_rows(self) -> RoundRows:
         """The next step's rows; a refresh also stores the rows the block's cached steps will read."""
         ctx = self.context()
-        plan = self._plan(ctx)
+        return self._rows(ctx, self._plan(ctx))
+
+    def _rows(self, ctx: StepContext, plan: StepPlan) -> RoundRows:
         self.stats.forwards += 1
         if not plan.refresh:
             self.stats.rows_forwarded += plan.hi - plan.lo

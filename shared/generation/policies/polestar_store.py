@@ -161,10 +161,9 @@ class ClusteredHidden:
         r = dequantize(codes[at], self.scales.to(device, non_blocking=True)[at])
         return (self.centroids[self.assign[at]].float() + r).to(dtype)
 
-    def hidden(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[n, H]`` of local ``rows`` (None: all held), fetched from the CPU, dequantized."""
-        at = torch.arange(self.rows.numel(), device=self.rows.device) if rows is None else self._entries(rows)
-        return self._fetch(at)
+    def hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[n, H]`` of local ``rows``, fetched from the CPU, dequantized."""
+        return self._fetch(self._entries(rows))
 
     def members(self, clusters: list[int]) -> torch.Tensor:
         """Local rows (ascending) of the given clusters."""
