@@ -12,8 +12,9 @@ in-process engine and ``generate_vanilla`` run, so an answer over gRPC equals
 ``engine.generate(..., decode_policy=...)`` token for token.
 
 Composed with pdllm's chunk selection: the static chunk KV is built (or pulled from a prefill worker) as
-for any pdllm request and read by the same attention backend the engine uses (:func:`static_policy_logits`),
-the policy reusing only the query + answer rows. The request still reserves its pages in the KV pool (the
+for any pdllm request and read by the same attention backend the engine uses (:func:`static_local_rows`),
+the policy reusing only the query + answer rows. (:func:`static_policy_logits`, a caching policy's reference
+loop over the static KV, is the in-process engine's; on the worker those requests join the rounds.) The request still reserves its pages in the KV pool (the
 pool's budget bounds these sessions too, and a handed-off decode KV lands there); a built static KV stays
 in its own tensors (the reference backends read segments, not pages), a landed one is read out of the
 pages once (:func:`pooled_static`). Its build runs whole (``--build-pieces`` applies to batched sessions).
