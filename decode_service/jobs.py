@@ -38,16 +38,27 @@ class Final:
 
 @dataclass
 class StaticDecode:
-    """A pdllm session to join the batched rounds: its query suffix, static KV (built, or pulled straight
-    into its pages) and settings."""
+    """A session ready to join the batched rounds: its local tokens before the response (pdllm: the query
+    suffix; vanilla: the whole prompt), its static KV (built, or pulled straight into its pages; None for
+    vanilla, which attends to its own rows only) and settings."""
 
     query: list[int]
-    static: StaticKV | PooledKV
+    static: StaticKV | PooledKV | None
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
     # A batched decode policy (policy_rounds.BATCHED_POLICIES): the session joins the rounds under it.
     cache_policy: CachePolicy | None = None
+
+    @property
+    def query_start(self) -> int:
+        """Position of the first local token."""
+        return 0 if self.static is None else self.static.query_start
+
+    @property
+    def kv_tokens(self) -> int:
+        """Static KV tokens it reads from its pages."""
+        return 0 if self.static is None else self.static.num_tokens
 
 
 # Stepped alone (not in the batched rounds): a denoising loop, or an SDAR request's block diffusion.

@@ -196,14 +196,12 @@ class PolicyBatchSession(BatchSession):
 def batch_session(
     model: DiffusionLM,
     built: StaticDecode,
-    query_start: int,
-    kv_tokens: int,
     pages: list[int],
     page_size: int,
     device_sampler: bool = True,
 ) -> BatchSession:
     """A built request's session in the rounds: under its batched decode policy, if it has one."""
-    args = (model, built.query, query_start, kv_tokens, pages, built.gen)
+    args = (model, built.query, built.query_start, built.kv_tokens, pages, built.gen)
     if built.cache_policy is None:
         return BatchSession.start(*args, device_sampler)
     kind = session_kind(built.cache_policy.name)

@@ -59,7 +59,7 @@ class RoundShape:
             batch=pow2(len(packed.kv_lens)),
             tokens=eighths(len(packed.ids)),
             q_len=pow2(packed.max_q_len),
-            pages=pow2(max(len(p) for p in packed.page_table)),
+            pages=pow2(packed.table_width),
             writes=eighths(len(packed.writes)) if packed.writes else 0,
             drops=any(d is not None for d in packed.drops),
         )

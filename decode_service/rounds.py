@@ -268,6 +268,12 @@ class PackedRound:
         return torch.stack(columns, dim=1)
 
     @property
+    def table_width(self) -> int:
+        """Widest page table (at least 1: a round of vanilla sessions, which hold no pages, still passes one
+        zero column that no slot reads)."""
+        return max([1, *(len(p) for p in self.page_table)])
+
+    @property
     def max_q_len(self) -> int:
         return max(hi - lo for lo, hi in zip(self.q_offsets, self.q_offsets[1:]))
 
@@ -281,7 +287,7 @@ class EagerRoundForward:
     def __call__(self, packed: PackedRound) -> torch.Tensor:
         device = self.pool.kv.device
         b, t = len(packed.kv_lens), len(packed.ids)
-        width = max(len(p) for p in packed.page_table)
+        width = packed.table_width
         table = packed.table(b, width).flatten()
         ints = torch.cat([torch.tensor(packed.q_offsets + packed.kv_lens, dtype=torch.int32), table])
         ints = to_device(ints, torch.int32, device)

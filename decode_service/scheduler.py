@@ -266,7 +266,7 @@ class DecodeScheduler:
                     torch.cuda.reset_peak_memory_stats(device)
                     before = torch.cuda.memory_allocated(device)
                 built = job.start()
-                if isinstance(built, StaticDecode):
+                if isinstance(built, StaticDecode) and built.static is not None:
                     self.pool.place(job.pages, built.static)
                 if self.build_stream is not None:
                     job.built_event = torch.cuda.Event()
@@ -310,8 +310,9 @@ class DecodeScheduler:
                     next(job.build_steps)  # type: ignore[arg-type]
             except StopIteration as stop:
                 built: StaticDecode = stop.value
-                with self._on(self.round_stream):
-                    self.pool.place(job.pages, built.static)
+                if built.static is not None:
+                    with self._on(self.round_stream):
+                        self.pool.place(job.pages, built.static)
                 job.built, job.build_steps = built, None
             except Exception as exc:  # a bad request must not take the worker down
                 job.build_steps = None
@@ -338,10 +339,8 @@ class DecodeScheduler:
         for job in ready:
             built = job.built
             if isinstance(built, StaticDecode):
-                static, job.cache_stats, job.kv_source = built.static, built.cache_stats, built.kv_source
-                job.session = batch_session(
-                    self.model, built, static.query_start, static.num_tokens, job.pages, self.pool.page_size
-                )
+                job.cache_stats, job.kv_source = built.cache_stats, built.kv_source
+                job.session = batch_session(self.model, built, job.pages, self.pool.page_size)
             else:
                 job.session = built
             job.built = None

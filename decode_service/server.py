@@ -51,11 +51,11 @@ from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
-from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicySession, make_policy
+from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.shared.generation.policies.base import vanilla_local_rows
 from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
-from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn, vanilla_policy_logits
+from pdllm.shared.generation.vanilla import prompt_tensor
 from pdllm.shared.kv_transfer.payload import (
     CHUNK_KV,
     DECODE_KV,
@@ -141,6 +141,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 start = lambda: self._vanilla_session(request, gen, policy, job)  # noqa: E731
                 start_steps = None
                 kv_tokens = 0
+                if not sdar and make_policy(policy) is not None:  # its cache of local rows in pool pages
+                    cache_tokens = cache_slots(prompt + self._bos_tokens(), gen)
             else:
                 if not request.chunks:
                     raise PdllmError(
@@ -180,9 +182,14 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                     yield wpb.DecodeResponse(final=self._final(event, job))
 
     # ------------------------------------------------------------------ sessions (scheduler thread)
+    def _bos_tokens(self) -> int:
+        return int(self.worker.model.config.bos_token_id is not None)
+
     def _vanilla_session(
         self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob
-    ) -> DenoiseSession | BlockDiffusionSession | FocusMember:
+    ) -> StaticDecode | DenoiseSession | BlockDiffusionSession | FocusMember:
+        """A vanilla request's session: its whole prompt as local rows in the rounds (attending to its own
+        rows only, no static KV), under its caching policy if any; FOCUS, DyLLM and SDAR have their own."""
         model = self.worker.model
         bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
         ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
@@ -202,11 +209,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         if policy.skips_compute:  # DyLLM: generate_vanilla's loop, a step per scheduler turn
             graphs = self.worker.cuda_graph  # DyLLM replays its sparse steps as the worker replays rounds
             return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy, graphs))
-        cache_policy = make_policy(policy)
-        if cache_policy is not None:  # generate_vanilla's policy loop, a step per scheduler turn
-            return PolicySession(vanilla_policy_logits(model, prompt, gen, cache_policy))
-        fn = vanilla_logits_fn(model, prompt, gen.gen_length)
-        return DenoiseSession(gen, model.config.mask_token_id, model.config.eos_token_id, fn, prompt.device)
+        return StaticDecode(ids, None, gen, cache_policy=make_policy(policy))
 
     def _policy_session(
         self,

@@ -163,6 +163,6 @@ def policy_session(
     cache_policy = make_policy(policy)
     assert cache_policy is not None
     built = replace(built, cache_policy=cache_policy)
-    out = batch_session(m, built, s.query_start, s.num_tokens, pages, pool.page_size, device_sampler)
+    out = batch_session(m, built, pages, pool.page_size, device_sampler)
     assert isinstance(out, PolicyBatchSession)
     return out
