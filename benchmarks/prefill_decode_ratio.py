@@ -5,7 +5,7 @@ discrete-event simulation of the router (``router_sim.py``).
 
 CPU only, deterministic (seeded): reads committed results and writes ``prefill_decode_ratio.{json,md,png}``
 (the PNG when matplotlib is installed). Costs per request, one GPU per worker (Dream-7B shapes, C=1024,
-K=4, gen 32 / 32 steps): prefill + scoring and the decode-KV build alone on a GPU (``e2e_after_sampler.json``;
+K=4, gen 32 / 32 steps): prefill + scoring and the decode-KV build alone on a GPU (``e2e_speedup.json``;
 at 16K the chunk batch is already 16K tokens, so batching requests on a prefill worker adds little); the
 batched round time vs active sessions (``decode_rounds.json``, linear between the measured points); the
 K=4 handoff (``kv_handoff.json``, CUDA IPC: the workers of one node share a host). The decode round does not
@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
 from benchmarks.router_sim import RoundCurve, SimConfig, simulate  # noqa: E402
 
 GPUS = 8
+CONTEXTS = (16384, 32768)  # the context lengths studied (the serving sweeps' lengths)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -46,7 +47,7 @@ class Costs:
 
 def load_inputs(results: Path) -> tuple[dict[int, Costs], dict]:
     """Per-context costs from the committed files, and where every number came from."""
-    e2e = json.loads((results / "e2e_after_sampler.json").read_text())
+    e2e = json.loads((results / "e2e_speedup.json").read_text())
     rounds = json.loads((results / "decode_rounds.json").read_text())
     handoff = json.loads((results / "kv_handoff.json").read_text())
     curve = RoundCurve(
@@ -64,9 +65,10 @@ def load_inputs(results: Path) -> tuple[dict[int, Costs], dict]:
             curve,
         )
         for r in e2e["rows"]
+        if r["context_length"] in CONTEXTS
     }
     sources = {
-        "prefill_s, build_s (per request, alone on the GPU)": _source("e2e_after_sampler.json", e2e["meta"]),
+        "prefill_s, build_s (per request, alone on the GPU)": _source("e2e_speedup.json", e2e["meta"]),
         "round time vs active sessions (CUDA graphs)": _source("decode_rounds.json", rounds),
         "handoff_s (K=4 decode KV, 4,100 tokens, CUDA IPC)": _source(
             "kv_handoff.json", handoff["meta"], "sender and receiver processes shared one H100"
@@ -252,7 +254,7 @@ def write(out: Path, report: dict) -> None:
             f"{a['step_p99_ms']:.0f} ms"
             + ("" if a is b else f" ({c['most_capacity']}: {b['latency_p99_s']:.2f} s, {b['step_p99_ms']:.0f} ms)")
             + (f". Eight one-GPU all-in-one servers: {c['all_in_one_x8_req_s']:.2f} req/s (measured x 8)."
-               if c["all_in_one_x8_req_s"] else ".")
+               if c["all_in_one_x8_req_s"] else ". No one-GPU all-in-one measurement at this length in serving.json.")
         )  # fmt: skip
     off = [v["sim_req_s"] / v["measured_req_s"] - 1 for v in report["validation"]] or [float("nan")]
     lines += ["", NOTES.format(low=min(off), high=max(off))]

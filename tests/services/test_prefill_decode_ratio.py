@@ -90,5 +90,5 @@ def test_the_script_reads_the_committed_results_and_writes_its_report(tmp_path) 
     )
     assert set(report["choice"]) == {"16384", "32768"}
     md = (tmp_path / "prefill_decode_ratio.md").read_text()
-    assert "## Choice" in md and "e2e_after_sampler.json" in md and "decode_rounds.json" in md
+    assert "## Choice" in md and "e2e_speedup.json" in md and "decode_rounds.json" in md
     assert (tmp_path / "prefill_decode_ratio.png").stat().st_size > 0
