@@ -16,7 +16,7 @@ split-S is timed twice: ``split_s_triton`` is what the launcher picks with ``con
 entry for this device and shape bucket, else the heuristic; see kernels/split_s_tuning.py) and
 ``split_s_default`` the fixed ``SplitSConfig()`` every shape used before. A call's roofline is the larger of
 its KV read time at the HBM peak and its attention FLOPs (4 * B * Lq * Hq * d * S * C) at the GEMM peak.
---grid runs the issue's table and grid; cells whose KV copies need more than --mem-gb, whose predicted call
+--grid runs the five-shape table and the grid; cells whose KV copies need more than --mem-gb, whose predicted call
 time exceeds --max-call-ms, or that start after --budget-s are recorded under ``decode_skipped``.
 """
 
@@ -502,18 +502,18 @@ def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict], 
     fig.savefig(out / "attention.png", dpi=110)
 
 
-# The issue's table (issue 14), then its grid.
-ISSUE_SHAPES: list[Shape] = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 4, 1024), (1, 256, 16, 2048),
+# The five-shape table (the decode shapes the targets name), then the grid.
+TABLE_SHAPES: list[Shape] = [(1, 32, 4, 1024), (8, 32, 8, 1024), (32, 32, 4, 1024), (1, 256, 16, 2048),
                              (32, 96, 16, 2048)]  # fmt: skip
-ISSUE_GRID: list[Shape] = [
+GRID_SHAPES: list[Shape] = [
     (b, lq, s, c) for b in (1, 4, 16, 64) for lq in (32, 96) for s in (4, 16, 64) for c in (256, 1024, 2048)
 ]
 
 
 def grid_shapes(dtype: torch.dtype) -> list[Shape]:
-    """The issue's five shapes, then the grid cheapest first (so a spent budget skips the largest)."""
-    rest = [sh for sh in ISSUE_GRID if sh not in ISSUE_SHAPES]
-    return ISSUE_SHAPES + sorted(rest, key=lambda sh: predicted_ms(*cell_cost(sh, dtype)[:2]))
+    """The five table shapes, then the grid cheapest first (so a spent budget skips the largest)."""
+    rest = [sh for sh in GRID_SHAPES if sh not in TABLE_SHAPES]
+    return TABLE_SHAPES + sorted(rest, key=lambda sh: predicted_ms(*cell_cost(sh, dtype)[:2]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a handful of shapes")
-    ap.add_argument("--grid", action="store_true", help="the issue's table + grid (split-S, default, SDPA)")
+    ap.add_argument("--grid", action="store_true", help="the shape table + grid (split-S, default, SDPA)")
     ap.add_argument("--sweep", action="store_true", help="time kernel configs first")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument(
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     prefill_sizes = [(32, 1024), (16, 2048), (64, 512)]
     if a.quick:
-        grid = list(ISSUE_SHAPES)
+        grid = list(TABLE_SHAPES)
     if a.grid:
         grid, flex_shapes = grid_shapes(dtype), set()
     if a.smoke:

@@ -193,7 +193,7 @@ def _where(cell: Cell, policy: str) -> dict:
 
 
 def rows_of(runs: list[dict]) -> list[dict]:
-    """The issue's rows: each run's tokens/s against vanilla (``none``, method vanilla) and against the
+    """The result rows: each run's tokens/s against vanilla (``none``, method vanilla) and against the
     dual cache of the same method, context and gen (None where that run is missing)."""
     speed = {(r["policy"], r["method"], r["context_tokens"], r["gen_length"]): r["gen_length"] / r["loop_s"]
              for r in runs}  # fmt: skip

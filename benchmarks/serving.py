@@ -327,7 +327,7 @@ def write(out: Path, report: dict) -> None:
                 f"{r['layout']} x{r['concurrency']} @ {r['context_tokens']}"
             )
     lines += [""] * bool(notes) + [f"Rows {', '.join(rows)}: {note}" for note, rows in notes.items()]
-    if report.get("handoff"):  # issue 15's list: one decode KV moved from a prefill to a decode worker
+    if report.get("handoff"):  # kv_handoff.py's list: one decode KV moved from a prefill to a decode worker
         keys = list(report["handoff"][0])
         lines += ["", f"KV handoff ({meta.get('handoff', {}).get('note', 'kv_handoff.py')}):", "",
                   "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]  # fmt: skip

@@ -1,5 +1,5 @@
 """Vanilla sessions (stepped alone, one long forward each) start no step that nobody waits for: not for a
-request cancelled while another session stepped, nor once the scheduler is closing (issue 16: a SIGTERM
+request cancelled while another session stepped, nor once the scheduler is closing (a SIGTERM
 drain waits for the step in progress, so every further step would delay the exit)."""
 
 from __future__ import annotations

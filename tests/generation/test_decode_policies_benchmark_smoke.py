@@ -1,4 +1,4 @@
-"""``benchmarks/decode_policies.py --smoke`` on CPU (tiny model): the issue's JSON shape, the speedups'
+"""``benchmarks/decode_policies.py --smoke`` on CPU (tiny model): the report's JSON shape, the speedups'
 baselines, vanilla probes, and the time budget skipping cells with a recorded reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The shipped checkpoint answers the fixed CI retrieval set (issue 5): vanilla and pdllm, exact match.
+"""The shipped checkpoint answers the fixed CI retrieval set: vanilla and pdllm, exact match.
 
 This is the quality floor every change to the runtime, sampler or engine must keep: the model was
 trained to retrieve these needles, so a regression in any of them shows up here as wrong answers.

@@ -321,7 +321,7 @@ def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
 
 
 def test_a_stream_past_its_deadline_is_recorded_as_deadline_exceeded(cluster: Cluster) -> None:
-    """Issue 16: a client deadline in the middle of GenerateStream was counted and logged as CANCELLED by
+    """A client deadline in the middle of GenerateStream was once counted and logged as CANCELLED by
     the router (it cancelled its decode call when its own call ended, and recorded that call's status)."""
     for d in cluster.decodes:
         d.mode = "slow"

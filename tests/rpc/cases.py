@@ -119,7 +119,7 @@ BAD_INPUTS: list[tuple[str, Edit, str]] = [
         _set("method.prefill_attention", "sparse"),
         "must be one of causal, bidirec",
     ),
-    # Decode policies (issue 17): a policy that does not exist (Polestar-Cache is not built yet), knobs out
+    # Decode policies: a policy that does not exist, knobs out
     # of range, a knob the policy does not have, an even pooling kernel.
     (
         "unknown_decode_policy",

@@ -31,7 +31,7 @@ REQUEST = {
     "question": "What is the badge number of Then Themvom?",
     "generation": {"gen_length": 8, "steps": 8, "block_length": 4, "temperature": 1.0, "seed": 7},
     "method": {"method": "pdllm", "chunk_size": 32, "top_k": 2},
-    # A message added after the first release (issue 17): proto-loader must find it in the shipped files.
+    # A message added after the first release (DecodePolicyParams): proto-loader must find it in the shipped files.
     "decode_policy": {"decode_policy": "dual-cache"},
 }
 

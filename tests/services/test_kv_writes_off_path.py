@@ -1,4 +1,4 @@
-"""With ``--kv-url``, chunk-KV writes stay off the request path (issue 15: time to first token with the
+"""With ``--kv-url``, chunk-KV writes stay off the request path (time to first token with the
 Redis tier stays that of the run without it).
 
 A timing comparison would be flaky on a shared CI host, so the test makes the difference unmissable

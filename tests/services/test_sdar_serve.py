@@ -1,4 +1,4 @@
-"""A tiny SDAR (block-diffusion) checkpoint through `serve --role all` (issue 18: "SDAR loads and serves").
+"""A tiny SDAR (block-diffusion) checkpoint through `serve --role all`.
 
 Over gRPC a pdllm request's answer equals `pdllm generate --method pdllm` in process (same settings, same
 seed) token for token, a vanilla one equals `generate --method vanilla` (block diffusion over the whole

@@ -1,6 +1,6 @@
 """SIGTERM while `serve --role all` runs a long vanilla decode step: the process drains and exits 0.
 
-Issue 16: a SIGTERM during a long vanilla decode once aborted the process ("terminate called without an
+A SIGTERM during a long vanilla decode once aborted the process ("terminate called without an
 active exception", exit -6): the drain stopped the servers, the decode scheduler's thread was given 5 s to
 end, and the interpreter exited while that daemon thread was still inside a multi-second torch forward.
 A vanilla step cannot be cut short, so the process must wait for it and only then exit.

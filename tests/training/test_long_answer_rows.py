@@ -1,4 +1,4 @@
-"""Long-answer training rows (issue 17): layout, masking, haystack split, and the older configs' mix."""
+"""Long-answer training rows: layout, masking, haystack split, and the older configs' mix."""
 
 from __future__ import annotations
 
