@@ -62,7 +62,7 @@ def candidates(bucket: ShapeBucket) -> list[SplitSConfig]:
 def call_cost(
     batch: int, lq: int, hq: int, hkv: int, d: int, kv_tokens: int, itemsize: int
 ) -> tuple[float, float]:
-    """(FLOPs, bytes) of one call: the issue's ``4 * B * Lq * Hq * d * kv_tokens`` (local keys left out) and
+    """(FLOPs, bytes) of one call: ``4 * B * Lq * Hq * d * kv_tokens`` FLOPs (local keys left out) and
     the K+V bytes read (paged ``kv_tokens`` plus the ``Lq`` local tokens per request)."""
     return 4.0 * batch * lq * hq * d * kv_tokens, 2.0 * batch * (kv_tokens + lq) * hkv * d * itemsize
 

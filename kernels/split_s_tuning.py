@@ -187,7 +187,7 @@ def clear_caches() -> None:
 def heuristic_config(bucket: ShapeBucket) -> SplitSConfig:
     """The config for a bucket with no table entry.
 
-    64x64 tiles, 4 warps, 2 stages: the fastest in every H100 sweep so far (attention_v1/v2_sweep.json, rows
+    64x64 tiles, 4 warps, 2 stages: the fastest in every H100 sweep so far (attention_notes.md, rows
     224..1792, KV 4K..33K). 128-row blocks with 8 warps, the obvious guess for large ``Lq*G``, were 9-30%
     slower in all 5 shapes of the v2 sweep, so they are left to the tuner. Row blocks shrink to 32 / 16
     (2 warps) when ``rows`` is that small, where a 64-row tile would mostly multiply padding (unmeasured: no

@@ -7,7 +7,7 @@ answered by each method and scored by exact match. Writes ``<out>/<name>.json`` 
 with the methods side by side. ``--decode-policy`` (and its knobs, from the settings schema) runs every
 method's decode under that policy (``shared/generation/policies``), named in the header and the rows.
 
-``--tasks long-answer`` (``shared/eval/long_answer.py``, issue 17) asks for a planted 128-256-token
+``--tasks long-answer`` (``shared/eval/long_answer.py``) asks for a planted 128-256-token
 paragraph verbatim: rows score the exact-passage rate (``accuracy``) and ``token_accuracy``; its generation
 length is sized per sample (passage + EOS rounded up to whole blocks of ``--block-length``, else of 32), so
 ``--gen-length`` applies to the short-answer tasks only. ``--agreement`` decodes every sample a second time

@@ -1,4 +1,4 @@
-"""A long-answer task: "Quote the paragraph about <name>." (issue 17: decode policies are judged on answers
+"""A long-answer task: "Quote the paragraph about <name>." (decode policies are judged on answers
 long enough for cached K/V to drift; the needle tasks answer in 16 tokens).
 
 A sample is documentation prose (by default the held-out haystack, as for the other tasks) with a planted

@@ -1,4 +1,4 @@
-"""The pdllm decode phase (steps 6-7) on SDAR block-diffusion models (issue 18): the in-process engine's
+"""The pdllm decode phase (steps 6-7) on SDAR block-diffusion models: the in-process engine's
 (``shared/app/engine.py``) and the decode worker's (``decode_service/server.py``), one code path.
 
 Selection (steps 3-5) runs unchanged: chunks are prefilled and scored with the prefill worker's own

@@ -13,7 +13,7 @@ attention kernels) and one sequence length:
   (self-information of the question, pseudo-label likelihood). Half the chunks lack the gold fact, so
   the likelihood of the question and answer learns to depend on it.
 
-Long-answer rows ("Quote the paragraph about <name>.", ``eval/long_answer.py``; issue 17) take the share
+Long-answer rows ("Quote the paragraph about <name>.", ``eval/long_answer.py``) take the share
 ``long_answer_weight`` of the ``diff_task`` / ``sft`` / ``causal`` task rows that can hold a passage. The
 weight is a field of its own, not a sixth ``task_weights`` entry, so configs without it draw exactly the
 rows they drew before (no random number is drawn for it at weight 0).

@@ -1,4 +1,4 @@
-"""The compute-skipping decode policies (``dyllm``, ``focus``) behind one entry point (issue 18).
+"""The compute-skipping decode policies (``dyllm``, ``focus``) behind one entry point.
 
 They are not :class:`~.base.CachePolicy`\\ s (a cache policy plans which local rows a step forwards; these
 skip work *inside* the forward: DyLLM per layer and row, FOCUS past layer 1), so ``make_policy`` returns
