@@ -1,6 +1,7 @@
-"""Step 7 for one request: iterative denoising over static prefix KV, recomputing only the query suffix and
-response. The in-process engine runs it (``worker.py``); the decode server runs step 7 for all active
-requests at once in batched rounds instead (``rounds.py``, ``scheduler.py``).
+"""Step 7's reference loop for one request: iterative denoising over static prefix KV, recomputing only the
+query suffix and response. It is the specification the batched rounds (``rounds.py``) are tested against;
+the decode server and the in-process engine both decode through the rounds (``local.py``), and run this
+loop only when asked for a static-KV attention policy (``DecodeWorker.decode(policy=...)``).
 
 The loop is :func:`pdllm.shared.generation.sampler.denoise` (the shared unmasking logic) driven by a
 logits function that forwards ``[query suffix, response]`` at positions after the static prefix. Which

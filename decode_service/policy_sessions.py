@@ -1,23 +1,11 @@
-"""Requests with a decode policy on the decode worker: the policy's reference loop, one step per turn.
+"""Decode-policy sessions outside the batched rounds, and the reference loops over a static KV.
 
-A request whose ``DecodeRequest.decode_policy`` names a policy the batched rounds do not run
-(the compute-skipping ``dyllm`` (``policies/compute_skip.py``: its :func:`static_compute_skip_logits`), or
-a caching policy on a vanilla request; the prefix and dual cache, Sparse-dLLM and Polestar-Cache are
-batched, ``policy_rounds.py``; FOCUS requests are batched among themselves,
-``focus_rounds.py``) is **not batched**: the scheduler steps its session alone, one denoising step per
-scheduler iteration, interleaved with the batched rounds of the other requests exactly like a vanilla
-request (:func:`step_alone`). Each step runs the policy's loop (the eager reference :class:`PolicyLogits`,
-one host read per step; DyLLM's fast path, with CUDA graphs when the worker uses them), the very code the
-in-process engine and ``generate_vanilla`` run, so an answer over gRPC equals
-``engine.generate(..., decode_policy=...)`` token for token.
-
-Composed with pdllm's chunk selection: the static chunk KV is built (or pulled from a prefill worker) as
-for any pdllm request and read by the same attention backend the engine uses (:func:`static_local_rows`),
-the policy reusing only the query + answer rows. (:func:`static_policy_logits`, a caching policy's reference
-loop over the static KV, is the in-process engine's; on the worker those requests join the rounds.) The request still reserves its pages in the KV pool (the
-pool's budget bounds these sessions too, and a handed-off decode KV lands there); a built static KV stays
-in its own tensors (the reference backends read segments, not pages), a landed one is read out of the
-pages once (:func:`pooled_static`). Its build runs whole (``--build-pieces`` applies to batched sessions).
+DyLLM requests (vanilla or pdllm) run the policy's own loop (``policies/compute_skip.py``), one denoising
+step per scheduler iteration (:func:`step_alone`, which also steps FOCUS groups and SDAR sessions). A pdllm
+one reads its static KV through the reference attention backends (:func:`static_local_rows`; a KV landed
+by a handoff is read out of its pool pages once, :func:`pooled_static`), so its answer equals
+``engine.generate(..., decode_policy=...)`` token for token. :func:`static_policy_logits` is a caching
+policy's reference loop over a static KV: the specification the rounds are tested against.
 """
 
 from __future__ import annotations

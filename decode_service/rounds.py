@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.kernels.split_s_reference import split_s_attention_reference
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
+from pdllm.shared.model.attention import sdpa
 from pdllm.shared.model.transformer import DiffusionLM
 
 ROUND_ATTENTIONS = ("torch", "triton")
@@ -123,8 +123,8 @@ called before the layer's attention; it may store into ``attention.kv`` (the poo
 class PagedBatchAttention:
     """Every session's queries attend to its own static KV (pool pages) and to its own local tokens.
 
-    ``kernel``: "triton" (the split-S kernel, CUDA or the Triton interpreter) or "torch" (the kernel's
-    pure-torch reference, for CPU). All sizes are fixed on the host, so no call reads the device.
+    ``kernel``: "triton" (the split-S kernel, CUDA or the Triton interpreter) or "torch" (gathered KV and
+    SDPA per session, :func:`gathered_attention`, for CPU). All sizes are fixed on the host, so no call reads the device.
 
     ``writes`` (optional, three long tensors ``[W]``: packed row, pool page, slot in page): rows whose
     fresh K/V each layer also stores in the pool, where later rounds read them as paged KV (a decode
@@ -187,7 +187,37 @@ class PagedBatchAttention:
             return split_s_attention(
                 *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len
             )
-        return split_s_attention_reference(q.contiguous(), *args[1:], k_local=k_local, v_local=v_local)
+        return gathered_attention(q, *args[1:], k_local=k_local, v_local=v_local)
+
+
+def gathered_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None = None,
+    v_local: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rounds' attention off the GPU: per session, its pages gathered and its local K/V appended, one
+    SDPA call (memory-efficient, unlike the split-S kernel's torch reference, whose ``[T, S]`` scores a
+    vanilla session's thousands of rows would make gigabytes). Same signature as the kernel."""
+    out = torch.empty_like(q)
+    offs, lens = q_offsets.tolist(), kv_lens.tolist()
+    page, hkv, d = k_pages.shape[2], k_pages.shape[1], k_pages.shape[3]
+    for b, kv_len in enumerate(lens):
+        q0, q1 = offs[b], offs[b + 1]
+        if q1 == q0:
+            continue
+        ids = page_table[b, : -(-kv_len // page)].long()
+        k = k_pages[ids].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :kv_len]
+        v = v_pages[ids].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :kv_len]
+        if k_local is not None and v_local is not None:
+            k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
+            v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
+        out[q0:q1] = sdpa(q[q0:q1].transpose(0, 1)[None], k[None], v[None])[0].transpose(0, 1)
+    return out
 
 
 @dataclass

@@ -1,28 +1,20 @@
-"""The decode worker: ``pdllm.v1.Decode``, :class:`DecodeWorker`'s steps 6-7 with step 7 in batched rounds
-(``scheduler.py``).
+"""The decode worker's gRPC face: ``pdllm.v1.Decode`` turns a request into a job for the scheduler
+(``scheduler.py``) and streams its partial outputs and result back.
 
-For a pdllm request the worker rebuilds the decode KV of the selected chunks from their token ids
-(full-mask / chunk-query: one forward over K chunks + query) or reads their step-3 KV from the KV tier
-(chunk-only: looked up by content key, the chunk's token ids under the request's prefill attention, so
-the prefill worker's entries for causal prefill; recomputed when the tier misses); the session then joins
-the batched denoising rounds of all active requests. A request with a ``handoff`` instead pulls the KV a
-prefill worker built (its :class:`KvReceiver`; chunk handles and handoff are checked against this worker's
-model first, FAILED_PRECONDITION on a mismatch) and builds it only if the pull fails. A vanilla request
-carries the whole context and is stepped alone. A pdllm request with Fast-dLLM's prefix or dual cache or
-Sparse-dLLM (``decode_policy``) joins the batched rounds under it, its cache of query + answer K/V in pool
-pages reserved after its static KV (``policy_rounds.py``); FOCUS requests (vanilla or pdllm) advance
-together in packed FOCUS steps (``focus_rounds.py``); any other decode policy (Polestar-Cache, DyLLM, or a
-caching policy on a vanilla request) is stepped alone through the policy's loop (``policy_sessions.py``). Partial outputs stream after every step when asked for.
+What a job runs:
 
-On an SDAR (block-diffusion) model every request is exact block diffusion, stepped alone
-(:class:`~pdllm.shared.generation.block_diffusion.BlockDiffusionSession`, one denoising step per scheduler
-iteration): vanilla over its whole prompt, as ``generate_vanilla``; pdllm over ``[instruction, chunks,
-query]``, the in-process engine's very code (``shared/generation/sdar_decode.py``), its block-causal prefix
-rebuilt here from the chunks' token ids. Under decode policy ``focus`` either joins the worker's batched
-FOCUS requests (``focus_rounds.py``: block diffusion over the same prompt and prefix through FOCUS's fast
-path), its counters in the trace's ``decode_policy`` like a Dream/LLaDA FOCUS request's. It holds no pool pages and pulls no handoff: the prefill worker's chunk KV and a handed-off decode
-KV are not block-causal. What it does not run (chunk-only, top-B, decode policies other than focus, a block
-length off the model's blocks) is INVALID_ARGUMENT naming the option (``request_checks.check_block_diffusion``).
+- **pdllm** (Dream / LLaDA): the static KV of the selected chunks is built from their token ids
+  (full-mask / chunk-query), read from the KV tier (chunk-only; recomputed on a miss), or pulled from the
+  prefill worker that built it (a ``handoff``; checked against this worker's model first,
+  FAILED_PRECONDITION on a mismatch; rebuilt if the pull fails). The session then joins the batched rounds.
+- **vanilla** (Dream / LLaDA): the whole prompt becomes the session's local rows, no static KV; it joins
+  the same rounds.
+- A caching decode policy (prefix / dual cache, Sparse-dLLM, Polestar-Cache) keeps its cache of local
+  K/V in pool pages after the static KV; its session joins the rounds too (``policy_rounds.py``).
+- Still outside the rounds: DyLLM (its loop, stepped alone, ``policy_sessions.py``), FOCUS (its packed
+  groups, ``focus_rounds.py``) and every request on an SDAR (block-diffusion) model, which runs exact
+  block diffusion stepped alone (``shared/generation/sdar_decode.py``; no pool pages, no handoff; what it
+  does not run is INVALID_ARGUMENT, ``request_checks.check_block_diffusion``).
 """
 
 from __future__ import annotations

@@ -2,25 +2,30 @@
 
 :class:`DecodeWorker` builds the static decode KV of the selected chunks (``build.py``); in chunk-only mode
 it starts from their step-3 KV, loaded from the chunk store or recomputed on a miss
-(:meth:`DecodeWorker.chunk_kv`). The decode server then runs step 7 for all active requests in batched
-rounds (``scheduler.py``); the in-process engine runs it for one request at a time
-(:meth:`DecodeWorker.decode`, ``decode.py``), optionally as a replayed CUDA graph.
+(:meth:`DecodeWorker.chunk_kv`). Step 7 runs in the batched rounds (``scheduler.py``, ``rounds.py``): the
+decode server's scheduler thread for all its requests, and :meth:`DecodeWorker.decode` /
+:meth:`DecodeWorker.vanilla` (the in-process engine, ``generate``, ``eval``) through the same scheduler
+driven from the caller's thread (``local.py``), replaying graphed rounds with ``cuda_graph``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
 from pdllm.decode_service.build import build_static_steps
-from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, StaticPolicy, decode
-from pdllm.decode_service.graphs import GraphCache
+from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, decode
+from pdllm.decode_service.jobs import StaticDecode
+from pdllm.decode_service.local import LocalDecoder
 from pdllm.kernels import HAS_TRITON
 from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.chunk_store import ChunkKVStore
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.generation.vanilla import generate_vanilla, prompt_tensor
 from pdllm.shared.layout import DecodeLayout, Request, decode_layout
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
@@ -62,8 +67,11 @@ class DecodeWorker:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
         self.decode_attention = decode_attention
         self.cuda_graph = cuda_graph
-        self.graph_cache = GraphCache() if cuda_graph else None
         self._gpu_kernels = HAS_TRITON and self.device.type == "cuda"
+        # The rounds' attention: the split-S kernel on CUDA (or, asked for, under Triton's interpreter).
+        interpreted = decode_attention == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+        kernel = "triton" if self._gpu_kernels or interpreted else "torch"
+        self.local = LocalDecoder(model, kernel, cuda_graph)
 
     @property
     def device(self) -> torch.device:
@@ -132,19 +140,42 @@ class DecodeWorker:
     def decode(
         self,
         query_ids: list[int],
-        static: StaticKV,
+        static: StaticKV | None,
         gen: GenerationConfig,
         policy: DecodePolicy | None = None,
         progress: bool = False,
+        cache_policy: CachePolicy | None = None,
     ) -> GenerationResult:
-        """Step 7 for one request over ``static`` (default policy: attend to every static segment)."""
-        return decode(
-            self.model,
-            query_ids,
-            static,
-            gen,
-            policy or StaticPolicy(self.decode_attention),
-            progress,
-            self.cuda_graph,
-            self.graph_cache,
+        """Step 7 for one request over ``static`` (None: a vanilla request, ``query_ids`` its whole prompt)
+        under ``cache_policy`` (None: every row every step), through the decode server's scheduler and
+        rounds (:class:`~.local.LocalDecoder`). ``policy``: a static-KV attention policy instead, run by the
+        reference loop (``decode.py``), eagerly."""
+        if policy is not None:
+            assert static is not None and cache_policy is None, (
+                "the reference loop runs pdllm, no decode policy"
+            )
+            return decode(self.model, query_ids, static, gen, policy, progress)
+        return self.local.decode(
+            StaticDecode(list(query_ids), static, gen, cache_policy=cache_policy), progress
         )
+
+    def vanilla(
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        decode_policy: DecodePolicyConfig | None = None,
+        progress: bool = False,
+    ) -> GenerationResult:
+        """A vanilla request (``prompt``: BOS included, if any) through the rounds: its whole prompt as local
+        rows, under a caching decode policy or none. SDAR models and the compute-skipping policies run
+        their own loops (``generate_vanilla``)."""
+        if decode_policy is not None and decode_policy.name == "none":
+            decode_policy = None
+        if self.model.config.block_size is not None or (
+            decode_policy is not None and decode_policy.skips_compute
+        ):
+            return generate_vanilla(self.model, prompt, gen, progress, decode_policy)
+        gen.validate()
+        prompt_tensor(self.model, prompt)  # refuses an empty prompt
+        cache_policy = make_policy(decode_policy) if decode_policy is not None else None
+        return self.decode(list(prompt), None, gen, progress=progress, cache_policy=cache_policy)

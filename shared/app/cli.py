@@ -85,10 +85,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     timings: dict[str, float] = {"load": load_s}
     trace: dict | None = None
     if args.method == "vanilla":
-        from pdllm.shared.generation.vanilla import generate_vanilla
+        from pdllm.decode_service.worker import DecodeWorker
 
         prompt = ids.vanilla(loaded.config.bos_token_id)
-        result = generate_vanilla(loaded.model, prompt, gen, progress=True, policy=policy)
+        result = DecodeWorker(loaded.model).vanilla(list(prompt), gen, policy, progress=True)
         timings.update(result.timings)  # SDAR: the prompt's block-causal prefill
         timings["decode"] = result.decode_seconds
     else:

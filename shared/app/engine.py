@@ -3,7 +3,8 @@
 :meth:`PrefillingEngine.prefill` is what ``pdllm.v1.Prefill`` serves (steps 3-5: chunk prefill, scoring,
 top-K selection; :class:`~pdllm.prefill_service.worker.PrefillWorker`), :meth:`PrefillingEngine.decode`
 what ``pdllm.v1.Decode`` serves (steps 6-7: static KV build, denoising;
-:class:`~pdllm.decode_service.worker.DecodeWorker`), one request at a time; :meth:`generate` runs both.
+:class:`~pdllm.decode_service.worker.DecodeWorker`: the decode server's scheduler and batched rounds, driven
+from the caller's thread), one request at a time; :meth:`generate` runs both.
 In process the :class:`Selection` goes from one phase to the other as it is, step-3 KV included, so
 chunk-only reuses the prefill's causal chunk KV without a chunk-store round trip. The specification both
 phases must match is ``pdllm.shared.reference``.
@@ -26,14 +27,14 @@ from typing import Any
 import torch
 
 from pdllm.decode_service.decode import DecodePolicy
-from pdllm.decode_service.policy_sessions import static_compute_skip_logits, static_policy_logits
+from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy, run_policy
+from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.policies.compute_skip import run_compute_skip
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
@@ -139,12 +140,11 @@ class PrefillingEngine:
                     self.model, query, static, gen, decode_policy, attention, policy, graphs
                 )
                 result = run_compute_skip(fn, progress)
-            elif cache_policy is None:
-                result = self.decode_worker.decode(sel.request.query, static, gen, policy, progress)
-            else:
-                result = self._decode_with_policy(
-                    sel.request.query, static, gen, cache_policy, policy, progress
-                )
+            else:  # the decode server's scheduler and rounds (a static-KV ``policy``: its reference loop)
+                if policy is not None and cache_policy is not None:
+                    raise ValueError("a static-KV attention policy runs without a caching decode policy")
+                query = sel.request.query
+                result = self.decode_worker.decode(query, static, gen, policy, progress, cache_policy)
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)
@@ -175,21 +175,6 @@ class PrefillingEngine:
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)
         return result
-
-    def _decode_with_policy(
-        self,
-        query: list[int],
-        static: StaticKV,
-        gen: GenerationConfig,
-        cache_policy: CachePolicy,
-        policy: DecodePolicy | None,
-        progress: bool,
-    ) -> GenerationResult:
-        """Step 7 with a decode policy around the static-KV attention: eager and one request, the loop a
-        decode worker steps for such a request (``decode_service/policy_sessions.py``; not batched yet)."""
-        attention = self.decode_worker.decode_attention
-        logits = static_policy_logits(self.model, query, static, gen, cache_policy, attention, policy)
-        return run_policy(logits, progress)
 
     def generate(
         self,

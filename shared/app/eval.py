@@ -51,7 +51,6 @@ from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
 from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.prompt import encode_prompt
 
@@ -110,11 +109,14 @@ def make_decoder(loaded: LoadedModel, method: str, settings: EvalSettings, train
     """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``."""
     tok = loaded.tokenizer
     if method == "vanilla":
+        from pdllm.decode_service.worker import DecodeWorker
+
+        worker = DecodeWorker(loaded.model)
 
         def vanilla(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
             ids = encode_prompt(tok, sample.context, sample.question)
-            out = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, policy=policy)
-            return out.token_ids
+            prompt = list(ids.vanilla(loaded.config.bos_token_id))
+            return worker.vanilla(prompt, gen, policy).token_ids
 
         return vanilla
     if method != "pdllm":

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.eval import main
 from pdllm.shared.eval.long_answer import LongAnswerSample, held_out_sentences, make_long_answer_sample
 from pdllm.shared.eval.report import main as report_main
@@ -82,22 +83,21 @@ def test_shipped_defaults_without_file(ckpt, tmp_path) -> None:
 
 
 def test_decode_policy_reaches_both_methods(ckpt, tmp_path, monkeypatch) -> None:
-    """`--decode-policy` and its knobs pass through to generate_vanilla and the engine, and are recorded."""
+    """`--decode-policy` and its knobs pass through to the vanilla decode and the engine, and are recorded."""
     from pdllm.shared.app import engine as engine_module
-    from pdllm.shared.app import eval as eval_module
 
     seen: list[tuple[str, object]] = []
-    real_vanilla, real_generate = eval_module.generate_vanilla, engine_module.PrefillingEngine.generate
+    real_vanilla, real_generate = DecodeWorker.vanilla, engine_module.PrefillingEngine.generate
 
-    def vanilla(*args, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(("vanilla", policy))
-        return real_vanilla(*args, policy=policy, **kwargs)
+        return real_vanilla(self, prompt, gen, policy, **kwargs)
 
     def generate(self, *args, decode_policy=None, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(("pdllm", decode_policy))
         return real_generate(self, *args, decode_policy=decode_policy, **kwargs)
 
-    monkeypatch.setattr(eval_module, "generate_vanilla", vanilla)
+    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
     monkeypatch.setattr(engine_module.PrefillingEngine, "generate", generate)
     argv = ["--model", str(ckpt), "--tasks", "needle", "--samples", "1", "--depths", "0.5"]
     argv += ["--length-multiples", "1", "--gen-length", "4", "--block-length", "2", "--out", str(tmp_path)]
@@ -134,13 +134,13 @@ def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) 
     from pdllm.shared.app import eval as eval_module
 
     policies: list[str] = []
-    real = eval_module.generate_vanilla
+    real = DecodeWorker.vanilla
 
-    def vanilla(*args, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
         policies.append(policy.name)
-        return real(*args, policy=policy, **kwargs)
+        return real(self, prompt, gen, policy, **kwargs)
 
-    monkeypatch.setattr(eval_module, "generate_vanilla", vanilla)
+    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
     # Shorter passages than the task's 128-256 tokens keep the random model's full-length decodes cheap.
     monkeypatch.setattr(eval_module, "make_eval_sample", short_passages)
     argv = ["--model", str(ckpt), *LONG, "--length-multiples", "1", "--block-length", "32"]
@@ -166,16 +166,15 @@ def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) 
 
 
 def test_agreement_under_policy_none_decodes_once(ckpt, tmp_path, monkeypatch) -> None:
-    from pdllm.shared.app import eval as eval_module
 
     calls: list[str] = []
-    real = eval_module.generate_vanilla
+    real = DecodeWorker.vanilla
 
-    def vanilla(*args, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(policy.name)
-        return real(*args, policy=policy, **kwargs)
+        return real(self, prompt, gen, policy, **kwargs)
 
-    monkeypatch.setattr(eval_module, "generate_vanilla", vanilla)
+    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
     argv = [
         "--model",
         str(ckpt),

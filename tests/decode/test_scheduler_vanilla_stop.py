@@ -1,6 +1,7 @@
-"""Vanilla sessions (stepped alone, one long forward each) start no step that nobody waits for: not for a
-request cancelled while another session stepped, nor once the scheduler is closing (a SIGTERM
-drain waits for the step in progress, so every further step would delay the exit)."""
+"""Sessions stepped alone (DyLLM's loop, FOCUS groups, SDAR block diffusion; a plain denoising loop stands in
+for them here) start no step that nobody waits for: not for a request cancelled while another session
+stepped, nor once the scheduler is closing (a SIGTERM drain waits for the step in progress, so every
+further step would delay the exit)."""
 
 from __future__ import annotations
 

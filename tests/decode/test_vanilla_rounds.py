@@ -107,3 +107,19 @@ def test_an_all_vanilla_round_without_pages_runs() -> None:
         assert (
             job.pages == [] and _final(job).result.raw_tokens == generate_vanilla(m, prompt, gen).raw_tokens
         )
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_in_process_vanilla_runs_the_rounds_and_equals_the_reference_loop(name: str) -> None:
+    """``generate --method vanilla`` and ``eval``'s vanilla decode through the worker's rounds."""
+    from pdllm.decode_service.worker import DecodeWorker
+
+    m = model("llada", seed=4)
+    worker = DecodeWorker(m)
+    policy = DecodePolicyConfig(name=name)
+    for i, gen in enumerate(GENS):
+        prompt = tokens(10 + i, 60 + i)
+        got = worker.vanilla(prompt, gen, policy)
+        want = generate_vanilla(m, prompt, gen, policy=policy if name != "none" else None)
+        assert (got.raw_tokens, got.steps, got.cache) == (want.raw_tokens, want.steps, want.cache)
+    assert worker.local.scheduler is not None and worker.local.scheduler.rounds > 0

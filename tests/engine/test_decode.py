@@ -105,21 +105,23 @@ def test_trace_reports_every_phase_and_is_json() -> None:
     assert result.timings == d["timings"]
 
 
-def test_graph_cache_reloads_static_kv_for_a_new_request() -> None:
-    """Same shapes, other document: the cached step is reused and still decodes the new request exactly."""
+def test_graphed_rounds_are_reused_by_a_new_request_of_the_same_shape() -> None:
+    """Same shapes, other document: the engine's rounds replay the bucket the first request made and still
+    decode each request as the reference loop (segmented attention, one request) does."""
     m = model("dream")
     cfg = EngineConfig(chunk_size=12, top_k=2)
-    cached = PrefillingEngine(m, None, cfg, decode_attention="buffer", reuse_chunks=False, cuda_graph=True)
-    plain = PrefillingEngine(m, None, cfg, decode_attention="segments", reuse_chunks=False)
+    cached = PrefillingEngine(m, None, cfg, reuse_chunks=False, cuda_graph=True)
+    plain = PrefillingEngine(m, None, cfg, reuse_chunks=False)
+    wants = []
     for doc in (1, 2, 3):
         context, question = tokens(48, doc), tokens(5, 10 + doc)
         got, _ = cached.generate(context, question, GEN)
-        want, _ = plain.generate(context, question, GEN)
+        want = plain.decode(plain.prefill(context, question, GEN), GEN, policy=StaticPolicy("segments"))
         assert got.raw_tokens == want.raw_tokens
-    graphs = cached.decode_worker.graph_cache
-    assert graphs is not None and (graphs.captures, graphs.hits) == (1, 2)
-    first = plain.generate(tokens(48, 1), tokens(5, 11), GEN)[0].raw_tokens
-    assert first != plain.generate(tokens(48, 2), tokens(5, 12), GEN)[0].raw_tokens
+        wants.append(want.raw_tokens)
+    forward = cached.decode_worker.local.forward
+    assert forward is not None and (forward.captures, forward.replays) == (1, 3 * GEN.steps - 1)
+    assert wants[0] != wants[1]
 
 
 def test_default_decode_attention_follows_device_and_graphs() -> None:

@@ -69,8 +69,8 @@ def test_cached_pdllm_matches_straightforward_loop(family: str, gen: GenerationC
     assert cached.cache["refreshes"] == gen.gen_length // block
 
 
-def test_triton_decode_attention_falls_back_to_buffer() -> None:
-    """The split-S kernel needs as many local K/V rows as query rows; a cached step does not have them."""
+def test_triton_decode_attention_under_a_dual_cache_equals_buffer() -> None:
+    """A cached step forwards fewer rows than the cache holds; the rounds' attention reads the rest as pages."""
     gen = GENS[0]
     buffer = _decode(_engine("dream", "full-mask", None, "buffer"), gen, DecodePolicyConfig("dual-cache"))
     triton = _decode(_engine("dream", "full-mask", None, "triton"), gen, DecodePolicyConfig("dual-cache"))

@@ -1,0 +1,77 @@
+"""The decode worker's scheduler and rounds driven from the caller's thread: step 7 of the in-process engine.
+
+``generate``, ``eval`` and ``demo`` decode a request through the same :class:`~.scheduler.DecodeScheduler`,
+KV pool and round forward (eager, or CUDA-graph buckets) as the decode server, one scheduler iteration per
+denoising step, so an answer in process equals the worker's token for token and costs the same per step.
+The pool is sized for the largest request seen so far (grown, and its graphs dropped, when one does not fit).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tqdm import tqdm
+
+from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
+from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.policy_rounds import cache_slots
+from pdllm.decode_service.round_graphs import GraphedRoundForward
+from pdllm.decode_service.rounds import EagerRoundForward, RoundForward
+from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.shared.generation.sampler import GenerationResult
+from pdllm.shared.model.transformer import DiffusionLM
+
+
+class LocalDecoder:
+    """``kernel``: the rounds' attention ("triton" or "torch"); ``cuda_graph``: rounds through the graph
+    buckets (captured and replayed on CUDA)."""
+
+    def __init__(self, model: DiffusionLM, kernel: str, cuda_graph: bool, page_size: int = 64) -> None:
+        self.model, self.kernel, self.cuda_graph, self.page_size = model, kernel, cuda_graph, page_size
+        self.pool: DecodeKVPool | None = None
+        self.forward: RoundForward | None = None
+        self.scheduler: DecodeScheduler | None = None
+
+    def _scheduler(self, tokens: int) -> DecodeScheduler:
+        """A scheduler whose pool holds ``tokens`` slots (the last one, when it does)."""
+        pool = self.pool
+        if pool is not None and self.scheduler is not None and pool.pages_for(tokens) <= pool.num_pages:
+            return self.scheduler
+        pages = 1 << max(0, -(-tokens // self.page_size) - 1).bit_length()  # powers of two: few regrowths
+        self.scheduler = self.forward = self.pool = None  # the old pool's memory goes before the new one's
+        c = self.model.config
+        elem = next(self.model.parameters()).element_size()
+        page_bytes = c.num_layers * 2 * c.num_kv_heads * self.page_size * c.head_dim * elem
+        self.pool = DecodeKVPool.for_model(self.model, KVPoolConfig(pages * page_bytes, self.page_size))
+        if self.cuda_graph:  # off CUDA: the graphs' padded buffers, run eagerly
+            capture = self.pool.kv.device.type == "cuda"
+            self.forward = GraphedRoundForward(self.model, self.pool, self.kernel, capture=capture)
+        else:
+            self.forward = EagerRoundForward(self.model, self.pool, self.kernel)
+        self.scheduler = DecodeScheduler(self.model, self.pool, self.forward, start_thread=False)
+        return self.scheduler
+
+    def decode(self, built: StaticDecode, progress: bool = False) -> GenerationResult:
+        """Step 7 of one built request (its static KV, or none: vanilla), through the rounds."""
+        cache = cache_slots(len(built.query), built.gen) if built.cache_policy is not None else 0
+        scheduler = self._scheduler(built.kv_tokens + cache)
+        job = DecodeJob(
+            "local", lambda: built, threading.Event(), progress, built.kv_tokens, cache_tokens=cache
+        )
+        scheduler.submit(job)
+        total = built.gen.gen_length if built.gen.threshold is not None else built.gen.steps
+        with tqdm(
+            total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False
+        ) as bar:
+            while True:
+                scheduler.run_once()
+                while not job.events.empty():
+                    event = job.events.get_nowait()
+                    if isinstance(event, BaseException):
+                        raise event
+                    if isinstance(event, Partial):
+                        bar.update(event.step - bar.n)
+                    elif isinstance(event, Final):
+                        return event.result
+                if not scheduler.depth:  # pragma: no cover - a job always ends in a Final or an error
+                    raise RuntimeError("the local decode ended without a result")
