@@ -39,8 +39,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
-from pdllm.decode_service.jobs import DecodeJob, Final, StaticDecode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
+from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig  # noqa: E402
 from pdllm.decode_service.worker import DecodeWorker  # noqa: E402
@@ -75,7 +75,7 @@ class Workload:
             for _ in range(8)
         ]
 
-    def job(self, i: int) -> DecodeJob:
+    def job(self, i: int) -> DecodeRequest:
         req = self.requests[i % len(self.requests)]
         layout = decode_layout(req, list(range(len(req.chunks))), self.gen.gen_length)
 
@@ -84,14 +84,16 @@ class Workload:
             return StaticDecode(req.query, static, self.gen)
 
         kv = layout.static_len
-        return DecodeJob(f"r{i}", lambda: drain(steps(None)), threading.Event(), False, kv, start_steps=steps)
+        return DecodeRequest(
+            f"r{i}", lambda: drain(steps(None)), threading.Event(), False, kv, start_steps=steps
+        )
 
 
 def run_mode(sched: DecodeScheduler, load: Workload, device: torch.device) -> dict:
     """Open loop: request i arrives at i / rate seconds; stats of the requests after the warm-up ones."""
     args = load.args
     warm, total = args.warmup, args.warmup + args.requests
-    live: list[DecodeJob] = []
+    live: list[DecodeRequest] = []
     arrived: dict[str, float] = {}
     iterations: list[float] = []
     builds: list[float] = []

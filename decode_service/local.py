@@ -9,16 +9,17 @@ The pool is sized for the largest request seen so far (grown, and its graphs dro
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
-from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
-from pdllm.decode_service.policy_rounds import cache_slots
+from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import EagerRoundForward, RoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
-from pdllm.shared.generation.sampler import GenerationResult
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
 
@@ -51,27 +52,38 @@ class LocalDecoder:
         self.scheduler = DecodeScheduler(self.model, self.pool, self.forward, start_thread=False)
         return self.scheduler
 
-    def decode(self, built: StaticDecode, progress: bool = False) -> GenerationResult:
-        """Step 7 of one built request (its static KV, or none: vanilla), through the rounds."""
-        cache = cache_slots(len(built.query), built.gen) if built.cache_policy is not None else 0
-        scheduler = self._scheduler(built.kv_tokens + cache)
-        job = DecodeJob(
-            "local", lambda: built, threading.Event(), progress, built.kv_tokens, cache_tokens=cache
-        )
-        scheduler.submit(job)
-        total = built.gen.gen_length if built.gen.threshold is not None else built.gen.steps
+    def run(
+        self,
+        start: Callable[[], Started],
+        kv_tokens: int,
+        cache_tokens: int,
+        gen: GenerationConfig,
+        progress: bool = False,
+        cancelled: threading.Event | None = None,
+    ) -> GenerationResult:
+        """Step 7 of one request through the scheduler: ``start`` makes its session (``sessions.py``) on the
+        first iteration; ``kv_tokens`` / ``cache_tokens``: the pool slots it reserves."""
+        scheduler = self._scheduler(kv_tokens + cache_tokens)
+        event = cancelled or threading.Event()
+        req = DecodeRequest("local", start, event, progress, kv_tokens, cache_tokens=cache_tokens)
+        scheduler.submit(req)
+        begin = time.perf_counter()
+        total = gen.gen_length if gen.threshold is not None else gen.steps
         with tqdm(
             total=total, disable=not progress, delay=1.0, desc="denoise", unit="step", leave=False
         ) as bar:
             while True:
                 scheduler.run_once()
-                while not job.events.empty():
-                    event = job.events.get_nowait()
-                    if isinstance(event, BaseException):
-                        raise event
-                    if isinstance(event, Partial):
-                        bar.update(event.step - bar.n)
-                    elif isinstance(event, Final):
-                        return event.result
-                if not scheduler.depth:  # pragma: no cover - a job always ends in a Final or an error
+                while not req.events.empty():
+                    out = req.events.get_nowait()
+                    if isinstance(out, BaseException):
+                        raise out
+                    if isinstance(out, Partial):
+                        bar.update(out.step - bar.n)
+                    elif isinstance(out, Final):
+                        # Wall time to the result, which the device sessions' last read waited for (a
+                        # round's own time is the host's, up to its launch).
+                        out.result.decode_seconds = time.perf_counter() - begin
+                        return out.result
+                if not scheduler.depth:  # pragma: no cover - a req always ends in a Final or an error
                     raise RuntimeError("the local decode ended without a result")

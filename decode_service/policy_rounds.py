@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from pdllm.decode_service.jobs import StaticDecode
+from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.device_state import DeviceDenoiseState

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
-from pdllm.decode_service.jobs import DecodeJob
 from pdllm.decode_service.kv_pool import DecodeKVPool, PooledKV
+from pdllm.decode_service.request import DecodeRequest
 from pdllm.kernels.paged_kv import ChunkPages
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicyLogits
@@ -93,25 +93,25 @@ def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: w
 
 
 def step_alone(
-    jobs: Sequence[DecodeJob], stopping: Callable[[], bool], observe: Callable[[float], None]
-) -> tuple[list[DecodeJob], list[DecodeJob]]:
+    reqs: Sequence[DecodeRequest], stopping: Callable[[], bool], observe: Callable[[float], None]
+) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
     """One step of each session that cannot share a round (vanilla, a decode policy, SDAR): (stepped, failed).
-    A failed job has its exception queued for its caller. None runs once the scheduler is ``stopping`` or
-    after its job was cancelled: such a step is long, and nobody would wait for it."""
-    stepped: list[DecodeJob] = []
-    failed: list[DecodeJob] = []
-    for job in jobs:
-        if job.cancelled.is_set() or stopping():
+    A failed request has its exception queued for its caller. None runs once the scheduler is ``stopping`` or
+    after its request was cancelled: such a step is long, and nobody would wait for it."""
+    stepped: list[DecodeRequest] = []
+    failed: list[DecodeRequest] = []
+    for req in reqs:
+        if req.cancelled.is_set() or stopping():
             continue
-        assert job.session is not None
+        assert req.session is not None
         try:
             start = time.perf_counter()
-            job.session.step()  # type: ignore[union-attr]  # alone: an AloneSession
+            req.session.step()  # type: ignore[union-attr]  # alone: an AloneSession
             observe(time.perf_counter() - start)
         except Exception as exc:
-            _log.exception("decode step failed", extra={"request_id": job.request_id})
-            job.events.put(exc)
-            failed.append(job)
+            _log.exception("decode step failed", extra={"request_id": req.request_id})
+            req.events.put(exc)
+            failed.append(req)
         else:
-            stepped.append(job)
+            stepped.append(req)
     return stepped, failed

@@ -9,7 +9,7 @@ lets finished builds join, then runs **one** batched forward that advances every
 round. On CUDA builds run on their own stream and rounds on a high-priority one, so a build (~0.1 s at
 Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes before the round.
 Sessions outside the rounds (DyLLM, FOCUS groups, SDAR block diffusion) are stepped alone in the same
-iteration, one step each (``policy_sessions.step_alone``). gRPC handler threads only wait on their job's
+iteration, one step each (``policy_sessions.step_alone``). gRPC handler threads only wait on their request's
 event queue; the in-process engine drives :meth:`DecodeScheduler.run_once` itself (``local.py``).
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
@@ -36,10 +36,10 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
 from pdllm.decode_service.policy_rounds import batch_session
 from pdllm.decode_service.policy_sessions import step_alone
+from pdllm.decode_service.request import Build, DecodeRequest, Final, Partial, StaticDecode, Status
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
@@ -99,10 +99,10 @@ class DecodeScheduler:
         Gauge(
             "pdllm_decode_kv_pool_free_bytes", "Free bytes in the decode KV pool", registry=registry
         ).set_function(lambda: self.pool.num_free * self.pool.page_bytes)
-        self._waiting: deque[DecodeJob] = deque()
-        self._building: list[DecodeJob] = []
+        self._waiting: deque[DecodeRequest] = deque()
+        self._building: list[DecodeRequest] = []
         self._foreign: deque[tuple[Steps, Future]] = deque()  # see run_between_rounds
-        self._active: list[DecodeJob] = []
+        self._active: list[DecodeRequest] = []
         # Rounds on a high-priority stream, builds on a normal one: the GPU schedules a round's blocks
         # ahead of a build's (or the prefill worker's) pending blocks, so no round waits for a whole build.
         cuda = pool.kv.device.type == "cuda"
@@ -125,27 +125,27 @@ class DecodeScheduler:
             return len(self._waiting) + len(self._building) + len(self._active)
 
     @property
-    def active(self) -> list[DecodeJob]:
+    def active(self) -> list[DecodeRequest]:
         with self._cv:
             return list(self._active)
 
-    def submit(self, job: DecodeJob) -> DecodeJob:
+    def submit(self, req: DecodeRequest) -> DecodeRequest:
         try:
-            self.pool.check_fits(job.pool_tokens)
+            self.pool.check_fits(req.pool_tokens)
         except PoolTooSmallError as exc:
             raise PdllmError(
-                str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED, request_id=job.request_id
+                str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED, request_id=req.request_id
             ) from exc
         with self._cv:
             if len(self._waiting) >= self.config.max_waiting:
                 raise PdllmError(
                     f"decode queue is full ({self.config.max_waiting} waiting); retry on another worker",
                     code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    request_id=job.request_id,
+                    request_id=req.request_id,
                 )
-            self._waiting.append(job)
+            self._waiting.append(req)
             self._cv.notify()
-        return job
+        return req
 
     def close(self) -> None:
         with self._cv:
@@ -175,9 +175,9 @@ class DecodeScheduler:
         """Drop cancelled requests, admit new ones and launch their builds, let finished builds join, run
         one round, publish, retire."""
         with torch.inference_mode():
-            self._retire([j for j in self.active if j.cancelled.is_set()])
-            for job in self._take_admissible():
-                self._launch_build(job)
+            self._retire([r for r in self.active if r.cancelled.is_set()], Status.CANCELLED)
+            for req in self._take_admissible():
+                self._launch_build(req)
             self._advance_transfers()
             self._advance_build_pieces()
             self._join_built()
@@ -227,170 +227,196 @@ class DecodeScheduler:
     def _on(self, stream: torch.cuda.Stream | None):  # type: ignore[no-untyped-def]
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def _take_admissible(self) -> list[DecodeJob]:
-        admitted: list[DecodeJob] = []
+    def _take_admissible(self) -> list[DecodeRequest]:
+        admitted: list[DecodeRequest] = []
         with self._cv:
-            self._waiting = deque(j for j in self._waiting if not j.cancelled.is_set())
+            for req in [r for r in self._waiting if r.cancelled.is_set()]:
+                req.status = Status.CANCELLED
+            self._waiting = deque(r for r in self._waiting if not r.cancelled.is_set())
             busy = len(self._active) + len(self._building)
             while self._waiting and busy + len(admitted) < self.config.max_active:
-                job = self._waiting[0]
-                if job.pool_tokens:
-                    pages = self.pool.reserve(job.pool_tokens, run=job.fetch is not None)
+                req = self._waiting[0]
+                if req.pool_tokens:
+                    pages = self.pool.reserve(req.pool_tokens, run=req.fetch is not None)
                     if pages is None:  # wait for pages; first come, first served
                         break
-                    job.pages = pages
+                    req.pages = pages
                 admitted.append(self._waiting.popleft())
         return admitted
 
-    def _launch_build(self, job: DecodeJob) -> None:
-        """Run a job's build on the build stream (CUDA: queued behind nothing the rounds wait for); a job
-        with a KV handoff first pulls it (its pages are already reserved) and builds once that finished."""
-        if not job.build_started:
-            job.build_started = time.perf_counter()
-            job.queue_s = job.build_started - job.submitted
-        if job.fetch is not None:
-            job.transfer, job.fetch = job.fetch(), None
+    def _launch_build(self, req: DecodeRequest) -> None:
+        """WAITING -> PULLING for a request with a KV handoff (its pages are reserved; it builds once the pull
+        has finished), else -> BUILDING: its build in pieces (``build_pieces``), or whole on the build stream
+        (CUDA: queued behind nothing the rounds wait for)."""
+        if not req.build_started:
+            req.build_started = time.perf_counter()
+            req.queue_s = req.build_started - req.submitted
+        if req.fetch is not None:
+            req.transfer, req.fetch = req.fetch(), None
+            req.status = Status.PULLING
             with self._cv:
-                self._building.append(job)
+                self._building.append(req)
             return
-        if self.config.build_pieces and job.start_steps is not None:
-            job.build_steps = job.start_steps(self.config.build_pieces)
+        req.status = Status.BUILDING
+        if self.config.build_pieces and req.start_steps is not None:
+            req.build = Build(steps=req.start_steps(self.config.build_pieces))
             with self._cv:
-                self._building.append(job)
+                self._building.append(req)
             return
         device = self.pool.kv.device
+        build = Build()
         try:
             with self._on(self.build_stream):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                     before = torch.cuda.memory_allocated(device)
-                built = job.start()
-                if isinstance(built, StaticDecode) and built.static is not None:
-                    self.pool.place(job.pages, built.static)
+                build.made = req.start()
+                if isinstance(build.made, StaticDecode) and build.made.static is not None:
+                    self.pool.place(req.pages, build.made.static)
                 if self.build_stream is not None:
-                    job.built_event = torch.cuda.Event()
-                    job.built_event.record(self.build_stream)
-                    job.build_bytes = max(0, torch.cuda.max_memory_allocated(device) - before)
+                    build.done = torch.cuda.Event()
+                    build.done.record(self.build_stream)
+                    req.build_bytes = max(0, torch.cuda.max_memory_allocated(device) - before)
         except Exception as exc:  # a bad request must not take the worker down
-            self.pool.release(job.pages)
-            job.pages = []
-            job.events.put(exc)
+            self._fail(req, exc)
             return
-        job.built = built
+        req.build = build
         with self._cv:
-            self._building.append(job)
+            self._building.append(req)
+
+    def _fail(self, req: DecodeRequest, exc: BaseException) -> None:
+        """-> FAILED: its pages back, the error to its caller (a request being built: not in the lists)."""
+        self.pool.release(req.pages)
+        req.pages = []
+        req.build = None
+        req.status = Status.FAILED
+        req.events.put(exc)
 
     def _advance_transfers(self) -> None:
-        """Jobs whose KV pull finished (done or failed) go on to their build; with nothing else to do,
-        wait a little for one instead of spinning."""
+        """PULLING -> BUILDING once the pull finished (done or failed; cancelled: retired); with nothing else
+        to do, wait a little for one instead of spinning."""
         with self._cv:
-            pulling = [j for j in self._building if j.transfer is not None]
+            pulling = [r for r in self._building if r.status is Status.PULLING]
             idle = len(pulling) == len(self._building) and not self._active and not self._foreign
-        if pulling and idle and not any(j.transfer.finished for j in pulling):  # type: ignore[union-attr]
+        if pulling and idle and not any(r.transfer.finished for r in pulling):  # type: ignore[union-attr]
             pulling[0].transfer.wait(0.05)  # type: ignore[union-attr]
-        for job in [j for j in pulling if j.pull_over()]:
+        for req in [r for r in pulling if r.pull_over()]:
             with self._cv:
-                self._building.remove(job)
-            job.received, job.transfer = job.transfer, None
-            self._retire([job]) if job.cancelled.is_set() else self._launch_build(job)
+                self._building.remove(req)
+            req.received, req.transfer = req.transfer, None
+            if req.cancelled.is_set():
+                self._retire([req], Status.CANCELLED)
+            else:
+                self._launch_build(req)
 
     def _advance_build_pieces(self) -> None:
         """Pieces mode: one piece of the oldest unfinished build while sessions decode, all of them when
         none do. Pieces run on the round stream, so a round never overlaps a piece."""
         while True:
             with self._cv:
-                pending = [j for j in self._building if j.build_steps is not None]
+                pending = [r for r in self._building if r.build is not None and r.build.steps is not None]
                 decoding = bool(self._active)
             if not pending:
                 return
-            job = pending[0]
+            req = pending[0]
+            build = req.build
+            assert build is not None and build.steps is not None
             try:
                 with self._on(self.round_stream):
-                    next(job.build_steps)  # type: ignore[arg-type]
+                    next(build.steps)
             except StopIteration as stop:
-                built: StaticDecode = stop.value
-                if built.static is not None:
+                made: StaticDecode = stop.value
+                if made.static is not None:
                     with self._on(self.round_stream):
-                        self.pool.place(job.pages, built.static)
-                job.built, job.build_steps = built, None
+                        self.pool.place(req.pages, made.static)
+                build.made, build.steps = made, None
             except Exception as exc:  # a bad request must not take the worker down
-                job.build_steps = None
                 with self._cv:
-                    self._building.remove(job)
-                self.pool.release(job.pages)
-                job.pages = []
-                job.events.put(exc)
+                    self._building.remove(req)
+                self._fail(req, exc)
             if decoding:
                 return
 
     def _join_built(self) -> None:
-        """Builds whose device work has finished join the rounds (with nothing to decode, wait for one)."""
+        """BUILDING -> RUNNING for builds whose device work has finished (with nothing to decode, wait for
+        one); a request cancelled meanwhile is retired instead."""
         with self._cv:
-            building = [j for j in self._building if j.build_steps is None and j.transfer is None]
+            building = [
+                r for r in self._building if r.status is Status.BUILDING and r.build and r.build.steps is None
+            ]
             idle = not self._active and not self._foreign
         if not building:
             return
-        ready = [j for j in building if j.built_event is None or j.built_event.query()]
+        ready = [r for r in building if r.build.done is None or r.build.done.query()]  # type: ignore[union-attr]
         if not ready and idle:
-            building[0].built_event.synchronize()  # type: ignore[union-attr]
+            building[0].build.done.synchronize()  # type: ignore[union-attr]
             ready = [building[0]]
         joined, dropped = [], []
-        for job in ready:
-            built = job.built
-            if isinstance(built, StaticDecode):
-                job.cache_stats, job.kv_source = built.cache_stats, built.kv_source
-                job.session = batch_session(self.model, built, job.pages, self.pool.page_size)
+        for req in ready:
+            made = req.build.made  # type: ignore[union-attr]
+            if isinstance(made, StaticDecode):
+                req.cache_stats, req.kv_source = made.cache_stats, made.kv_source
+                req.session = batch_session(self.model, made, req.pages, self.pool.page_size)
             else:
-                job.session = built
-            job.built = None
-            job.build_s = time.perf_counter() - job.build_started
-            self.build_seconds.observe(job.build_s)
-            (dropped if job.cancelled.is_set() else joined).append(job)
+                req.session = made
+            req.build = None
+            req.build_s = time.perf_counter() - req.build_started
+            self.build_seconds.observe(req.build_s)
+            if req.cancelled.is_set():
+                dropped.append(req)
+            else:
+                req.status = Status.RUNNING
+                joined.append(req)
         with self._cv:
-            self._building = [j for j in self._building if j not in ready]
+            self._building = [r for r in self._building if r not in ready]
             self._active += joined
-        self._retire(dropped)
+        self._retire(dropped, Status.CANCELLED)
 
     def _round(self) -> None:
-        active = [j for j in self.active if not j.cancelled.is_set()]
-        batched = [j for j in active if isinstance(j.session, BatchSession)]
-        alone = [j for j in active if not isinstance(j.session, BatchSession)]
-        failed: list[DecodeJob] = []
+        """One step of every RUNNING request: one batched forward for those in the rounds, one step each for
+        the others; then partial outputs, and finished requests leave."""
+        active = [r for r in self.active if not r.cancelled.is_set()]
+        batched = [r for r in active if isinstance(r.session, BatchSession)]
+        alone = [r for r in active if not isinstance(r.session, BatchSession)]
+        failed: list[DecodeRequest] = []
         if batched:
             start = time.perf_counter()
             try:
-                decode_round(self.forward, [j.session for j in batched])  # type: ignore[misc]
+                decode_round(self.forward, [r.session for r in batched])  # type: ignore[misc]
             except Exception as exc:
                 _log.exception("batched decode round failed")
-                for job in batched:
-                    job.events.put(exc)
+                for req in batched:
+                    req.events.put(exc)
                 failed += batched
                 batched = []
             else:
                 self.step_seconds.observe(time.perf_counter() - start)
                 self.rounds += 1
         stepped, failed_alone = step_alone(alone, lambda: self._stop, self.step_seconds.observe)
-        finished = failed + failed_alone
-        for job in batched + stepped:
-            session = job.session
+        self._retire(failed + failed_alone, Status.FAILED)
+        finished = []
+        for req in batched + stepped:
+            session = req.session
             assert session is not None
-            if job.stream_partials:
+            if req.stream_partials:
                 state = session.state
                 # After its last step a state points past its last block; the partial names the block it
                 # denoised (generation.proto: "block being denoised").
                 block = min(state.block, state.num_blocks - 1)
-                job.events.put(Partial(state.steps_taken, block, session.partial()))
+                req.events.put(Partial(state.steps_taken, block, session.partial()))
             if session.done:
-                peak = len(job.pages) * self.pool.page_bytes + job.build_bytes
-                job.events.put(Final(session.result(), job.build_s, job.queue_s, peak))
-                finished.append(job)
-        self._retire(finished)
+                peak = len(req.pages) * self.pool.page_bytes + req.build_bytes
+                req.events.put(Final(session.result(), req.build_s, req.queue_s, peak))
+                finished.append(req)
+        self._retire(finished, Status.FINISHED)
 
-    def _retire(self, jobs: list[DecodeJob]) -> None:
-        if not jobs:
+    def _retire(self, reqs: list[DecodeRequest], status: Status) -> None:
+        """RUNNING (or PULLING / BUILDING) -> ``status``: out of the lists, pages back to the pool."""
+        if not reqs:
             return
         with self._cv:
-            self._active = [j for j in self._active if j not in jobs]
-        for job in jobs:
-            self.pool.release(job.pages)
-            job.pages = []
+            self._active = [r for r in self._active if r not in reqs]
+        for req in reqs:
+            self.pool.release(req.pages)
+            req.pages = []
+            req.status = status

@@ -1,7 +1,7 @@
-"""The decode worker's gRPC face: ``pdllm.v1.Decode`` turns a request into a job for the scheduler
+"""The decode worker's gRPC face: ``pdllm.v1.Decode`` turns a request into a entry for the scheduler
 (``scheduler.py``) and streams its partial outputs and result back.
 
-What a job runs:
+What a entry runs:
 
 - **pdllm** (Dream / LLaDA): the static KV of the selected chunks is built from their token ids
   (full-mask / chunk-query), read from the KV tier (chunk-only; recomputed on a miss), or pulled from the
@@ -19,35 +19,25 @@ What a job runs:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
-from pdllm.decode_service.focus_rounds import FocusGroups, FocusMember
 from pdllm.decode_service.handoff import start_pull, use_pulled
-from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
 from pdllm.decode_service.kv_pool import PooledKV
-from pdllm.decode_service.policy_rounds import BATCHED_POLICIES, cache_slots
-from pdllm.decode_service.policy_sessions import (
-    pooled_static,
-    static_compute_skip_logits,
-    static_local_rows,
-)
+from pdllm.decode_service.policy_sessions import pooled_static
+from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started, StaticDecode
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.decode_service.sessions import SessionMaker, runtime
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
 from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy
-from pdllm.shared.generation.policies.base import vanilla_local_rows
-from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
-from pdllm.shared.generation.vanilla import prompt_tensor
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_transfer.payload import (
     CHUNK_KV,
     DECODE_KV,
@@ -57,11 +47,11 @@ from pdllm.shared.kv_transfer.payload import (
 )
 from pdllm.shared.kv_transfer.receiver import KvReceiver
 from pdllm.shared.layout import Request, decode_layout
-from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.rpc.convert import decode_policy_config, engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
+from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps, drain
 
 # A decode result's peak memory: its KV pages in the pool plus its build's transient growth (scheduler).
@@ -101,7 +91,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         self.scheduler = scheduler
         self.max_vanilla_tokens = max_vanilla_tokens
         self.receiver = receiver
-        self.focus_groups = FocusGroups(worker.model)  # FOCUS requests, batched (scheduler thread only)
+        self.sessions = SessionMaker(worker.model, worker.decode_attention, worker.cuda_graph)
 
     def Decode(
         self, request: wpb.DecodeRequest, context: grpc.ServicerContext
@@ -114,47 +104,34 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             except ValueError as exc:
                 raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc
             check_token_ids(request, self.worker.model.config.vocab_size)
-            sdar = sdar_decode.is_block_diffusion(self.worker.model)
-            if sdar:
+            sessions = self.sessions
+            if sessions.block_diffusion:
                 check_block_diffusion(request.method.method, cfg, gen, policy, self.worker.model)
-            cache_tokens = 0
+            start_steps: Callable[[int], Steps[StaticDecode]] | None = None
+            kv_tokens = 0
             if request.method.method == "vanilla":
-                if not request.context_ids:
-                    raise PdllmError(
-                        "vanilla decode needs context_ids", code=grpc.StatusCode.INVALID_ARGUMENT
-                    )
-                prompt = len(request.instruction_ids) + len(request.context_ids) + len(request.question_ids)
-                if self.max_vanilla_tokens and prompt > self.max_vanilla_tokens:
-                    raise PdllmError(
-                        f"vanilla decoding is limited to {self.max_vanilla_tokens} prompt tokens on this "
-                        f"worker (--max-vanilla-tokens), got {prompt}; use method 'pdllm' for long contexts",
-                        code=grpc.StatusCode.INVALID_ARGUMENT,
-                    )
-                start = lambda: self._vanilla_session(request, gen, policy, job)  # noqa: E731
-                start_steps = None
-                kv_tokens = 0
-                if not sdar and make_policy(policy) is not None:  # its cache of local rows in pool pages
-                    cache_tokens = cache_slots(prompt + self._bos_tokens(), gen)
+                ids = self._vanilla_prompt(request)
+                start: Callable[[], Started] = lambda: sessions.vanilla(ids, gen, policy, entry.cancelled)  # noqa: E731
+                cache_tokens = sessions.pool_slots(policy, len(ids), gen)
+            elif sessions.block_diffusion:  # its own cache, no pool pages: no handoff pulled either
+                start = lambda: sessions.sdar(_request(request), gen, policy, entry.cancelled)  # noqa: E731
+                cache_tokens = 0
             else:
                 if not request.chunks:
                     raise PdllmError(
                         "pdllm decode needs at least one chunk", code=grpc.StatusCode.INVALID_ARGUMENT
                     )
                 self._check_identity(request, cfg)
-                batched = make_policy(policy) if policy.name in BATCHED_POLICIES else None
-                start = lambda: drain(self._pdllm_steps(request, gen, cfg, job, None, batched))  # noqa: E731
-                start_steps = lambda layers: self._pdllm_steps(request, gen, cfg, job, layers, batched)  # noqa: E731
-                if policy.caches and batched is None:  # stepped alone: its build ends in a policy session
-                    start = lambda: self._policy_session(request, gen, cfg, job, policy)  # noqa: E731
-                    start_steps = None
-                # Pages even for a policy session: the pool's budget bounds it, and a pulled KV lands there.
+                start = lambda: self._start_pdllm(request, gen, cfg, entry, policy)  # noqa: E731
+                if runtime(policy).rounds:  # its build may run in pieces
+                    cache_policy = make_policy(policy)
+                    start_steps = lambda layers: self._pdllm_steps(
+                        request, gen, cfg, entry, layers, cache_policy
+                    )  # noqa: E731
+                # Pages even for a session stepped alone: the pool's budget bounds it, a pulled KV lands there.
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
-                if batched is not None:
-                    cache_tokens = cache_slots(len(request.question_ids), gen)
-                if sdar:  # stepped alone over a cache of its own: no pool pages, so no handoff pulled
-                    start = lambda: self._sdar_session(request, gen, policy, job)  # noqa: E731
-                    start_steps, kv_tokens = None, 0
-            job = DecodeJob(
+                cache_tokens = sessions.pool_slots(policy, len(request.question_ids), gen)
+            entry = DecodeRequest(
                 request.request_id,
                 start,
                 termination_event(context),
@@ -164,91 +141,49 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 cache_tokens=cache_tokens,
             )
             if self.receiver is not None and kv_tokens and request.HasField("handoff"):
-                pool = self.scheduler.pool  # a decode KV lands in the job's reserved pages
-                job.fetch = lambda: start_pull(self.receiver, pool, request.handoff, job.pages)  # type: ignore[arg-type]
-            self.scheduler.submit(job)
-            for event in job.stream():
+                pool = self.scheduler.pool  # a decode KV lands in the entry's reserved pages
+                entry.fetch = lambda: start_pull(self.receiver, pool, request.handoff, entry.pages)  # type: ignore[arg-type]
+            self.scheduler.submit(entry)
+            for event in entry.stream():
                 if isinstance(event, Partial):
                     yield wpb.DecodeResponse(partial=self._partial(request, gen, event))
                 elif isinstance(event, Final):
-                    yield wpb.DecodeResponse(final=self._final(event, job))
+                    yield wpb.DecodeResponse(final=self._final(event, entry))
 
     # ------------------------------------------------------------------ sessions (scheduler thread)
-    def _bos_tokens(self) -> int:
-        return int(self.worker.model.config.bos_token_id is not None)
-
-    def _vanilla_session(
-        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob
-    ) -> StaticDecode | DenoiseSession | BlockDiffusionSession | FocusMember:
-        """A vanilla request's session: its whole prompt as local rows in the rounds (attending to its own
-        rows only, no static KV), under its caching policy if any; FOCUS, DyLLM and SDAR have their own."""
-        model = self.worker.model
-        bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
-        ids = bos + list(request.instruction_ids) + list(request.context_ids) + list(request.question_ids)
-        prompt = prompt_tensor(model, ids)
-        if sdar_decode.is_block_diffusion(model):  # generate_vanilla's block diffusion (none / focus)
-            if policy.name == "focus":  # batched with the worker's other FOCUS requests
-                return self.focus_groups.join_block_diffusion(
-                    prompt, gen, policy.focus_config(), job.cancelled
-                )
-            return sdar_decode.block_session(model, prompt, gen, policy)
-        if policy.name == "focus":  # one packed step with the worker's other FOCUS requests per turn
-            local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
-            focus = policy.focus_config()
-            return self.focus_groups.join(
-                local, positions, prompt.numel(), DenseAttention(), gen, focus, job.cancelled
+    def _vanilla_prompt(self, request: wpb.DecodeRequest) -> list[int]:
+        """BOS (if the model has one), instruction, context and question; refused past the vanilla limit."""
+        if not request.context_ids:
+            raise PdllmError("vanilla decode needs context_ids", code=grpc.StatusCode.INVALID_ARGUMENT)
+        prompt = len(request.instruction_ids) + len(request.context_ids) + len(request.question_ids)
+        if self.max_vanilla_tokens and prompt > self.max_vanilla_tokens:
+            raise PdllmError(
+                f"vanilla decoding is limited to {self.max_vanilla_tokens} prompt tokens on this "
+                f"worker (--max-vanilla-tokens), got {prompt}; use method 'pdllm' for long contexts",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
             )
-        if policy.skips_compute:  # DyLLM: generate_vanilla's loop, a step per scheduler turn
-            graphs = self.worker.cuda_graph  # DyLLM replays its sparse steps as the worker replays rounds
-            return compute_skip_session(vanilla_compute_skip_logits(model, prompt, gen, policy, graphs))
-        return StaticDecode(ids, None, gen, cache_policy=make_policy(policy))
+        bos = self.worker.model.config.bos_token_id
+        ids = [*request.instruction_ids, *request.context_ids, *request.question_ids]
+        return ids if bos is None else [bos, *ids]
 
-    def _policy_session(
+    def _start_pdllm(
         self,
         request: wpb.DecodeRequest,
         gen: GenerationConfig,
         cfg: EngineConfig,
-        job: DecodeJob,
+        entry: DecodeRequest,
         policy: DecodePolicyConfig,
-    ) -> DenoiseSession:
-        """A pdllm session under a compute-skipping decode policy: the build, then the engine's policy loop
-        over its static KV (``static_compute_skip_logits``, the in-process engine's very path), stepped
-        alone; FOCUS's joins the worker's batched FOCUS group."""
-        built = drain(self._pdllm_steps(request, gen, cfg, job))
-        static = built.static
-        if isinstance(static, PooledKV):  # a handoff landed in the job's pages
-            assert job.received is not None
-            static = pooled_static(self.scheduler.pool, job.pages, static, job.received.handoff)
-        job.cache_stats, job.kv_source = built.cache_stats, built.kv_source
-        attention = self.worker.decode_attention
-        model, query = self.worker.model, built.query
-        if policy.name == "focus":  # batched with the worker's other FOCUS requests (focus_rounds.py)
-            local, positions, inner = static_local_rows(model, query, static, gen, attention, None)
-            focus = policy.focus_config()
-            return self.focus_groups.join(local, positions, len(query), inner, gen, focus, job.cancelled)
-        # Caching policies run in the batched rounds (BATCHED_POLICIES); the compute-skipping ones come here.
-        assert policy.skips_compute, f"decode policy {policy.name!r} does not take this path"
-        return compute_skip_session(
-            static_compute_skip_logits(
-                model, query, static, gen, policy, attention, cuda_graph=self.worker.cuda_graph
-            )
-        )
+    ) -> Started:
+        """The whole build, then the session it starts (in the rounds, or stepped alone)."""
+        cache_policy = make_policy(policy) if runtime(policy).rounds else None
+        built = drain(self._pdllm_steps(request, gen, cfg, entry, None, cache_policy))
+        entry.cache_stats, entry.kv_source = built.cache_stats, built.kv_source
 
-    def _sdar_session(
-        self, request: wpb.DecodeRequest, gen: GenerationConfig, policy: DecodePolicyConfig, job: DecodeJob
-    ) -> BlockDiffusionSession | FocusMember:
-        """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]`` (plain or under
-        FOCUS), the in-process engine's steps 6-7 (``sdar_decode.session``), its block-causal prefix built
-        from the token ids; under FOCUS it joins the worker's batched FOCUS requests."""
-        req, model = _request(request), self.worker.model
-        layout = decode_layout(req, list(range(len(req.chunks))), gen.gen_length)
-        if policy.name != "focus":
-            return sdar_decode.session(model, req, layout, gen, policy)
-        prefix = sdar_decode.build_prefix(model, req, layout, gen)
-        prompt = sdar_decode.selected_prompt_tensor(model, req, layout)
-        return self.focus_groups.join_block_diffusion(
-            prompt, gen, policy.focus_config(), job.cancelled, prefix
-        )
+        def unpool(kv: PooledKV) -> StaticKV:  # a handoff landed in the entry's pages
+            assert entry.received is not None
+            return pooled_static(self.scheduler.pool, entry.pages, kv, entry.received.handoff)
+
+        return self.sessions.pdllm(built, policy, entry.cancelled, unpool)
 
     def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
         """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""
@@ -277,27 +212,27 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         request: wpb.DecodeRequest,
         gen: GenerationConfig,
         cfg: EngineConfig,
-        job: DecodeJob,
+        entry: DecodeRequest,
         layers_per_step: int | None = None,
         cache_policy: CachePolicy | None = None,
     ) -> Steps[StaticDecode]:
         """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
-        from the job's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages).
+        from the request's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages).
         ``cache_policy``: a batched decode policy the session then runs under."""
-        req = _request(request)
-        chunks = req.chunks
-        layout = decode_layout(req, list(range(len(chunks))), gen.gen_length)
-        pulled = use_pulled(job.received, layout, job.kv_tokens)
+        tokens = _request(request)
+        chunks = tokens.chunks
+        layout = decode_layout(tokens, list(range(len(chunks))), gen.gen_length)
+        pulled = use_pulled(entry.received, layout, entry.kv_tokens)
         if pulled.static is not None:
             return StaticDecode(
-                req.query, pulled.static, gen, kv_source=pulled.source, cache_policy=cache_policy
+                tokens.query, pulled.static, gen, kv_source=pulled.source, cache_policy=cache_policy
             )
         local, stats = pulled.local, (0, 0)
         if pulled.source != "handoff" and cfg.kv_mode == "chunk-only":
             local, hits = self.worker.chunk_kv(chunks, cfg)
             stats = (hits, len(chunks) - hits)
-        static = yield from self.worker.build_steps(req, layout, cfg, local, layers_per_step)
-        return StaticDecode(req.query, static, gen, stats, pulled.source, cache_policy)
+        static = yield from self.worker.build_steps(tokens, layout, cfg, local, layers_per_step)
+        return StaticDecode(tokens.query, static, gen, stats, pulled.source, cache_policy)
 
     # ------------------------------------------------------------------ messages
     def _partial(self, request: wpb.DecodeRequest, gen: GenerationConfig, p: Partial) -> pb.PartialOutput:
@@ -311,10 +246,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             unmasked=sum(1 for t in p.tokens if t >= 0),
         )
 
-    def _final(self, event: Final, job: DecodeJob) -> wpb.DecodeResult:
+    def _final(self, event: Final, entry: DecodeRequest) -> wpb.DecodeResult:
         result = event.result
         eos = self.worker.model.config.eos_token_id
-        hits, misses = job.cache_stats
+        hits, misses = entry.cache_stats
         return wpb.DecodeResult(
             token_ids=result.token_ids,
             finish_reason="eos" if eos is not None and eos in result.raw_tokens else "length",
@@ -326,7 +261,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             cache_misses=misses,
             peak_memory_bytes=event.peak_bytes,
             memory_kind=DECODE_MEMORY_KIND,
-            kv_source=job.kv_source,
-            handoff_s=job.received.seconds if job.received is not None else 0.0,
+            kv_source=entry.kv_source,
+            handoff_s=entry.received.seconds if entry.received is not None else 0.0,
             decode_policy=policy_trace(result.cache),
         )

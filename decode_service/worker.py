@@ -11,21 +11,24 @@ driven from the caller's thread (``local.py``), replaying graphed rounds with ``
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from pdllm.decode_service.build import build_static_steps
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, decode
-from pdllm.decode_service.jobs import StaticDecode
 from pdllm.decode_service.local import LocalDecoder
+from pdllm.decode_service.request import StaticDecode
+from pdllm.decode_service.sessions import SessionMaker, runtime
 from pdllm.kernels import HAS_TRITON
 from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.chunk_store import ChunkKVStore
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy
+from pdllm.shared.generation import sdar_decode
+from pdllm.shared.generation.block_diffusion import BlockKVCache
+from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
-from pdllm.shared.generation.vanilla import generate_vanilla, prompt_tensor
 from pdllm.shared.layout import DecodeLayout, Request, decode_layout
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
@@ -72,6 +75,7 @@ class DecodeWorker:
         interpreted = decode_attention == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
         kernel = "triton" if self._gpu_kernels or interpreted else "torch"
         self.local = LocalDecoder(model, kernel, cuda_graph)
+        self.sessions = SessionMaker(model, decode_attention, cuda_graph)
 
     @property
     def device(self) -> torch.device:
@@ -140,24 +144,29 @@ class DecodeWorker:
     def decode(
         self,
         query_ids: list[int],
-        static: StaticKV | None,
+        static: StaticKV,
         gen: GenerationConfig,
         policy: DecodePolicy | None = None,
         progress: bool = False,
-        cache_policy: CachePolicy | None = None,
+        decode_policy: DecodePolicyConfig | None = None,
     ) -> GenerationResult:
-        """Step 7 for one request over ``static`` (None: a vanilla request, ``query_ids`` its whole prompt)
-        under ``cache_policy`` (None: every row every step), through the decode server's scheduler and
-        rounds (:class:`~.local.LocalDecoder`). ``policy``: a static-KV attention policy instead, run by the
-        reference loop (``decode.py``), eagerly."""
+        """Step 7 for one request over ``static`` under ``decode_policy`` (None: every row every step),
+        through the decode server's scheduler (:class:`~.local.LocalDecoder`; the session it becomes:
+        ``sessions.py``). ``policy``: a static-KV attention policy instead, run by the reference loop
+        (``decode.py``), eagerly."""
         if policy is not None:
-            assert static is not None and cache_policy is None, (
-                "the reference loop runs pdllm, no decode policy"
-            )
+            if decode_policy is not None and decode_policy.name != "none":
+                raise ValueError("a static-KV attention policy runs without a decode policy")
             return decode(self.model, query_ids, static, gen, policy, progress)
-        return self.local.decode(
-            StaticDecode(list(query_ids), static, gen, cache_policy=cache_policy), progress
-        )
+        gen.validate()
+        rounds = runtime(decode_policy).rounds and decode_policy is not None
+        built = StaticDecode(
+            list(query_ids), static, gen, cache_policy=make_policy(decode_policy) if rounds else None
+        )  # type: ignore[arg-type]
+        cancelled = threading.Event()
+        slots = self.sessions.pool_slots(decode_policy, len(query_ids), gen)
+        start = lambda: self.sessions.pdllm(built, decode_policy, cancelled)  # noqa: E731
+        return self.local.run(start, built.kv_tokens, slots, gen, progress, cancelled)
 
     def vanilla(
         self,
@@ -166,16 +175,27 @@ class DecodeWorker:
         decode_policy: DecodePolicyConfig | None = None,
         progress: bool = False,
     ) -> GenerationResult:
-        """A vanilla request (``prompt``: BOS included, if any) through the rounds: its whole prompt as local
-        rows, under a caching decode policy or none. SDAR models and the compute-skipping policies run
-        their own loops (``generate_vanilla``)."""
-        if decode_policy is not None and decode_policy.name == "none":
-            decode_policy = None
-        if self.model.config.block_size is not None or (
-            decode_policy is not None and decode_policy.skips_compute
-        ):
-            return generate_vanilla(self.model, prompt, gen, progress, decode_policy)
+        """A vanilla request (``prompt``: BOS included, if any) through the decode server's scheduler: in the
+        rounds with its whole prompt as local rows, or the session its policy or model family steps alone
+        (``sessions.py``)."""
         gen.validate()
-        prompt_tensor(self.model, prompt)  # refuses an empty prompt
-        cache_policy = make_policy(decode_policy) if decode_policy is not None else None
-        return self.decode(list(prompt), None, gen, progress=progress, cache_policy=cache_policy)
+        if self.sessions.block_diffusion:
+            sdar_decode.check_generation(gen, self.model)
+        cancelled = threading.Event()
+        slots = self.sessions.pool_slots(decode_policy, len(prompt), gen)
+        start = lambda: self.sessions.vanilla(list(prompt), gen, decode_policy, cancelled)  # noqa: E731
+        return self.local.run(start, 0, slots, gen, progress, cancelled)
+
+    def sdar(
+        self,
+        request: Request,
+        gen: GenerationConfig,
+        prefix: BlockKVCache,
+        decode_policy: DecodePolicyConfig | None = None,
+        progress: bool = False,
+    ) -> GenerationResult:
+        """A pdllm request on SDAR (``request``: its selected chunks, in order) from its built block-causal
+        ``prefix``, through the decode server's scheduler."""
+        cancelled = threading.Event()
+        start = lambda: self.sessions.sdar(request, gen, decode_policy, cancelled, prefix)  # noqa: E731
+        return self.local.run(start, 0, 0, gen, progress, cancelled)

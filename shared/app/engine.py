@@ -27,18 +27,16 @@ from typing import Any
 import torch
 
 from pdllm.decode_service.decode import DecodePolicy
-from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
-from pdllm.shared.generation.policies.compute_skip import run_compute_skip
+from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
-from pdllm.shared.layout import decode_layout
+from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 
@@ -130,21 +128,10 @@ class PrefillingEngine:
         static = self.build(sel, gen)
         sel.bank = None  # the step-3 KV is not needed past the build
         trace, device = sel.trace, self.device
-        cache_policy = make_policy(decode_policy) if decode_policy is not None else None
-        with trace.phase("decode", device):
-            if decode_policy is not None and decode_policy.skips_compute:  # DyLLM, FOCUS: the worker's loop
-                attention = self.decode_worker.decode_attention
-                query = sel.request.query
-                graphs = self.decode_worker.cuda_graph
-                fn = static_compute_skip_logits(
-                    self.model, query, static, gen, decode_policy, attention, policy, graphs
-                )
-                result = run_compute_skip(fn, progress)
-            else:  # the decode server's scheduler and rounds (a static-KV ``policy``: its reference loop)
-                if policy is not None and cache_policy is not None:
-                    raise ValueError("a static-KV attention policy runs without a caching decode policy")
-                query = sel.request.query
-                result = self.decode_worker.decode(query, static, gen, policy, progress, cache_policy)
+        with trace.phase("decode", device):  # the decode server's scheduler (``policy``: the reference loop)
+            result = self.decode_worker.decode(
+                sel.request.query, static, gen, policy, progress, decode_policy
+            )
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)
@@ -164,13 +151,15 @@ class PrefillingEngine:
         sdar_decode.check_config(sel.config, gen, self.model)
         sdar_decode.check_decode_options(decode_policy, policy)
         trace, device = sel.trace, self.device
-        layout = decode_layout(sel.request, sel.selected, gen.gen_length)
+        request = sel.request  # the selected chunks, in order: what a decode worker is sent
+        request = Request(request.instruction, [request.chunks[i] for i in sel.selected], request.query)
+        layout = decode_layout(request, list(range(len(request.chunks))), gen.gen_length)
         with trace.phase("build", device):
-            prefix = sdar_decode.build_prefix(self.model, sel.request, layout, gen)
+            prefix = sdar_decode.build_prefix(self.model, request, layout, gen)
         trace.kept_tokens = list(layout.chunk_lens)
         sel.bank = None
-        with trace.phase("decode", device):
-            result = sdar_decode.decode(self.model, sel.request, layout, prefix, gen, progress, decode_policy)
+        with trace.phase("decode", device):  # the decode server's scheduler
+            result = self.decode_worker.sdar(request, gen, prefix, decode_policy, progress)
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdllm.decode_service.jobs import DecodeJob, Final
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots
+from pdllm.decode_service.request import DecodeRequest, Final
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
@@ -102,7 +102,7 @@ def test_scheduler_runs_policy_jobs_in_its_batched_rounds() -> None:
     jobs = []
     for seed, case in enumerate(POLICY_CASES[:3]):
         built = replace(static_decode(m, case, seed), cache_policy=make_policy(policy))
-        job = DecodeJob(
+        job = DecodeRequest(
             f"r{seed}",
             lambda b=built: b,  # type: ignore[misc]
             threading.Event(),

@@ -2,7 +2,9 @@
 
 Driven with ``run_once`` (no thread): each call is one scheduler iteration, so every assertion is about a
 known round. Each of the scheduler's likely bugs (only some requests advance per round; ``max_waiting`` not
-enforced; cancelled requests kept, their pages not freed) fails one of these tests.
+enforced; cancelled requests kept, their pages not freed) fails one of these tests. Planted by hand: the
+round leaving out its first request -> the first test fails; cancelled requests not retired at the start
+of an iteration -> the cancellation test fails.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 import grpc
 import pytest
 
-from pdllm.decode_service.jobs import DecodeJob, Final, Partial, StaticDecode
+from pdllm.decode_service.request import DecodeRequest, Final, Partial, StaticDecode, Status
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler, SchedulerConfig
 from pdllm.shared.layout import decode_layout
@@ -27,14 +29,14 @@ def _scheduler(m, pages: int = 64, **config) -> DecodeScheduler:  # type: ignore
     return DecodeScheduler(m, pool, forward, SchedulerConfig(**config), start_thread=False)
 
 
-def _job(m, seed: int, case_index: int | None = None, kv_tokens: int | None = None) -> DecodeJob:  # type: ignore[no-untyped-def]
+def _job(m, seed: int, case_index: int | None = None, kv_tokens: int | None = None) -> DecodeRequest:  # type: ignore[no-untyped-def]
     case = CASES[seed if case_index is None else case_index]
     built = static_decode(m, case, seed)
     tokens = built.static.num_tokens if kv_tokens is None else kv_tokens
-    return DecodeJob(f"r{seed}", lambda: built, threading.Event(), True, tokens)
+    return DecodeRequest(f"r{seed}", lambda: built, threading.Event(), True, tokens)
 
 
-def _events(job: DecodeJob) -> list:
+def _events(job: DecodeRequest) -> list:
     out = []
     while not job.events.empty():
         out.append(job.events.get())
@@ -53,7 +55,9 @@ def test_every_active_request_advances_in_each_round_and_answers_exactly() -> No
         assert isinstance(event, Partial) and event.step == 1
     finals = {}
     blocks: dict[str, list[int]] = {job.request_id: [] for job in jobs}
-    while sched.active:
+    for _ in range(100):  # bounded: a request the rounds skip would never finish
+        if not sched.active:
+            break
         sched.run_once()
         for job in jobs:
             for event in _events(job):
@@ -68,6 +72,7 @@ def test_every_active_request_advances_in_each_round_and_answers_exactly() -> No
     for seed, (job, case) in enumerate(zip(jobs, CASES, strict=True)):
         assert finals[job.request_id].result.raw_tokens == alone(m, case, seed)
     assert sched.pool.num_free == sched.pool.num_pages  # every page back
+    assert all(job.status is Status.FINISHED for job in jobs)
 
 
 def test_max_waiting_is_enforced_with_resource_exhausted() -> None:
@@ -93,6 +98,7 @@ def test_cancelled_request_leaves_and_frees_its_pages_at_once() -> None:
     steps = drop.session.state.steps_taken  # type: ignore[union-attr]
     sched.run_once()
     assert [j.request_id for j in sched.active] == [keep.request_id]
+    assert (keep.status, drop.status) == (Status.RUNNING, Status.CANCELLED)
     assert sched.pool.num_pages - sched.pool.num_free == len(keep.pages)  # its pages are back
     assert drop.session.state.steps_taken == steps  # type: ignore[union-attr]  # not stepped again
     # a request cancelled while waiting is never built
@@ -100,7 +106,7 @@ def test_cancelled_request_leaves_and_frees_its_pages_at_once() -> None:
     waiting.cancelled.set()
     sched.submit(waiting)
     sched.run_once()
-    assert waiting.session is None and waiting not in sched.active
+    assert waiting.session is None and waiting not in sched.active and waiting.status is Status.CANCELLED
 
 
 def test_pool_budget_makes_requests_wait_and_refuses_what_never_fits() -> None:
@@ -110,6 +116,7 @@ def test_pool_budget_makes_requests_wait_and_refuses_what_never_fits() -> None:
     second = sched.submit(_job(m, 1, case_index=0, kv_tokens=48))  # 3 pages: must wait
     sched.run_once()
     assert [j.request_id for j in sched.active] == [first.request_id] and second.session is None
+    assert (first.status, second.status) == (Status.RUNNING, Status.WAITING)
     while first in sched.active:
         sched.run_once()
     sched.run_once()  # first's pages are back: second is admitted
@@ -129,11 +136,11 @@ def test_max_active_bounds_each_round_and_a_failed_build_returns_its_pages() -> 
     def broken():  # type: ignore[no-untyped-def]
         raise ValueError("bad chunk")
 
-    bad = DecodeJob("bad", broken, threading.Event(), True, 16)
+    bad = DecodeRequest("bad", broken, threading.Event(), True, 16)
     other = _scheduler(m)
     other.submit(bad)
     other.run_once()
-    assert isinstance(bad.events.get_nowait(), ValueError)
+    assert isinstance(bad.events.get_nowait(), ValueError) and bad.status is Status.FAILED
     assert other.pool.num_free == other.pool.num_pages and not other.active
 
 
@@ -173,7 +180,7 @@ def test_other_device_work_runs_one_piece_per_round_while_requests_decode() -> N
     assert results == ["p", "q"] and log[-3:] == ["q0", "q1", "q2"]  # nothing decoding: all in one go
 
 
-def _piecewise_job(m, seed: int) -> DecodeJob:  # type: ignore[no-untyped-def]
+def _piecewise_job(m, seed: int) -> DecodeRequest:  # type: ignore[no-untyped-def]
     """A job whose build can also run in pieces of N layers (what the decode server hands over)."""
     case = CASES[seed]
     engine, sel = prefill(m, case, seed)
@@ -185,7 +192,7 @@ def _piecewise_job(m, seed: int) -> DecodeJob:  # type: ignore[no-untyped-def]
         return StaticDecode(sel.request.query, static, case.gen)
 
     whole = static_decode(m, case, seed)
-    return DecodeJob(
+    return DecodeRequest(
         f"p{seed}", lambda: whole, threading.Event(), True, whole.static.num_tokens, start_steps=steps
     )
 
@@ -199,11 +206,14 @@ def test_builds_in_pieces_run_one_piece_per_round_and_answer_exactly() -> None:
     second = sched.submit(_piecewise_job(m, 0))
     sched.run_once()  # one piece of the second build, then a round of the first alone
     assert second.session is None and first.session.state.steps_taken == 2
+    assert second.status is Status.BUILDING and second.build is not None
     sched.run_once()  # the last piece: the build finishes and joins this round
     assert second.session is not None and second.session.state.steps_taken == 1
     assert first.session.state.steps_taken == 3
     finals = {}
-    while sched.active:
+    for _ in range(100):
+        if not sched.active:
+            break
         sched.run_once()
         for job in (first, second):
             for event in _events(job):
@@ -224,7 +234,7 @@ def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() 
     pulls: list[Transfer] = []
     started: list[Transfer | None] = []
 
-    def job_with_pull(seed: int) -> DecodeJob:
+    def job_with_pull(seed: int) -> DecodeRequest:
         job = _job(m, seed)
         build = job.start
         job.start = lambda: (started.append(job.received), build())[1]  # type: ignore[assignment]
@@ -235,6 +245,7 @@ def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() 
     for _ in range(2):  # the other request decodes meanwhile; nothing is built while the pulls run
         sched.run_once()
     assert started == [] and len(pulls) == 2 and pulled.pages and dropped.pages
+    assert pulled.status is Status.PULLING and dropped.status is Status.PULLING
     assert [j.request_id for j in sched.active] == [other.request_id]
     assert other.session.state.steps_taken == 2  # type: ignore[union-attr]
     pulls[0].state = TransferState.FAILED
@@ -242,6 +253,7 @@ def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() 
     sched.run_once()
     assert started == [pulls[0]]  # built once the pull finished, seeing the finished pull
     assert pulled in sched.active and not dropped.pages  # the cancelled one gave its pages back at once
+    assert (pulled.status, dropped.status) == (Status.RUNNING, Status.CANCELLED)
     assert sched.pool.num_pages - sched.pool.num_free == len(other.pages) + len(pulled.pages)
 
 
@@ -261,6 +273,7 @@ def test_a_cancelled_pull_still_writing_keeps_its_pages_until_it_has_finished() 
     job.cancelled.set()
     sched.run_once()
     assert job.pages and sched.pool.num_free < sched.pool.num_pages  # another job must not get them yet
+    assert job.status is Status.PULLING
     pull.state = TransferState.FAILED
     sched.run_once()
     assert not job.pages and sched.pool.num_free == sched.pool.num_pages

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from pdllm.decode_service.jobs import DecodeJob, Partial
+from pdllm.decode_service.request import DecodeRequest, Partial
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
@@ -18,7 +18,7 @@ from tests.engine.helpers import model
 GEN = GenerationConfig(gen_length=4, steps=4)
 
 
-def _vanilla_job(m, rid: str, on_step=None) -> DecodeJob:  # type: ignore[no-untyped-def]
+def _vanilla_job(m, rid: str, on_step=None) -> DecodeRequest:  # type: ignore[no-untyped-def]
     def start() -> DenoiseSession:
         prompt = prompt_tensor(m, [1, 8, 9, 10, 11])
         fn = vanilla_logits_fn(m, prompt, GEN.gen_length)
@@ -28,10 +28,10 @@ def _vanilla_job(m, rid: str, on_step=None) -> DecodeJob:  # type: ignore[no-unt
             session.step = lambda: (on_step(), step())[1]  # type: ignore[method-assign]
         return session
 
-    return DecodeJob(rid, start, threading.Event(), True)
+    return DecodeRequest(rid, start, threading.Event(), True)
 
 
-def _partials(job: DecodeJob) -> int:
+def _partials(job: DecodeRequest) -> int:
     return sum(isinstance(job.events.get_nowait(), Partial) for _ in range(job.events.qsize()))
 
 

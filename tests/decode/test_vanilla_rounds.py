@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from pdllm.decode_service.jobs import DecodeJob, Final, StaticDecode
 from pdllm.decode_service.policy_rounds import cache_slots
+from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
@@ -34,19 +34,19 @@ GENS = [
 
 def _vanilla_job(
     m, rid: str, prompt: list[int], gen: GenerationConfig, policy: DecodePolicyConfig
-) -> DecodeJob:  # type: ignore[no-untyped-def]
+) -> DecodeRequest:  # type: ignore[no-untyped-def]
     cache_policy = make_policy(policy)
     built = StaticDecode(prompt, None, gen, cache_policy=cache_policy)
     cache = cache_slots(len(prompt), gen) if cache_policy is not None else 0
-    return DecodeJob(rid, lambda: built, threading.Event(), False, 0, cache_tokens=cache)
+    return DecodeRequest(rid, lambda: built, threading.Event(), False, 0, cache_tokens=cache)
 
 
-def _pdllm_job(m, seed: int) -> DecodeJob:  # type: ignore[no-untyped-def]
+def _pdllm_job(m, seed: int) -> DecodeRequest:  # type: ignore[no-untyped-def]
     built = static_decode(m, CASES[seed], seed)
-    return DecodeJob(f"p{seed}", lambda: built, threading.Event(), False, built.static.num_tokens)
+    return DecodeRequest(f"p{seed}", lambda: built, threading.Event(), False, built.static.num_tokens)
 
 
-def _final(job: DecodeJob) -> Final:
+def _final(job: DecodeRequest) -> Final:
     events = []
     while not job.events.empty():
         events.append(job.events.get_nowait())

@@ -1,8 +1,9 @@
-"""What the decode scheduler holds per request: the job a server hands over, the session it becomes,
-and the events (partial outputs, the final result) the job's caller reads."""
+"""One decode request on the scheduler: its explicit status, its pool pages, the session it becomes, and the
+events (partial outputs, the final result) its caller reads."""
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 import time
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdllm.decode_service.focus_rounds import FocusMember
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.rounds import BatchSession
 from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
@@ -64,51 +66,75 @@ class StaticDecode:
 # Stepped alone (not in the batched rounds): a denoising loop, or an SDAR request's block diffusion.
 AloneSession = DenoiseSession | BlockDiffusionSession
 Session = BatchSession | AloneSession
+# What a request's ``start`` returns: a session for the rounds (StaticDecode) or one stepped alone (a
+# FOCUS group member included).
+Started = StaticDecode | AloneSession | FocusMember
+
+
+class Status(enum.Enum):
+    """Where a request is. The scheduler moves it forward, one way: WAITING -> (PULLING ->) BUILDING ->
+    RUNNING -> FINISHED; CANCELLED or FAILED from any state before FINISHED."""
+
+    WAITING = "waiting"  # queued, no pages yet
+    PULLING = "pulling"  # pages reserved, its KV being pulled from a prefill worker (a handoff)
+    BUILDING = "building"  # its session being made: the build on the device, whole or in pieces
+    RUNNING = "running"  # a step every iteration (in the rounds, or alone)
+    FINISHED = "finished"  # its result published, its pages back in the pool
+    CANCELLED = "cancelled"  # its caller left; its pages back in the pool
+    FAILED = "failed"  # an error published to its caller; its pages back in the pool
+
+    @property
+    def done(self) -> bool:
+        return self in (Status.FINISHED, Status.CANCELLED, Status.FAILED)
 
 
 @dataclass
-class DecodeJob:
+class Build:
+    """A request's build in progress (status BUILDING)."""
+
+    steps: Steps[StaticDecode] | None = None  # run piece by piece between rounds (build_pieces)
+    made: Started | None = None  # what ``start`` returned, launched on the build stream
+    done: torch.cuda.Event | None = None  # its device work (CUDA): it joins once this has passed
+
+
+@dataclass
+class DecodeRequest:
+    """``start`` makes the request's session on the scheduler thread, which owns the device (a pdllm
+    request's build runs in it); ``start_steps``: the same build in pieces of N layers (None: whole only);
+    ``fetch``: starts pulling a handed-off KV into ``pages`` (its build then uses it, or rebuilds it)."""
+
     request_id: str
-    # Builds the session's decode KV (StaticDecode) or a session stepped alone (AloneSession); runs on
-    # the scheduler thread, which owns the device.
-    start: Callable[[], StaticDecode | AloneSession]
+    start: Callable[[], Started]
     cancelled: threading.Event
     stream_partials: bool = True
-    # Static KV tokens the session will hold in the pool (an upper bound; 0: it holds none).
-    kv_tokens: int = 0
-    # Pool slots beyond the static KV (a batched decode policy's cache of the query + answer rows).
-    cache_tokens: int = 0
+    kv_tokens: int = 0  # static KV tokens it will hold in the pool (an upper bound; 0: none)
+    cache_tokens: int = 0  # pool slots beyond its static KV (a caching decode policy's cache)
+    start_steps: Callable[[int], Steps[StaticDecode]] | None = None
+    fetch: Callable[[], Transfer] | None = None
+    status: Status = Status.WAITING
     events: queue.Queue = field(default_factory=queue.Queue)
-    submitted: float = field(default_factory=time.perf_counter)
-    session: Session | None = None
     pages: list[int] = field(default_factory=list)
+    transfer: Transfer | None = None  # its pull (PULLING); ``received`` once it finished
+    received: Transfer | None = None
+    build: Build | None = None
+    session: Session | FocusMember | None = None  # RUNNING
+    # what its result reports
+    submitted: float = field(default_factory=time.perf_counter)
+    build_started: float = 0.0
     queue_s: float = 0.0
     build_s: float = 0.0
     build_bytes: int = 0
-    cache_stats: tuple[int, int] = (0, 0)
-    # The same build as ``start`` in pieces of N layers (pdllm sessions), for SchedulerConfig.build_pieces;
-    # None: the job's build can only run whole.
-    start_steps: Callable[[int], Steps[StaticDecode]] | None = None
-    build_steps: Steps[StaticDecode] | None = None  # a build being run piece by piece
-    built: StaticDecode | AloneSession | None = None  # launched build, until it joins the rounds
-    built_event: torch.cuda.Event | None = None  # its device work is done (CUDA)
-    build_started: float = 0.0
-    # Starts pulling the request's KV from a prefill worker (a handoff), into ``pages`` for a decode KV; the
-    # scheduler runs the build only once the pull has finished (and frees the pages of a cancelled job only
-    # once nothing writes into them), and ``start`` / ``start_steps`` then use the pulled KV or rebuild it.
-    fetch: Callable[[], Transfer] | None = None
-    transfer: Transfer | None = None  # the pull, from launch until it finished
-    received: Transfer | None = None  # the finished pull
+    cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"
 
     @property
     def pool_tokens(self) -> int:
-        """Slots the job reserves in the KV pool."""
+        """Slots the request reserves in the KV pool."""
         return self.kv_tokens + self.cache_tokens
 
     def pull_over(self) -> bool:
         """Its pull has finished, or it was cancelled and the pull no longer writes into its pages (a
-        cancelled job's pages go back only then: another job may get them next)."""
+        cancelled request's pages go back only then: another request may get them next)."""
         t = self.transfer
         return t is not None and (t.finished or (self.cancelled.is_set() and t.detach()))
 

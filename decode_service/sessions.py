@@ -1,0 +1,159 @@
+"""What a decode request becomes on the scheduler: a session in the batched rounds, or one stepped alone.
+
+One place decides it for the decode server and the in-process engine alike (no proto here), from the
+model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES`):
+
+- Dream / LLaDA, no policy or a caching one (prefix / dual cache, Sparse-dLLM, Polestar-Cache): a
+  :class:`~.jobs.StaticDecode` that joins the rounds (pdllm over its static KV; vanilla with its whole
+  prompt as local rows), a caching policy's cache in pool pages after the static KV (:meth:`pool_slots`);
+- DyLLM: its own loop, stepped alone (``policy_sessions.py``);
+- FOCUS: a member of the worker's packed FOCUS groups (``focus_rounds.py``);
+- SDAR (block diffusion), any method: exact block diffusion stepped alone, or a FOCUS group member.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdllm.decode_service.focus_rounds import FocusGroups
+from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.policy_rounds import cache_slots
+from pdllm.decode_service.policy_sessions import static_compute_skip_logits, static_local_rows
+from pdllm.decode_service.request import Started, StaticDecode
+from pdllm.shared.generation import sdar_decode
+from pdllm.shared.generation.block_diffusion import BlockKVCache
+from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
+from pdllm.shared.generation.policies.base import vanilla_local_rows
+from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.generation.vanilla import prompt_tensor
+from pdllm.shared.layout import Request, decode_layout
+from pdllm.shared.model.attention import DenseAttention
+from pdllm.shared.model.transformer import DiffusionLM
+from pdllm.shared.static_kv import StaticKV
+
+
+@dataclass(frozen=True)
+class PolicyRuntime:
+    """How the decode worker runs a decode policy: ``rounds``: its Dream/LLaDA sessions join the batched
+    rounds; ``caches``: it keeps the local rows' K/V in pool pages; ``groups``: its requests step in packed
+    groups of their own (FOCUS)."""
+
+    rounds: bool
+    caches: bool = False
+    groups: bool = False
+
+
+POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
+    "none": PolicyRuntime(rounds=True),
+    "prefix-cache": PolicyRuntime(rounds=True, caches=True),
+    "dual-cache": PolicyRuntime(rounds=True, caches=True),
+    "sparse-dllm": PolicyRuntime(rounds=True, caches=True),
+    "polestar": PolicyRuntime(rounds=True, caches=True),
+    "dyllm": PolicyRuntime(rounds=False),
+    "focus": PolicyRuntime(rounds=False, groups=True),
+}
+
+
+def runtime(policy: DecodePolicyConfig | None) -> PolicyRuntime:
+    return POLICY_RUNTIMES["none" if policy is None else policy.name]
+
+
+class SessionMaker:
+    """Starts requests for one scheduler (its thread only: the FOCUS groups are its own). ``attention`` and
+    ``cuda_graph``: the static-KV backend and graph replay of the sessions stepped alone (DyLLM, FOCUS)."""
+
+    def __init__(self, model: DiffusionLM, attention: str, cuda_graph: bool) -> None:
+        self.model, self.attention, self.cuda_graph = model, attention, cuda_graph
+        self.focus_groups = FocusGroups(model)
+
+    @property
+    def block_diffusion(self) -> bool:
+        return sdar_decode.is_block_diffusion(self.model)
+
+    def pool_slots(self, policy: DecodePolicyConfig | None, local_rows: int, gen: GenerationConfig) -> int:
+        """Pool slots a request reserves beyond its static KV: a caching policy's cache, one per local row
+        (``local_rows``: the rows before the response); none on SDAR (no pool pages)."""
+        if self.block_diffusion or not runtime(policy).caches:
+            return 0
+        return cache_slots(local_rows, gen)
+
+    def vanilla(
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        policy: DecodePolicyConfig | None,
+        cancelled: threading.Event,
+    ) -> Started:
+        """A vanilla request over ``prompt`` (its BOS included)."""
+        model = self.model
+        tensor = prompt_tensor(model, prompt)
+        if self.block_diffusion:  # generate_vanilla's block diffusion (none / focus)
+            if runtime(policy).groups:
+                assert policy is not None
+                return self.focus_groups.join_block_diffusion(tensor, gen, policy.focus_config(), cancelled)
+            return sdar_decode.block_session(model, tensor, gen, policy)
+        if runtime(policy).rounds:
+            return StaticDecode(list(prompt), None, gen, cache_policy=make_policy(policy) if policy else None)
+        assert policy is not None
+        if runtime(policy).groups:
+            local, positions = vanilla_local_rows(model.config.mask_token_id, tensor, gen)
+            focus = policy.focus_config()
+            return self.focus_groups.join(
+                local, positions, tensor.numel(), DenseAttention(), gen, focus, cancelled
+            )
+        logits = vanilla_compute_skip_logits(model, tensor, gen, policy, self.cuda_graph)
+        return compute_skip_session(logits)
+
+    def pdllm(
+        self,
+        built: StaticDecode,
+        policy: DecodePolicyConfig | None,
+        cancelled: threading.Event,
+        unpool: Callable[[PooledKV], StaticKV] | None = None,
+    ) -> Started:
+        """A built pdllm request (its static KV in ``built``); ``unpool`` reads a KV that a handoff landed in
+        the request's pages back out, for a session stepped alone."""
+        if runtime(policy).rounds:
+            return built
+        assert policy is not None
+        static = built.static
+        if isinstance(static, PooledKV):
+            assert unpool is not None, "a pooled KV needs its pages read out for a session stepped alone"
+            static = unpool(static)
+        assert isinstance(static, StaticKV)
+        model, query, gen = self.model, built.query, built.gen
+        if runtime(policy).groups:
+            local, positions, inner = static_local_rows(model, query, static, gen, self.attention, None)
+            focus = policy.focus_config()
+            return self.focus_groups.join(local, positions, len(query), inner, gen, focus, cancelled)
+        logits = static_compute_skip_logits(
+            model, query, static, gen, policy, self.attention, cuda_graph=self.cuda_graph
+        )
+        return compute_skip_session(logits)
+
+    def sdar(
+        self,
+        request: Request,
+        gen: GenerationConfig,
+        policy: DecodePolicyConfig | None,
+        cancelled: threading.Event,
+        prefix: BlockKVCache | None = None,
+    ) -> Started:
+        """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]`` (its chunks:
+        the selected ones, in order) continuing its block-causal ``prefix`` (None: built here); under FOCUS
+        a group member."""
+        model = self.model
+        layout = decode_layout(request, list(range(len(request.chunks))), gen.gen_length)
+        if prefix is None:
+            sdar_decode.check_decode_options(policy, None)  # before the prefix's forwards
+            prefix = sdar_decode.build_prefix(model, request, layout, gen)
+        prompt = sdar_decode.selected_prompt_tensor(model, request, layout)
+        if runtime(policy).groups:
+            assert policy is not None
+            return self.focus_groups.join_block_diffusion(
+                prompt, gen, policy.focus_config(), cancelled, prefix
+            )
+        return sdar_decode.block_session(model, prompt, gen, policy, prefix)
