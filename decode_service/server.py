@@ -1,20 +1,14 @@
-"""The decode worker's gRPC face: ``pdllm.v1.Decode`` turns a request into a entry for the scheduler
-(``scheduler.py``) and streams its partial outputs and result back.
+"""The decode worker's gRPC face: ``pdllm.v1.Decode`` checks a request, turns it into a
+:class:`~.request.DecodeRequest` for the scheduler (``scheduler.py``) and streams its partial outputs and
+result back.
 
-What a entry runs:
-
-- **pdllm** (Dream / LLaDA): the static KV of the selected chunks is built from their token ids
-  (full-mask / chunk-query), read from the KV tier (chunk-only; recomputed on a miss), or pulled from the
-  prefill worker that built it (a ``handoff``; checked against this worker's model first,
-  FAILED_PRECONDITION on a mismatch; rebuilt if the pull fails). The session then joins the batched rounds.
-- **vanilla** (Dream / LLaDA): the whole prompt becomes the session's local rows, no static KV; it joins
-  the same rounds.
-- A caching decode policy (prefix / dual cache, Sparse-dLLM, Polestar-Cache) keeps its cache of local
-  K/V in pool pages after the static KV; its session joins the rounds too (``policy_rounds.py``).
-- Still outside the rounds: DyLLM (its loop, stepped alone, ``policy_sessions.py``), FOCUS (its packed
-  groups, ``focus_rounds.py``) and every request on an SDAR (block-diffusion) model, which runs exact
-  block diffusion stepped alone (``shared/generation/sdar_decode.py``; no pool pages, no handoff; what it
-  does not run is INVALID_ARGUMENT, ``request_checks.check_block_diffusion``).
+A pdllm request's static KV is built from its chunks' token ids (full-mask / chunk-query), read from the
+KV tier (chunk-only; recomputed on a miss), or pulled from the prefill worker that built it (a ``handoff``;
+checked against this worker's model first, FAILED_PRECONDITION on a mismatch; rebuilt if the pull fails).
+A vanilla request carries its whole prompt. What session the request then becomes (in the batched rounds,
+or stepped alone) is decided in one place, ``sessions.py``, from the model family, the method and the
+decode policy; what a block-diffusion model does not run is INVALID_ARGUMENT naming the option
+(``request_checks.check_block_diffusion``).
 """
 
 from __future__ import annotations
