@@ -41,7 +41,7 @@ from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, Round
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.device_state import DeviceDenoiseState
 from pdllm.shared.generation.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
-from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, kept_count
+from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -49,9 +49,16 @@ BATCHED_POLICIES = ("prefix-cache", "dual-cache", "sparse-dllm", "polestar")
 """The decode policies whose sessions join the batched rounds (:func:`batch_session` picks the kind)."""
 
 
-def cache_slots(query_tokens: int, gen: GenerationConfig) -> int:
-    """Pool slots a policy session reserves for its cache, beyond its static KV: one per local row."""
-    return query_tokens + gen.gen_length
+def cache_slots(
+    query_tokens: int, gen: GenerationConfig, policy: CachePolicy | None = None, protected: int = 0
+) -> int:
+    """Pool slots a policy session reserves for its cache, beyond its static KV: one per local row, except
+    under Sparse-dLLM, whose cache holds only the rows it keeps (:func:`kept_count`, ``protected``: the
+    question's rows, always kept)."""
+    rows = query_tokens + gen.gen_length
+    if isinstance(policy, SparseDLLM):
+        return kept_count(rows, SaliencyKeep(0, gen.block, policy.retention, policy.pool_kernel, protected))
+    return rows
 
 
 @dataclass
@@ -88,7 +95,8 @@ class PolicyBatchSession(BatchSession):
     ) -> PolicyBatchSession:
         if policy.name not in cls.runs:
             raise ValueError(f"{cls.__name__} does not run decode policy {policy.name!r}, only {cls.runs}")
-        need = -(-(kv_tokens + cache_slots(len(query), gen)) // page_size)
+        protected = len(query) if kv_tokens else 0  # as ``context()``: vanilla protects no row
+        need = -(-(kv_tokens + cache_slots(len(query), gen, policy, protected)) // page_size)
         if len(pages) < need:
             raise ValueError(
                 f"a {policy.name} session needs {need} pages (static KV + cache), got {len(pages)}"

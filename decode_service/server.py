@@ -106,7 +106,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             if request.method.method == "vanilla":
                 ids = self._vanilla_prompt(request)
                 start: Callable[[], Started] = lambda: sessions.vanilla(ids, gen, policy, entry.cancelled)  # noqa: E731
-                cache_tokens = sessions.pool_slots(policy, len(ids), gen)
+                cache_tokens = sessions.pool_slots(policy, len(ids), gen, static=False)
             elif sessions.block_diffusion:  # its own cache, no pool pages: no handoff pulled either
                 start = lambda: sessions.sdar(_request(request), gen, policy, entry.cancelled)  # noqa: E731
                 cache_tokens = 0
@@ -124,7 +124,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                     )  # noqa: E731
                 # Pages even for a session stepped alone: the pool's budget bounds it, a pulled KV lands there.
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
-                cache_tokens = sessions.pool_slots(policy, len(request.question_ids), gen)
+                cache_tokens = sessions.pool_slots(policy, len(request.question_ids), gen, static=True)
             entry = DecodeRequest(
                 request.request_id,
                 start,

@@ -73,12 +73,16 @@ class SessionMaker:
     def block_diffusion(self) -> bool:
         return sdar_decode.is_block_diffusion(self.model)
 
-    def pool_slots(self, policy: DecodePolicyConfig | None, local_rows: int, gen: GenerationConfig) -> int:
-        """Pool slots a request reserves beyond its static KV: a caching policy's cache, one per local row
-        (``local_rows``: the rows before the response); none on SDAR (no pool pages)."""
+    def pool_slots(
+        self, policy: DecodePolicyConfig | None, local_rows: int, gen: GenerationConfig, static: bool
+    ) -> int:
+        """Pool slots a request reserves beyond its static KV: a caching policy's cache (``cache_slots``;
+        ``local_rows``: the rows before the response, protected from eviction under pdllm (``static``));
+        none on SDAR (no pool pages)."""
         if self.block_diffusion or not runtime(policy).caches:
             return 0
-        return cache_slots(local_rows, gen)
+        assert policy is not None
+        return cache_slots(local_rows, gen, make_policy(policy), local_rows if static else 0)
 
     def vanilla(
         self,

@@ -164,7 +164,7 @@ class DecodeWorker:
             list(query_ids), static, gen, cache_policy=make_policy(decode_policy) if rounds else None
         )  # type: ignore[arg-type]
         cancelled = threading.Event()
-        slots = self.sessions.pool_slots(decode_policy, len(query_ids), gen)
+        slots = self.sessions.pool_slots(decode_policy, len(query_ids), gen, static=True)
         start = lambda: self.sessions.pdllm(built, decode_policy, cancelled)  # noqa: E731
         return self.local.run(start, built.kv_tokens, slots, gen, progress, cancelled)
 
@@ -182,7 +182,7 @@ class DecodeWorker:
         if self.sessions.block_diffusion:
             sdar_decode.check_generation(gen, self.model)
         cancelled = threading.Event()
-        slots = self.sessions.pool_slots(decode_policy, len(prompt), gen)
+        slots = self.sessions.pool_slots(decode_policy, len(prompt), gen, static=False)
         start = lambda: self.sessions.vanilla(list(prompt), gen, decode_policy, cancelled)  # noqa: E731
         return self.local.run(start, 0, slots, gen, progress, cancelled)
 

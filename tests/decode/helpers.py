@@ -157,11 +157,13 @@ def policy_session(
     """The case's session in the rounds under ``policy`` (its batched kind: ``batch_session``)."""
     built = static_decode(m, case, seed)
     s = built.static
-    pages = pool.reserve(s.num_tokens + cache_slots(len(built.query), case.gen))
-    assert pages is not None
-    pool.write(pages, s.tensor())
     cache_policy = make_policy(policy)
     assert cache_policy is not None
+    pages = pool.reserve(
+        s.num_tokens + cache_slots(len(built.query), case.gen, cache_policy, len(built.query))
+    )
+    assert pages is not None
+    pool.write(pages, s.tensor())
     built = replace(built, cache_policy=cache_policy)
     out = batch_session(m, built, pages, pool.page_size, device_sampler)
     assert isinstance(out, PolicyBatchSession)

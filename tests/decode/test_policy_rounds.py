@@ -168,3 +168,37 @@ def test_vanilla_sparse_session_in_rounds_evicts_the_prompt_as_the_reference(fam
     run_rounds(EagerRoundForward(m, pool, "torch"), [s])
     assert s.result().raw_tokens == want.raw_tokens
     assert s.result().cache == want.cache
+
+
+@pytest.mark.parametrize("retention", [0.2, 0.5])
+def test_sparse_dllm_requests_reserve_pages_only_for_the_rows_they_keep(retention: float) -> None:
+    """Through the scheduler (the servicer's and the engine's session maker): a Sparse-dLLM request reserves
+    its static KV plus ``p + floor((N - b - p) r)`` cache slots, not one per local row, and still decodes as
+    the reference loop. Planted: the maker reserving one slot per row -> the page counts differ."""
+    from pdllm.decode_service.sessions import SessionMaker
+    from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, kept_count
+
+    m = model("dream")
+    pool = pool_for(m, pages=128)
+    sched = DecodeScheduler(m, pool, EagerRoundForward(m, pool, "torch"), start_thread=False)
+    maker = SessionMaker(m, "segments", False)
+    policy = DecodePolicyConfig(name="sparse-dllm", retention=retention)
+    case = POLICY_CASES[1]
+    built = static_decode(m, case, 1)
+    q, n = len(built.query), len(built.query) + case.gen.gen_length
+    slots = maker.pool_slots(policy, q, case.gen, static=True)
+    assert slots == kept_count(n, SaliencyKeep(0, case.gen.block, retention, 3, q)) < n
+    built = replace(built, cache_policy=make_policy(policy))
+    req = sched.submit(
+        DecodeRequest(
+            "s", lambda: built, threading.Event(), False, built.static.num_tokens, cache_tokens=slots
+        )
+    )
+    sched.run_once()
+    assert len(req.pages) == pool.pages_for(built.static.num_tokens + slots)
+    for _ in range(100):
+        if not sched.active:
+            break
+        sched.run_once()
+    final = req.events.get_nowait()
+    assert isinstance(final, Final) and final.result.raw_tokens == reference(m, case, 1, policy)[0]

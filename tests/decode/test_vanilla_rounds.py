@@ -37,7 +37,7 @@ def _vanilla_job(
 ) -> DecodeRequest:  # type: ignore[no-untyped-def]
     cache_policy = make_policy(policy)
     built = StaticDecode(prompt, None, gen, cache_policy=cache_policy)
-    cache = cache_slots(len(prompt), gen) if cache_policy is not None else 0
+    cache = cache_slots(len(prompt), gen, cache_policy) if cache_policy is not None else 0
     return DecodeRequest(rid, lambda: built, threading.Event(), False, 0, cache_tokens=cache)
 
 
