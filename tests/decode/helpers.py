@@ -6,15 +6,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
+from pdllm.decode_service.policy_sessions import static_policy_logits
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, RoundForward, decode_round
 from pdllm.decode_service.scheduler import StaticDecode
 from pdllm.prefill_service.worker import Selection
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
+from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
@@ -69,9 +71,10 @@ def prefill(m: DiffusionLM, case: Case, seed: int) -> tuple[PrefillingEngine, Se
 
 
 def alone(m: DiffusionLM, case: Case, seed: int) -> list[int]:
-    """The case decoded by the in-process engine on its own (the specification)."""
+    """The case decoded on its own by the reference loop (segmented attention, no scheduler): the
+    specification."""
     engine, sel = prefill(m, case, seed)
-    return engine.decode(sel, case.gen).raw_tokens
+    return engine.decode(sel, case.gen, policy=StaticPolicy("segments")).raw_tokens
 
 
 def static_decode(m: DiffusionLM, case: Case, seed: int) -> StaticDecode:
@@ -145,9 +148,15 @@ POLICY_CASES = [
 
 
 def reference(m: DiffusionLM, case: Case, seed: int, policy: DecodePolicyConfig) -> tuple[list[int], dict]:
-    """The engine's eager policy loop (``PolicyLogits``): the specification."""
+    """The policy's eager reference loop (``PolicyLogits`` over the static KV, no scheduler): the
+    specification."""
     engine, sel = prefill(m, case, seed)
-    result = engine.decode(sel, case.gen, decode_policy=policy)
+    cache_policy = make_policy(policy)
+    assert cache_policy is not None
+    static = engine.build(sel, case.gen)
+    result = run_policy(
+        static_policy_logits(m, sel.request.query, static, case.gen, cache_policy, "segments")
+    )
     return result.raw_tokens, dict(result.cache)
 
 

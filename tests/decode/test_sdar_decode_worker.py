@@ -20,10 +20,12 @@ from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation import sdar_decode
 from pdllm.shared.generation.block_diffusion import generate_block_diffusion
 from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.layout import decode_layout
 from pdllm.shared.rpc.errors import PdllmError
 from tests.decode.helpers import pool_for
 from tests.engine.helpers import model, tokens
@@ -36,6 +38,15 @@ CASES = [
     (2, 12, 1, 0, 3, GenerationConfig(gen_length=12, steps=12, block_length=12, temperature=0.9, seed=5)),
     (3, 8, 2, 1, 6, GenerationConfig(gen_length=8, steps=8, threshold=0.2)),  # one block of 8
 ]
+
+
+def _reference(
+    engine: PrefillingEngine, sel, gen: GenerationConfig, policy: DecodePolicyConfig | None = None
+):  # type: ignore[no-untyped-def]
+    """Steps 6-7 on SDAR by the reference loop (``sdar_decode.decode``), one request, no scheduler."""
+    layout = decode_layout(sel.request, sel.selected, gen.gen_length)
+    prefix = sdar_decode.build_prefix(engine.model, sel.request, layout, gen)
+    return sdar_decode.decode(engine.model, sel.request, layout, prefix, gen, False, policy)
 
 
 class _Context:
@@ -101,7 +112,7 @@ def test_pdllm_job_equals_the_engine(
     chunks = [sel.request.chunks[i] for i in sel.selected]  # what the router sends: the selected chunks
     assert all(c[0] == BOS for c in chunks) and len(chunks) == k
     final, partials = _decode(servicer, _pdllm_request(instruction, chunks, question, gen, top_k=k))
-    expected = engine.decode(sel, gen)
+    expected = _reference(engine, sel, gen)
     assert list(final.token_ids) == expected.token_ids and final.steps == expected.steps
     assert final.kv_source == "built" and final.decode_policy.policy == "none"
     # One partial per denoising step (each a scheduler iteration), the last one the answer itself.
@@ -151,7 +162,7 @@ def test_focus_jobs_equal_in_process_focus(served, knobs: dict, case: tuple) -> 
     for name, value in knobs.items():
         setattr(request.decode_policy, name, value)
     final, partials = _decode(servicer, request)
-    expected = engine.decode(sel, gen, decode_policy=policy)
+    expected = _reference(engine, sel, gen, policy)
     assert list(final.token_ids) == expected.token_ids and final.steps == expected.steps
     assert list(partials[-1].token_ids) == expected.raw_tokens and len(partials) == expected.steps
     assert expected.cache["policy"] == "focus" and expected.cache["forwards"] == expected.steps
@@ -183,7 +194,7 @@ def test_concurrent_jobs_each_answer_exactly(served) -> None:
         sel = engine.prefill(context, question, gen)
         chunks = [sel.request.chunks[i] for i in sel.selected]
         requests.append(_pdllm_request([], chunks, question, gen))
-        expected.append(engine.decode(sel, gen).token_ids)
+        expected.append(_reference(engine, sel, gen).token_ids)
     with ThreadPoolExecutor(len(requests)) as pool:
         finals = list(pool.map(lambda r: _decode(servicer, r)[0], requests))
     assert [list(f.token_ids) for f in finals] == expected
