@@ -8,9 +8,9 @@ full-mask build would leave it), a ``--query``-token question and a ``--gen``-to
 ``--gen`` steps. For each number of active sessions the whole generation runs as batched rounds
 (``decode_round``): eager (op by op, split-S kernel) and CUDA-graphed (``GraphedRoundForward``; a first
 generation captures the buckets, a second one is timed), with the sessions' default sampler (greedy: on
-the device; ``decode_sampler.py`` compares it with the host-side one). ``round_ms`` = wall time of a
-generation / its rounds. The baseline is the engine's own single-request decode step (``decode`` with the split-S kernel
-and one captured CUDA graph), measured in the same run: ``single_step_ms``. Writes ``decode_rounds.{json,md}``
+the device). ``round_ms`` = wall time of a generation / its rounds. The baseline is the in-process engine's
+single-request decode step (``DecodeWorker.decode``: one session in graphed rounds), measured in the same
+run: ``single_step_ms``. Writes ``decode_rounds.{json,md}``
 and a profile of one eager round at 16 sessions (``decode_rounds_profile.txt``).
 """
 
@@ -31,10 +31,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
-from pdllm.decode_service.decode import StaticPolicy, decode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round  # noqa: E402
+from pdllm.decode_service.worker import DecodeWorker  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from pdllm.shared.static_kv import StaticKV  # noqa: E402
 
@@ -90,11 +90,13 @@ def generation(
 
 
 def single_step_ms(model, static, query, gen, device, graph: bool) -> float:  # type: ignore[no-untyped-def]
+    """One request's decode step in the in-process engine (``DecodeWorker.decode``: the same scheduler and
+    rounds, one session; graphed rounds with ``graph``), median of the last two of three runs."""
     kv = StaticKV([static], static.shape[3], contiguous=static)
-    mode = "triton" if device.type == "cuda" else "segments"
+    worker = DecodeWorker(model, cuda_graph=graph)
     times = []
     for _ in range(3):
-        result = decode(model, query, kv, gen, StaticPolicy(mode), cuda_graph=graph)
+        result = worker.decode(query, kv, gen)
         times.append(result.decode_seconds / result.steps * 1e3)
     return statistics.median(times[1:])
 

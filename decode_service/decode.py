@@ -21,7 +21,6 @@ from typing import Protocol
 import torch
 
 from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention, SegmentedAttention
-from pdllm.decode_service.graphs import GraphCache, GraphedStep
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -71,11 +70,6 @@ class StaticPolicy:
         assert self._backend is not None, "begin() must run before backend()"
         return self._backend
 
-    @property
-    def graph_cacheable(self) -> bool:
-        """Its captured steps can be reused across requests (reloadable in place)."""
-        return self.mode in ("buffer", "triton")
-
 
 def local_inputs(
     model: DiffusionLM, query_ids: list[int], static: StaticKV, gen: GenerationConfig
@@ -99,43 +93,15 @@ def decode(
     gen: GenerationConfig,
     policy: DecodePolicy | None = None,
     progress: bool = False,
-    cuda_graph: bool = False,
-    graph_cache: GraphCache | None = None,
-    device_sampler: bool = True,
 ) -> GenerationResult:
-    """``cuda_graph``: replay one captured step (step-invariant policies only; eager off CUDA).
-    ``graph_cache``: reuse captured steps across requests (default policy in buffer/triton mode only).
-    ``device_sampler`` (with ``cuda_graph``, greedy requests): unmask on the device after each replay
-    (:meth:`GraphedStep.denoise`) instead of on the host between replays."""
-    device = next(model.parameters()).device
+    """The reference loop: ``denoise`` over the eager decode step (:func:`decode_logits_fn`)."""
     gen.validate()
-    policy = policy or StaticPolicy()
-    if cuda_graph:
-        if not policy.step_invariant:
-            raise ValueError("cuda_graph needs a step-invariant decode policy")
-        q = len(query_ids)
-        local, positions = local_inputs(model, query_ids, static, gen)
-        if graph_cache is not None and isinstance(policy, StaticPolicy) and policy.graph_cacheable:
-            graphed = graph_cache.step(model, policy.mode, static.tensor(), local, positions, q)
-        else:
-            policy.begin(static, local.shape[0])
-            graphed = GraphedStep(model, policy.backend(0, local), local, positions, q)
-        if device_sampler and gen.temperature == 0:
-            return graphed.denoise(gen, model.config.mask_token_id, model.config.eos_token_id, progress)
-        return denoise(
-            gen,
-            model.config.mask_token_id,
-            model.config.eos_token_id,
-            graphed,
-            device=device,
-            progress=progress,
-        )
     return denoise(
         gen,
         model.config.mask_token_id,
         model.config.eos_token_id,
-        decode_logits_fn(model, query_ids, static, gen, policy),
-        device=device,
+        decode_logits_fn(model, query_ids, static, gen, policy or StaticPolicy()),
+        device=next(model.parameters()).device,
         progress=progress,
     )
 
