@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode_policy_rounds import Prompt, sessions  # noqa: E402
+from benchmarks.decode_engine import Prompt, sessions  # noqa: E402
 from benchmarks.e2e_speedup import QUERY_TOKENS, random_ids  # noqa: E402
 from benchmarks.shapes import build_model, dream7b  # noqa: E402
 from pdllm.decode_service import polestar_rounds  # noqa: E402

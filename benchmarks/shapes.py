@@ -1,5 +1,5 @@
-"""What the GPU benchmarks share: the model shapes they run (Dream-7B with random weights, a tiny CPU
-smoke model), building such a model on the device, and the device's GEMM / HBM peaks measured in-run."""
+"""What the GPU benchmarks share: the model shapes they run (Dream-7B and SDAR-8B with random weights, tiny
+CPU smoke models), building such a model on the device, and the device's GEMM / HBM peaks measured in-run."""
 
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ def tiny() -> ModelConfig:
         family="dream", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=8192, attention_bias=True, shift_logits=True,
         mask_token_id=511, bos_token_id=1, eos_token_id=2, pad_token_id=0, model_id="tiny",
+    )  # fmt: skip
+
+
+def sdar8b() -> ModelConfig:
+    """SDAR-8B (Qwen3-8B layout, model block 4): the block-diffusion family's shapes."""
+    return ModelConfig(
+        family="sdar", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
+        mask_token_id=151669, bos_token_id=151643, eos_token_id=151643, pad_token_id=151643, block_size=4,
+        model_id="sdar8b-shapes-random",
+    )  # fmt: skip
+
+
+def tiny_sdar() -> ModelConfig:
+    return ModelConfig(
+        family="sdar", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=8192, mask_token_id=511, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, block_size=4, model_id="tiny-sdar",
     )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""``benchmarks/serving.py --smoke`` end to end on CPU: real serve processes, the report's exact schema."""
+"""``benchmarks/serving.py --smoke`` end to end on CPU: real serve processes, the report's exact schema; the
+split layout against the all-in-one and the single-request service overhead over the in-process engine."""
 
 from __future__ import annotations
 
@@ -7,11 +8,21 @@ import math
 
 import torch
 
-from benchmarks.serve_load import Clock, documents, smoke_config, wait_routable, write_checkpoint
-from benchmarks.serving import DIAG_KEYS, ROW_KEYS, burst, main, start_layout
+from benchmarks.serving import (
+    DIAG_KEYS,
+    ROW_KEYS,
+    Clock,
+    burst,
+    documents,
+    main,
+    smoke_config,
+    start_layout,
+    wait_routable,
+    write_checkpoint,
+)
 from pdllm.shared.model.loader import load_tokenizer
 
-TOP_KEYS = {"device", "date", "command", "rows", "decode_round", "meta"}
+TOP_KEYS = {"device", "date", "command", "rows", "ratios", "overhead", "decode_round", "meta"}
 POSITIVE = ("requests", "requests_per_s", "gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms",
             "step_p99_ms", "unloaded_step_ms")  # fmt: skip
 
@@ -42,6 +53,8 @@ def test_serving_smoke_sweep_writes_schema_and_skips_two_gpu_layouts(tmp_path) -
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["step_p50_ms"] <= r["step_p99_ms"]
         assert math.isfinite(r["peak_gib"]) and r["peak_gib"] >= 0  # CPU: an RSS delta, may be 0
+        assert r["decode_step_ms_worker"] > 0 and r["answers_equal_all_in_one"] is None
+    assert data["ratios"] == [] and data["overhead"] is None
     md = (tmp_path / "serving.md").read_text()
     assert "CPU SMOKE" in md and "| all-in-one | 0 | 4 | 2048 |" in md and "round_ms" in md
     assert (tmp_path / "serving.png").stat().st_size > 0
@@ -77,3 +90,29 @@ def test_replicas_layout_routes_on_cpu(tmp_path) -> None:
     finally:
         for p in procs:
             p.kill()
+
+
+def test_split_against_all_in_one_and_service_overhead(tmp_path) -> None:
+    """What a split prefill/decode deployment is compared with: the all-in-one on the same documents (same
+    answers on CPU's fp32), and a served single request against the in-process engine."""
+    argv = ["--smoke", "--out", str(tmp_path), "--ckpt-dir", str(tmp_path / "ckpt"), "--budget-s", "90",
+            "--layouts", "all-in-one,1p1d-build-on-decode", "--share-gpu", "--concurrency", "4",
+            "--warm-burst", "2", "--single-repeats", "3", "--name", "split"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "split.json").read_text())
+    meta = data["meta"]
+    assert meta["errors"] == [] and meta["skipped"] == [], meta
+    rows = {r["layout"]: r for r in data["rows"]}
+    assert set(rows) == {"all-in-one", "1p1d-build-on-decode"}
+    for r in rows.values():
+        assert (r["requests"], r["failed"]) == (4, 0) and r["decode_step_ms_worker"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["latency_max_s"]
+    assert rows["1p1d-build-on-decode"]["answers_equal_all_in_one"] == "4/4"
+    (ratio,) = data["ratios"]
+    assert ratio["layout"] == "1p1d-build-on-decode" and ratio["target_min"] == 1.7
+    assert math.isfinite(ratio["vs_all_in_one"]) and isinstance(ratio["met"], bool)
+    o = data["overhead"]
+    assert o["requests"] == 3 and len(o["in_process"]["seconds"]) == len(o["served"]["seconds"]) == 3
+    assert o["answers_equal_in_process"] is True and math.isfinite(o["service_overhead"])
+    md = (tmp_path / "split.md").read_text()
+    assert "vs all-in-one" in md and "service overhead" in md and "| 1p1d-build-on-decode | 2048 | 4 |" in md

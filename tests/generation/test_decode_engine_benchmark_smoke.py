@@ -1,0 +1,134 @@
+"""``benchmarks/decode_engine.py --smoke`` on CPU (tiny models, the shipped one for TPF): every case's rows,
+their baselines from the same run, forwards counted per round, TPF up to EOS, the time budget and
+``--update``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.decode_engine import CASES, ROW_KEYS, main
+
+LOOP_POLICIES = {"none", "dual-cache", "sparse-dllm", "prefix-cache", "polestar"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("decode_engine")
+    assert main(["--smoke", "--cases", "all", "--round-check", "--out", str(out)]) == 0
+    return out, json.loads((out / "decode_engine.json").read_text())
+
+
+def by_case(data: dict, case: str) -> list[dict]:
+    return [r for r in data["rows"] if r["case"] == case]
+
+
+def test_every_case_writes_rows_with_the_common_columns(report: tuple[Path, dict]) -> None:
+    out, data = report
+    assert (
+        data["device"] == "cpu"
+        and data["meta"]["smoke"]
+        and data["meta"]["command"].endswith("--out " + str(out))
+    )
+    assert list(data["cases"]) == list(CASES)
+    for case, info in data["cases"].items():
+        assert info["errors"] == [], (case, info["errors"])
+        assert by_case(data, case), case
+    for r in data["rows"]:
+        assert tuple(r)[: len(ROW_KEYS)] == ROW_KEYS
+        assert r["batch"] >= 1 and r["round_ms"] > 0 and r["forwards_per_round"] >= 1
+    md = (out / "decode_engine.md").read_text()
+    assert "CPU SMOKE" in md and all(f"## {case}:" in md for case in CASES)
+
+
+def test_loop_and_rounds_per_policy_with_same_run_baselines(report: tuple[Path, dict]) -> None:
+    _, data = report
+    loop = by_case(data, "loop")
+    cells = {(r["method"], r["context_tokens"], r["gen_length"]) for r in loop}
+    assert cells == {("vanilla", 48, 16), ("pdllm", 256, 16), ("vanilla", 256, 16)}
+    for method, context, gen in cells:
+        rows = {r["policy"]: r for r in loop if (r["method"], r["context_tokens"], r["gen_length"]) == (method, context, gen)}  # fmt: skip
+        assert set(rows) == (
+            {"none", "dual-cache"} if (method, context) == ("vanilla", 256) else LOOP_POLICIES
+        )
+        assert rows["dual-cache"]["speedup_vs_dual_cache"] == pytest.approx(1.0)
+        vanilla = next(
+            r for r in loop if (r["policy"], r["method"], r["context_tokens"]) == ("none", "vanilla", context)
+        )
+        for r in rows.values():
+            assert r["speedup_vs_vanilla"] == pytest.approx(r["tokens_per_s"] / vanilla["tokens_per_s"])
+            # one forward per step: pdllm's prefill and build are not the loop's
+            assert (r["forwards_per_round"], r["tpf"], r["steps"]) == (1.0, 1.0, 16)
+    assert [s["batch"] for s in data["cases"]["loop"]["skipped"]] == [16]
+    rounds = by_case(data, "rounds")
+    assert {(r["method"], r["batch"], r["policy"]) for r in rounds} == {
+        (m, b, p) for m in ("vanilla", "pdllm") for b in (1, 16) for p in LOOP_POLICIES
+    }
+    # a round of 16 requests runs one packed forward
+    assert all(r["forwards_per_round"] == 1.0 and r["forwards"] == r["rounds"] for r in rounds)
+    assert data["cases"]["rounds"]["policy_rounds_equal_reference"] == "40/40"
+    e2e = data["cases"]["rounds-e2e"]["e2e"]
+    assert {(e["context_tokens"], e["pdllm_policy"]) for e in e2e} == {
+        (c, p) for c in (128, 256) for p in ("none", "dual-cache")
+    }
+
+
+def test_compute_skip_and_polestar_reuse_the_loop_baselines(report: tuple[Path, dict]) -> None:
+    _, data = report
+    skip = {r["policy"]: r for r in by_case(data, "compute-skip")}
+    assert set(skip) == {"none", "dual-cache", "dyllm", "focus"}  # dyllm+graphs: CUDA only
+    assert [s["policy"] for s in data["cases"]["compute-skip"]["skipped"]] == ["dyllm+graphs"]
+    loop = {(r["policy"], r["context_tokens"]): r for r in by_case(data, "loop")}
+    for name in ("none", "dual-cache"):  # the same run, not measured twice
+        assert (
+            skip[name]["measured_in"] == "loop"
+            and skip[name]["tokens_per_s"] == loop[name, 48]["tokens_per_s"]
+        )
+    assert 0 < skip["dyllm"]["rows_frac"] < 1
+    for r in skip.values():
+        assert r["speedup_vs_dual_cache"] == pytest.approx(
+            r["tokens_per_s"] / skip["dual-cache"]["tokens_per_s"]
+        )
+    polestar = by_case(data, "polestar")
+    assert [r.get("knobs") for r in polestar] == [
+        None, None, None, {"polestar_update_threshold": 0}, {"polestar_residual_format": "none"},
+    ]  # fmt: skip
+    assert polestar[3]["updates"] > polestar[2]["updates"]  # an update at every cached step
+    focus = by_case(data, "focus-batched")
+    assert {(r["policy"], r["batch"]) for r in focus} == {
+        (p, b) for p in ("plain-batched", "focus") for b in (1, 3)
+    }
+    for r in focus:
+        plain = next(p for p in focus if p["policy"] == "plain-batched" and p["batch"] == r["batch"])
+        assert r["speedup_vs_vanilla"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        assert r["rows_frac"] <= 1.0 and (r["policy"] != "plain-batched" or r["rows_frac"] == 1.0)
+        assert r["forwards"] >= r["rounds"]  # SDAR adds a record pass per finished block
+
+
+def test_tpf_counts_slots_up_to_eos(report: tuple[Path, dict]) -> None:
+    _, data = report
+    rows = by_case(data, "polestar-tpf")
+    assert {(r["task"], r["method"], r["policy"]) for r in rows} == {
+        (t, m, p) for t, m in (("needle", "vanilla"), ("needle", "pdllm"), ("long-answer", "vanilla"))
+        for p in ("none", "dual-cache", "polestar")
+    }  # fmt: skip
+    for r in rows:
+        assert r["forwards_counted"] == r["forwards"]  # one model forward per denoising step
+        assert 0 < r["tpf"] <= r["block"] and r["tpf"] == pytest.approx(r["tokens"] / r["forwards"])
+
+
+def test_no_budget_skips_with_a_reason_and_update_keeps_other_cases(
+    report: tuple[Path, dict], tmp_path: Path
+) -> None:
+    out, data = report
+    (tmp_path / "decode_engine.json").write_text(json.dumps(data))
+    argv = ["--smoke", "--cases", "polestar", "--budget-s", "0", "--update", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    updated = json.loads((tmp_path / "decode_engine.json").read_text())
+    assert by_case(updated, "polestar") == []
+    assert all(s["reason"].startswith("time budget") for s in updated["cases"]["polestar"]["skipped"])
+    others = [r for r in data["rows"] if r["case"] != "polestar"]
+    assert [r for r in updated["rows"] if r["case"] != "polestar"] == others
+    assert updated["cases"]["loop"] == data["cases"]["loop"]
