@@ -106,17 +106,18 @@ from benchmarks.harness import (  # noqa: E402
 )
 from benchmarks.shapes import dream7b, sdar8b, sync, tiny, tiny_sdar  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy  # noqa: E402
+from pdllm.decode_service.policies.compute_skip import run_compute_skip, vanilla_compute_skip_logits  # noqa: E402
+from pdllm.decode_service.policies.focus import FocusConfig  # noqa: E402
+from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots, session_kind  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, decode_round  # noqa: E402
+from pdllm.decode_service.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
 from pdllm.shared.config import EngineConfig  # noqa: E402
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy  # noqa: E402
-from pdllm.shared.generation.policies.compute_skip import run_compute_skip, vanilla_compute_skip_logits  # noqa: E402
-from pdllm.shared.generation.policies.focus import FocusConfig  # noqa: E402
-from pdllm.shared.generation.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
+from pdllm.shared.generation.plain import prompt_tensor  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult  # noqa: E402
-from pdllm.shared.generation.vanilla import generate_vanilla, prompt_tensor  # noqa: E402
 
 NAME = "decode_engine"
 ROW_KEYS = ("case", "policy", "method", "context_tokens", "gen_length", "batch", "tokens_per_s", "round_ms",

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.config import ModelConfig
 from pdllm.shared.model.transformer import DiffusionLM
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from pdllm.decode_service.decode import StaticPolicy
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.decode_service.policy_sessions import static_policy_logits
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.config import ModelConfig
 from pdllm.shared.model.transformer import DiffusionLM
 

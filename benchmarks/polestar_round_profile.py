@@ -28,9 +28,9 @@ from benchmarks.e2e_speedup import QUERY_TOKENS, random_ids  # noqa: E402
 from benchmarks.shapes import build_model, dream7b  # noqa: E402
 from pdllm.decode_service import polestar_rounds  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
+from pdllm.decode_service.policies import polestar, polestar_store  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import decode_round  # noqa: E402
-from pdllm.shared.generation.policies import polestar, polestar_store  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 
 SECONDS: dict[str, float] = collections.defaultdict(float)

@@ -9,7 +9,7 @@ logits function that forwards ``[query suffix, response]`` at positions after th
 segment every step; methods that evict or pick static KV (FOCUS-style eviction, DyLLM-style salient
 tokens) would be other policies over the same :class:`StaticKV`. Reusing the KV of the forwarded rows
 themselves across steps (Fast-dLLM prefix / dual cache, Sparse-dLLM, Polestar-Cache) is not a static-KV
-policy: those are decode policies of ``shared/generation/policies``, a loop around this attention
+policy: those are decode policies of ``decode_service/policies``, a loop around this attention
 backend (``policy_sessions.static_policy_logits``) that leaves the static KV as it is.
 """
 

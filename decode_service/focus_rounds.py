@@ -2,7 +2,7 @@
 FOCUS request of a group, so that what eviction saves in one request makes room for others (the paper's
 "effective batch grows", §4).
 
-A group is a :class:`~pdllm.shared.generation.policies.focus_batch.FocusDecodeBatch` (FOCUS's fast path,
+A group is a :class:`~pdllm.decode_service.policies.focus_batch.FocusDecodeBatch` (FOCUS's fast path,
 held token for token to the reference loop by its tests) of requests that share the generation config and
 the FOCUS knobs (Dream/LLaDA: local rows over the method's attention; SDAR: block diffusion over each
 request's exact cache, pdllm's continuing its block-causal prefix) (the packed step runs one schedule and one selection rule); requests with other
@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from pdllm.shared.generation.block_diffusion import BlockKVCache
-from pdllm.shared.generation.policies.focus import FocusConfig
-from pdllm.shared.generation.policies.focus_batch import BatchedRequest, FocusDecodeBatch
+from pdllm.decode_service.block_diffusion import BlockKVCache
+from pdllm.decode_service.policies.focus import FocusConfig
+from pdllm.decode_service.policies.focus_batch import BatchedRequest, FocusDecodeBatch
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM

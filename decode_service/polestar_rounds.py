@@ -33,11 +33,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from pdllm.decode_service.policies import StepContext, StepPlan
+from pdllm.decode_service.policies.polestar import Polestar, PolestarState, layer_inputs
 from pdllm.decode_service.policy_rounds import PolicyBatchSession
 from pdllm.decode_service.rounds import PagedBatchAttention, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
-from pdllm.shared.generation.policies import StepContext, StepPlan
-from pdllm.shared.generation.policies.polestar import Polestar, PolestarState, layer_inputs
 from pdllm.shared.generation.sampler import GenerationResult
 
 

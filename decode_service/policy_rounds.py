@@ -2,7 +2,7 @@
 many requests.
 
 A :class:`PolicyBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow a decode policy
-(``shared/generation/policies``; its eager reference loop, ``PolicyLogits``, is the specification). Its
+(``decode_service/policies``; its eager reference loop, ``PolicyLogits``, is the specification). Its
 local rows' K/V cache lives in the KV pool, in pages reserved after its static KV: the session's logical
 slots are ``[static KV][cached local rows]``, so the split-S kernel reads the cache like any paged KV and
 the round needs no other attention call.
@@ -36,12 +36,12 @@ from typing import ClassVar
 
 import torch
 
+from pdllm.decode_service.device_state import DeviceDenoiseState
+from pdllm.decode_service.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
+from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
-from pdllm.shared.generation.device_state import DeviceDenoiseState
-from pdllm.shared.generation.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
-from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 

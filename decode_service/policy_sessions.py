@@ -18,11 +18,11 @@ import torch
 
 from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
 from pdllm.decode_service.kv_pool import DecodeKVPool, PooledKV
+from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, PolicyLogits
+from pdllm.decode_service.policies.compute_skip import ComputeSkipLogits, compute_skip_logits
 from pdllm.decode_service.request import DecodeRequest
 from pdllm.kernels.paged_kv import ChunkPages
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
-from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, PolicyLogits
-from pdllm.shared.generation.policies.compute_skip import ComputeSkipLogits, compute_skip_logits
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_transfer.payload import unpack_static
 from pdllm.shared.model.attention import AttentionBackend

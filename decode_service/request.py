@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdllm.decode_service.block_diffusion import BlockDiffusionSession
 from pdllm.decode_service.focus_rounds import FocusMember
 from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.policies import CachePolicy
 from pdllm.decode_service.rounds import BatchSession
-from pdllm.shared.generation.block_diffusion import BlockDiffusionSession
-from pdllm.shared.generation.policies import CachePolicy
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV

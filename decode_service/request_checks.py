@@ -7,7 +7,7 @@ in ``layout.make_request``. Decode ids come from the router's tokenizer, so a ba
 or a client calling the worker directly: without this check it fails in the embedding lookup on the
 scheduler thread, and the caller gets INTERNAL instead of INVALID_ARGUMENT naming the field.
 
-On an SDAR (block-diffusion) model a request runs exact block diffusion (``shared/generation/sdar_decode.py``),
+On an SDAR (block-diffusion) model a request runs exact block diffusion (``decode_service/sdar_decode.py``),
 plain or under FOCUS; :func:`check_block_diffusion` refuses, with INVALID_ARGUMENT naming the option, what that
 decode does not run.
 """
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import grpc
 
+from pdllm.decode_service import sdar_decode
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError

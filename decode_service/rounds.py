@@ -7,8 +7,8 @@ A round packs all sessions' local tokens into one ragged row: the GEMMs see ever
 split-S call per layer over all sessions' page tables (:class:`PagedBatchAttention`), the LM head runs
 only on the rows still masked in each session's current block.
 
-Greedy sessions keep their response on the device (:class:`~pdllm.shared.generation.device_state.
-DeviceDenoiseState`): one :class:`~pdllm.shared.generation.device_state.DeviceBatch` per round finds their
+Greedy sessions keep their response on the device (:class:`~pdllm.decode_service.device_state.
+DeviceDenoiseState`): one :class:`~pdllm.decode_service.device_state.DeviceBatch` per round finds their
 masked rows, places their tokens into the forward's input and unmasks from the logits, all on the device;
 their schedule, hence every shape of the round, is known on the host, so a round of them reads nothing
 back (except threshold sessions and EOS checks at block ends) and the host can pack the next round while
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdllm.decode_service.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.shared.generation.device_sampler import to_device
-from pdllm.shared.generation.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
 from pdllm.shared.model.attention import sdpa
 from pdllm.shared.model.transformer import DiffusionLM
@@ -364,7 +364,7 @@ def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> None:
     """One denoising step of every session in one ``forward``. Finished sessions must not be passed.
 
     Device sessions are stepped without reading the device back where their schedule tells the host
-    everything (:meth:`~pdllm.shared.generation.device_state.DeviceDenoiseState.needs_readback`); host
+    everything (:meth:`~pdllm.decode_service.device_state.DeviceDenoiseState.needs_readback`); host
     sessions cost one copy of their predictions to the host."""
     if not sessions:
         return

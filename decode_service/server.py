@@ -19,6 +19,7 @@ import grpc
 
 from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.decode_service.policy_sessions import pooled_static
 from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started, StaticDecode
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
@@ -30,7 +31,6 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_transfer.payload import (
     CHUNK_KV,

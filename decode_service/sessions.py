@@ -17,18 +17,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdllm.decode_service import sdar_decode
+from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.focus_rounds import FocusGroups
 from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
+from pdllm.decode_service.policies.base import vanilla_local_rows
+from pdllm.decode_service.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.decode_service.policy_rounds import cache_slots
 from pdllm.decode_service.policy_sessions import static_compute_skip_logits, static_local_rows
 from pdllm.decode_service.request import Started, StaticDecode
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.block_diffusion import BlockKVCache
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
-from pdllm.shared.generation.policies.base import vanilla_local_rows
-from pdllm.shared.generation.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
+from pdllm.shared.generation.plain import prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import prompt_tensor
 from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM

@@ -16,18 +16,18 @@ from collections.abc import Sequence
 
 import torch
 
+from pdllm.decode_service import sdar_decode
+from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.build import build_static_steps
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, decode
 from pdllm.decode_service.local import LocalDecoder
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.sessions import SessionMaker, runtime
 from pdllm.kernels import HAS_TRITON
 from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.chunk_store import ChunkKVStore
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.block_diffusion import BlockKVCache
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.layout import DecodeLayout, Request, decode_layout
 from pdllm.shared.model.transformer import DiffusionLM

@@ -1,4 +1,4 @@
-"""The decode-policy settings group (``shared/generation/policies``; ``DecodePolicyConfig``).
+"""The decode-policy settings group (as the decode loops take it: ``decode_policy.DecodePolicyConfig``).
 
 Its own module to keep ``settings.py`` short; it uses that module's machinery, and ``settings`` re-exports
 what is here (``settings.DecodePolicySettings``), so callers name every setting group the same way.
@@ -17,7 +17,8 @@ from pdllm.shared.settings import Label, Ref, SettingError, Settings, Spec, vali
 
 DecodePolicyName = Literal["none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar", "dyllm", "focus"]
 CACHING = "prefix-cache, dual-cache, sparse-dllm or polestar"
-# Policies that skip computation inside a step instead of planning a KV cache (``policies/compute_skip.py``):
+# Policies that skip computation inside a step instead of planning a KV cache
+# (``decode_service/policies/compute_skip.py``):
 # they have no cache to refresh, so cache_refresh_steps is refused under them as under none.
 COMPUTE_SKIP = ("dyllm", "focus")
 # Sparse-dLLM's own knobs: None takes the paper's value (``SPARSE_DEFAULTS``), so a knob that is set can be
@@ -48,7 +49,7 @@ ResidualFormat = Literal["int8", "fp8", "none"]
 # A switch of a knob group: a string choice, so that flags, variables and the wire field (optional string)
 # take it like any other choice setting (the schema is strict and has no bool settings).
 Switch = Literal["on", "off"]
-# DyLLM's knobs (``policies/dyllm_base.DyLLMConfig``); unset ones take the paper's values (``DYLLM_DEFAULTS``;
+# DyLLM's knobs (``decode_policy.DyLLMConfig``); unset ones take the paper's values (``DYLLM_DEFAULTS``;
 # the threshold's is per model family: 0.995 Dream, 0.99 LLaDA).
 DYLLM_KNOBS = (
     "dyllm_threshold",
@@ -62,7 +63,7 @@ DYLLM_DEFAULTS: dict[str, float | int | str | None] = {
     "dyllm_full_sequence_interval": 4,
     "dyllm_approximate_attention": "on",
 }
-# FOCUS's knobs (``policies/focus.FocusConfig``, ``FOCUS_KNOBS``), likewise (budget unset: Eq. 4's dynamic K).
+# FOCUS's knobs (``decode_policy.FocusConfig``, ``FOCUS_KNOBS``), likewise (budget unset: Eq. 4's dynamic K).
 FOCUS_SETTINGS = ("focus_alpha", "focus_pool_kernel", "focus_budget", "focus_delayed_cache")
 FOCUS_DEFAULTS: dict[str, float | int | str | None] = {
     "focus_alpha": 1.5,
@@ -233,7 +234,7 @@ class DecodePolicySettings(Settings):
 
 def decode_policy_config(values: Mapping[str, Any], *, label: Label = str) -> Any:
     """A validated ``DecodePolicyConfig`` from decode-policy settings."""
-    from pdllm.shared.generation.policies.base import DecodePolicyConfig
+    from pdllm.shared.decode_policy import DecodePolicyConfig
 
     s = validate(DecodePolicySettings, values, label=label)
     return DecodePolicyConfig(

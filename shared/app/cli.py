@@ -76,8 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    # SDAR: vanilla decodes block by block (generation/block_diffusion.py), pdllm by block diffusion over
-    # the selected chunks (generation/sdar_decode.py).
+    # SDAR: vanilla decodes block by block (decode_service/block_diffusion.py), pdllm by block diffusion over
+    # the selected chunks (decode_service/sdar_decode.py).
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer files; `generate` needs text in and out")

@@ -15,7 +15,7 @@ and only when ``kv_mode="chunk-only"`` reuses it (the other modes rebuild the ch
 are cached in the chunk store under different position schemes.
 
 SDAR (block-diffusion) models: selection is unchanged, the decode phase is exact block diffusion over the
-selected prompt instead, plain or under FOCUS (``shared/generation/sdar_decode.py`` explains it and what it
+selected prompt instead, plain or under FOCUS (``decode_service/sdar_decode.py`` explains it and what it
 refuses), the decode worker's very code for an SDAR request.
 """
 
@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
+from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.decode import DecodePolicy
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
 from pdllm.shared.chunk_store import ChunkKVStore, default_chunk_store
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KVWritePolicy
 from pdllm.shared.layout import Request, decode_layout
@@ -122,7 +122,7 @@ class PrefillingEngine:
     ) -> GenerationResult:
         """Steps 6-7 (the decode worker's phase) for ``sel``; fills the build and decode fields of its
         trace. ``policy``: which static KV the decode attends to; ``decode_policy``: which query/response
-        rows each step recomputes (``shared/generation/policies``; None or ``none``: all of them)."""
+        rows each step recomputes (``decode_service/policies``; None or ``none``: all of them)."""
         if self.block_diffusion:
             return self._decode_block_diffusion(sel, gen, policy, progress, decode_policy)
         static = self.build(sel, gen)

@@ -5,7 +5,7 @@ task, length (multiples of the training length) and gold-fact depth, ``--samples
 answered by each method and scored by exact match. Writes ``<out>/<name>.json`` (top-level
 ``train_length``; one row per method/task/length/depth), a Markdown table and one heatmap PNG per task
 with the methods side by side. ``--decode-policy`` (and its knobs, from the settings schema) runs every
-method's decode under that policy (``shared/generation/policies``), named in the header and the rows.
+method's decode under that policy (``decode_service/policies``), named in the header and the rows.
 
 ``--tasks long-answer`` (``shared/eval/long_answer.py``) asks for a planted 128-256-token
 paragraph verbatim: rows score the exact-passage rate (``accuracy``) and ``token_accuracy``; its generation
@@ -15,7 +15,7 @@ with policy ``none`` and adds ``agreement``: the share of answer tokens the poli
 the no-cache one (by definition 1 under ``none``, where nothing is decoded twice).
 
 SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
-selected chunks (``shared/generation/sdar_decode.py``), either plain or under ``--decode-policy focus``;
+selected chunks (``decode_service/sdar_decode.py``), either plain or under ``--decode-policy focus``;
 ``--block-length`` must be a multiple of the model's block size, and pdllm's chunk-only, top-B and decode
 policies other than focus are refused before the first sample.
 """
@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pdllm.decode_service import sdar_decode
 from pdllm.shared import settings as schema
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.eval.long_answer import (
     LONG_ANSWER,
     PASSAGE_TOKENS,
@@ -48,8 +50,6 @@ from pdllm.shared.eval.long_answer import (
 )
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.prompt import encode_prompt
@@ -236,7 +236,7 @@ def _check_sdar(
     loaded: LoadedModel, methods: list[str], settings: EvalSettings, train_length: int, gen: GenerationConfig
 ) -> None:
     """SDAR: vanilla is block diffusion over the whole prompt, pdllm over the selected chunks (both exact;
-    ``shared/generation/sdar_decode.py``). Refuse what they do not run: a block length off the model's
+    ``decode_service/sdar_decode.py``). Refuse what they do not run: a block length off the model's
     blocks; for pdllm chunk-only, top-B and decode policies other than none and focus (vanilla's policies:
     ``generate_vanilla``)."""
     sdar_decode.check_generation(gen, loaded.model)

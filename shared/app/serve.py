@@ -74,9 +74,9 @@ def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
 
 
 def _engine(args: argparse.Namespace) -> Any:
+    from pdllm.decode_service import sdar_decode
     from pdllm.shared.app.engine import PrefillingEngine
     from pdllm.shared.config import EngineConfig
-    from pdllm.shared.generation import sdar_decode
     from pdllm.shared.model.loader import load_model, read_config, resolve_model_dir
 
     if args.cuda_graph and read_config(resolve_model_dir(args.model)).family == "sdar":  # config.json only
@@ -128,7 +128,7 @@ def start_prefill(
     specs = []
     if decode_worker is not None:
         # The decode worker's own build: same KV. None on SDAR: that KV is not block-causal, and an SDAR
-        # decode worker rebuilds its block-causal prefix itself (shared/generation/sdar_decode.py).
+        # decode worker rebuilds its block-causal prefix itself (decode_service/sdar_decode.py).
         sdar = decode_worker.model.config.block_size is not None
         worker.decode_kv_build = None if sdar else decode_worker.build_selected
         sender = make_sender(args, worker.device, registry)

@@ -10,7 +10,8 @@ decode step needs no device-to-host copy and no host input:
 - :class:`DeviceUnmasker`: one request's whole state machine (block, step in block, schedule counts, EOS
   stop) in device tensors, replayable inside a CUDA graph after the forward (single-request decode).
 
-The batched rounds keep each request's place in the schedule on the host instead (``device_state.py``).
+The batched rounds keep each request's place in the schedule on the host instead
+(``decode_service/device_state.py``).
 Sampled decoding (temperature > 0) stays on :class:`~.sampler.DenoiseState`: its draws come from a seeded
 CPU generator, which no device sampler reproduces.
 """

@@ -1,12 +1,12 @@
 """The shared unmasking logic of masked-diffusion decoding.
 
-Every decoder — vanilla, Prefilling-dLLM, and the decode-side policies that come later — differs only in
+Every decoder — vanilla, Prefilling-dLLM, and the decode policies — differs only in
 how it computes logits for the masked response positions. What to unmask next is decided here, once:
 :class:`DenoiseState` holds one request's response tokens and steps through semi-autoregressive blocks,
 either with LLaDA/Dream's fixed schedule (low-confidence remasking: the top-k most confident predictions
 are kept per step) or with Fast-dLLM's confidence threshold (all predictions above tau, at least one).
 :func:`denoise` is the loop that drives a state with any logits function. A decode policy that computes
-the logits of only some positions (FOCUS, ``policies/focus*.py``) passes ``eligible`` to
+the logits of only some positions (FOCUS, ``decode_service/policies/focus*.py``) passes ``eligible`` to
 :meth:`DenoiseState.update`: the same rule then chooses among those positions only.
 
 This CPU-steppable state is the specification; ``device_sampler`` runs the same decision as device ops
@@ -276,7 +276,7 @@ class GenerationResult:
     steps: int
     decode_seconds: float
     timings: dict[str, float] = field(default_factory=dict)
-    # A decode policy's name and counters (``policies.runner.CacheStats``); empty without one.
+    # A decode policy's name and counters (``decode_service/policies/runner.CacheStats``); empty without one.
     cache: dict[str, int | str] = field(default_factory=dict)
 
 

@@ -16,8 +16,8 @@ import dataclasses
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared import settings
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.decode_policy_settings import DecodePolicySettings
-from pdllm.shared.generation.policies import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.validation import ResolvedRequest, set_fields
 from pdllm.shared.settings import GenerationSettings, MethodSettings

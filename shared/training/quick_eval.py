@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..eval.tasks import make_sample, prompt_ids
+from ..generation.plain import generate_plain
 from ..generation.sampler import GenerationConfig, denoise
-from ..generation.vanilla import generate_vanilla
 from ..model.attention import DenseAttention
 from ..model.loader import load_model
 from ..model.transformer import DiffusionLM
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
                 for seed in range(n):
                     s = make_sample(args.task, length, depth, seed, tok)
                     if method == "vanilla":
-                        out = generate_vanilla(model, prompt_ids(tok, s), gen)
+                        out = generate_plain(model, prompt_ids(tok, s), gen)
                     else:
                         out, keep = generate_pdllm_sim(model, tok, s.context, s.query, sim)
                         hit += _gold_kept(tok, s, keep, sim.chunk_size)

@@ -9,9 +9,9 @@ import pytest
 
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.eval import main
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.eval.long_answer import LongAnswerSample, held_out_sentences, make_long_answer_sample
 from pdllm.shared.eval.report import main as report_main
-from pdllm.shared.generation.policies import DecodePolicyConfig
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 

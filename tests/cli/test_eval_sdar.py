@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
+from pdllm.decode_service.block_diffusion import generate_block_diffusion
+from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.app.eval import EvalSettings, main, make_decoder
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.eval.tasks import make_sample
-from pdllm.shared.generation.block_diffusion import generate_block_diffusion
-from pdllm.shared.generation.policies import DecodePolicyConfig
-from pdllm.shared.generation.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt

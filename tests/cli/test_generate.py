@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdllm.decode_service.block_diffusion import generate_block_diffusion
 from pdllm.shared.app.cli import main
-from pdllm.shared.generation.block_diffusion import generate_block_diffusion
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import split_context
 from pdllm.shared.model.loader import load_model

@@ -8,6 +8,7 @@ import torch
 
 from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
 from pdllm.decode_service.policy_sessions import static_policy_logits
 from pdllm.decode_service.round_graphs import GraphedRoundForward
@@ -16,7 +17,6 @@ from pdllm.decode_service.scheduler import StaticDecode
 from pdllm.prefill_service.worker import Selection
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens

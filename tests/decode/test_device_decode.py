@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round
-from pdllm.shared.generation.device_state import DeviceDenoiseState
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig
 from tests.decode.helpers import CASES, Case, alone, eos_model, pool_for, session
 from tests.engine.helpers import model

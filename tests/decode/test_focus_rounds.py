@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pdllm.decode_service.focus_rounds import FocusGroups, FocusMember
-from pdllm.shared.generation.policies import DecodePolicyConfig
-from pdllm.shared.generation.policies.focus import FocusConfig
+from pdllm.decode_service.policies.focus import FocusConfig
+from pdllm.decode_service.vanilla import generate_vanilla
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 

@@ -6,7 +6,7 @@ import pytest
 
 from pdllm.decode_service.polestar_rounds import PolestarBatchSession
 from pdllm.decode_service.rounds import EagerRoundForward
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from tests.decode.helpers import (
     CASES,
     POLICY_CASES,

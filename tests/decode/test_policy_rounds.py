@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots
 from pdllm.decode_service.request import DecodeRequest, Final
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.decode.helpers import (
     CASES,
@@ -151,7 +151,7 @@ def test_sparse_dllm_sessions_in_rounds_equal_the_reference_loop(family: str, ki
 def test_vanilla_sparse_session_in_rounds_evicts_the_prompt_as_the_reference(family: str) -> None:
     """A session without static KV (the whole prompt as its query: vanilla) protects no row from Sparse-dLLM's
     eviction, as ``generate_vanilla``'s loop; only pdllm's question is protected."""
-    from pdllm.shared.generation.vanilla import generate_vanilla
+    from pdllm.decode_service.vanilla import generate_vanilla
     from tests.engine.helpers import tokens
 
     m = model(family, seed=1)
@@ -175,8 +175,8 @@ def test_sparse_dllm_requests_reserve_pages_only_for_the_rows_they_keep(retentio
     """Through the scheduler (the servicer's and the engine's session maker): a Sparse-dLLM request reserves
     its static KV plus ``p + floor((N - b - p) r)`` cache slots, not one per local row, and still decodes as
     the reference loop. Planted: the maker reserving one slot per row -> the page counts differ."""
+    from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, kept_count
     from pdllm.decode_service.sessions import SessionMaker
-    from pdllm.shared.generation.policies.sparse_dllm import SaliencyKeep, kept_count
 
     m = model("dream")
     pool = pool_for(m, pages=128)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdllm.decode_service.device_state import DeviceBatch
 from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape, eighths, pow2
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
-from pdllm.shared.generation.device_state import DeviceBatch
 from tests.decode.helpers import CASES, alone, pool_for, round_forward, run_rounds, session
 from tests.engine.helpers import model
 from tests.interpreter import run_under_interpreter

@@ -10,8 +10,8 @@ import threading
 from pdllm.decode_service.request import DecodeRequest, Partial
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.shared.generation.plain import prompt_tensor, vanilla_logits_fn
 from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig
-from pdllm.shared.generation.vanilla import prompt_tensor, vanilla_logits_fn
 from tests.decode.helpers import pool_for
 from tests.engine.helpers import model
 

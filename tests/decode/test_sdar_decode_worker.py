@@ -13,6 +13,9 @@ import grpc
 import pytest
 import torch
 
+from pdllm.decode_service import sdar_decode
+from pdllm.decode_service.block_diffusion import generate_block_diffusion
+from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.server import DecodeServicer
@@ -20,10 +23,7 @@ from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.block_diffusion import generate_block_diffusion
-from pdllm.shared.generation.policies import DecodePolicyConfig
-from pdllm.shared.generation.policies.focus_reference import generate_focus_block_diffusion
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import decode_layout
 from pdllm.shared.rpc.errors import PdllmError

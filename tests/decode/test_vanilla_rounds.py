@@ -13,14 +13,14 @@ import threading
 
 import pytest
 
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.policy_rounds import cache_slots
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
-from pdllm.shared.generation.policies import DecodePolicyConfig, make_policy
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from tests.decode.helpers import CASES, alone, pool_for, static_decode
 from tests.engine.helpers import model, tokens
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import decode_round  # noqa: E402
-from pdllm.shared.generation.policies import DecodePolicyConfig  # noqa: E402
+from pdllm.shared.decode_policy import DecodePolicyConfig  # noqa: E402
 from tests.decode.helpers import CASES, alone, pool_for, session  # noqa: E402
 from tests.decode.test_policy_rounds import POLICY_CASES, policy_session, reference  # noqa: E402
 from tests.engine.helpers import model  # noqa: E402

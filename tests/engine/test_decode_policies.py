@@ -7,7 +7,7 @@ import pytest
 
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from tests.engine.helpers import model, tokens
 from tests.generation.straightforward_cache import straightforward_cache_loop

@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.app.engine import PrefillingEngine
-from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation import sdar_decode
-from pdllm.shared.generation.block_diffusion import (
+from pdllm.decode_service import sdar_decode
+from pdllm.decode_service.block_diffusion import (
     BlockKVCache,
     answer_spans,
     generate_block_diffusion,
     prefill_blocks,
 )
-from pdllm.shared.generation.policies import DecodePolicyConfig
-from pdllm.shared.generation.policies.focus_reference import generate_focus_block_diffusion
+from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import decode_layout
 

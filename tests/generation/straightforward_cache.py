@@ -1,5 +1,5 @@
 """A second, from-scratch Fast-dLLM cache loop for the decode-policy tests (shares no code with
-``shared/generation/policies`` or the sampler): per block, one full forward computes every row's K/V; the
+``decode_service/policies`` or the sampler): per block, one full forward computes every row's K/V; the
 block's later steps forward only the block (dual) or the block and everything after it (prefix), the other
 rows' K/V taken from that forward by plain slicing and concatenation. Greedy; fixed schedule or threshold.
 """

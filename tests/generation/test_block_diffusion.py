@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdllm.decode_service.block_diffusion import answer_spans, generate_block_diffusion
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
-from pdllm.shared.generation.block_diffusion import answer_spans, generate_block_diffusion
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.prompt import encode_prompt

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.generation.policies import (
+from pdllm.decode_service.policies import (
     DecodePolicyConfig,
     DualCache,
     PolicyLogits,
@@ -20,8 +20,9 @@ from pdllm.shared.generation.policies import (
     StepPlan,
     denoise_with_policy,
 )
+from pdllm.decode_service.vanilla import generate_vanilla
+from pdllm.shared.generation.plain import vanilla_logits_fn
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla, vanilla_logits_fn
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.settings import SettingError
 

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
+from pdllm.decode_service.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.shared.generation.device_sampler import DeviceUnmasker, unmask_window
-from pdllm.shared.generation.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig
 
 V = 41

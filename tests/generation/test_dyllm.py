@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn, local_inputs
-from pdllm.shared.app.engine import PrefillingEngine
-from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies.dyllm import (
+from pdllm.decode_service.policies.dyllm import (
     DyLLMConfig,
     DyLLMFastLogits,
     DyLLMLogits,
@@ -22,9 +20,12 @@ from pdllm.shared.generation.policies.dyllm import (
     step_kind,
     vanilla_dyllm_logits,
 )
-from pdllm.shared.generation.policies.runner import run_policy
+from pdllm.decode_service.policies.runner import run_policy
+from pdllm.decode_service.vanilla import generate_vanilla
+from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.plain import vanilla_logits_fn
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
-from pdllm.shared.generation.vanilla import generate_vanilla, vanilla_logits_fn
 from pdllm.shared.model.attention import DenseAttention, PrefixAttention
 from pdllm.shared.model.transformer import DiffusionLM, apply_rope
 

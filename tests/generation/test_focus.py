@@ -1,4 +1,4 @@
-"""FOCUS (``shared/generation/policies/focus*.py``) on tiny fp32 models of 4 layers (layers >= 2 exist to
+"""FOCUS (``decode_service/policies/focus*.py``) on tiny fp32 models of 4 layers (layers >= 2 exist to
 evict from): SDAR block by block over its exact cache, Dream and LLaDA under the semi-AR blocks, vanilla and
 over a pdllm-style static KV backend.
 
@@ -19,18 +19,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdllm.shared.generation.block_diffusion import answer_spans
-from pdllm.shared.generation.policies.focus import FocusConfig, FocusMemory, importance, select
-from pdllm.shared.generation.policies.focus_batch import FocusDecodeBatch, generate_focus_batched
-from pdllm.shared.generation.policies.focus_fast import importance_batched, select_batched
-from pdllm.shared.generation.policies.focus_reference import (
+from pdllm.decode_service.block_diffusion import answer_spans
+from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, importance, select
+from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched
+from pdllm.decode_service.policies.focus_fast import importance_batched, select_batched
+from pdllm.decode_service.policies.focus_reference import (
     FocusLogits,
     FocusSession,
     generate_focus_block_diffusion,
     run_focus,
 )
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, PrefixAttention, RecordKV
 from pdllm.shared.model.transformer import DiffusionLM
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.generation.block_diffusion import BlockKVCache, record_span
-from pdllm.shared.generation.policies.focus_layers import SdarRows
+from pdllm.decode_service.block_diffusion import BlockKVCache, record_span
+from pdllm.decode_service.policies.focus_layers import SdarRows
 from pdllm.shared.model.attention import sdpa
 from pdllm.shared.model.sdar import block_causal_mask
 

@@ -12,17 +12,17 @@ import math
 import pytest
 import torch
 
-from pdllm.shared.generation.policies import DecodePolicyConfig
-from pdllm.shared.generation.policies.polestar import kl_drift, proxy_log_attention, select_clusters
-from pdllm.shared.generation.policies.polestar_store import (
+from pdllm.decode_service.policies.polestar import kl_drift, proxy_log_attention, select_clusters
+from pdllm.decode_service.policies.polestar_store import (
     ClusteredHidden,
     dequantize,
     quantize,
     spherical_kmeans,
     split_clusters,
 )
+from pdllm.decode_service.vanilla import generate_vanilla
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.settings import SettingError
 
 from ..model.helpers import tiny_model
@@ -211,7 +211,7 @@ def test_rows_recomputed_at_a_layer_propagate_to_the_later_layers(
         calls[0] += 1
         return list(range(kl.shape[0])) if layer == 0 else []
 
-    monkeypatch.setattr("pdllm.shared.generation.policies.polestar.select_clusters", layer0_only)
+    monkeypatch.setattr("pdllm.decode_service.policies.polestar.select_clusters", layer0_only)
     config = _polestar(clusters=3, top_clusters=1, update_threshold=0, residual_format="none")
     cached = generate_vanilla(model, PROMPT, gen, policy=config)
     assert calls[0] > 0 and calls[0] % layers == 0

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from pdllm.shared.generation.policies import (
+from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
+from pdllm.decode_service.policies import (
     DecodePolicyConfig,
     PolicyLogits,
     SaliencyKeep,
@@ -23,11 +24,10 @@ from pdllm.shared.generation.policies import (
     StepPlan,
     denoise_with_policy,
 )
-from pdllm.shared.generation.policies.sparse_dllm import saliency
+from pdllm.decode_service.policies.sparse_dllm import saliency
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.model.attention import DenseAttention
-from pdllm.shared.model.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.shared.settings import SettingError
 
 from ..model.helpers import tiny_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.shared.model.attention import DenseAttention
-from pdllm.shared.model.local_cache import LocalCacheAttention, LocalKVCache
 
 from .helpers import tiny_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 
 from .cases import PROMPT, QUESTION, case_id, counters, gen, model, pdllm, pdllm_oracle_case, vanilla
 from .fast_dllm import fast_dllm_decode

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.shared.generation.policies import DecodePolicyConfig
-from pdllm.shared.generation.policies.focus import FocusConfig
-from pdllm.shared.generation.policies.focus_batch import generate_focus_batched
+from pdllm.decode_service.policies.focus import FocusConfig
+from pdllm.decode_service.policies.focus_batch import generate_focus_batched
+from pdllm.shared.decode_policy import DecodePolicyConfig
 
 from .cases import PROMPT, QUESTION, case_id, counters, gen, model, pdllm, pdllm_oracle_case, vanilla
 from .focus import focus_decode

@@ -8,7 +8,7 @@ import pytest
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.rpc.convert import (
     decode_policy_config,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.shared.generation.policies.focus_batch import FocusDecodeBatch
+from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch
 
 
 @pytest.fixture

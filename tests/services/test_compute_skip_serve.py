@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import pytest
 
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.decode_service.vanilla import generate_vanilla
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.errors import InvalidRequestError
 

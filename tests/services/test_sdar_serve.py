@@ -17,13 +17,13 @@ from typing import Any
 import grpc
 import pytest
 
+from pdllm.decode_service.block_diffusion import answer_spans
+from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main as cli_main
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.generation.block_diffusion import answer_spans
-from pdllm.shared.generation.policies import DecodePolicyConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.generation.vanilla import generate_vanilla
 from pdllm.shared.layout import split_context
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt

@@ -38,10 +38,10 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ..model.attention import RecordKV
-from ..model.sdar import BlockCausalAttention
-from ..model.transformer import DiffusionLM
-from .sampler import DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.model.attention import RecordKV
+from pdllm.shared.model.sdar import BlockCausalAttention
+from pdllm.shared.model.transformer import DiffusionLM
 
 # Prompt tokens per prefill forward (rounded down to whole generation blocks): bounds the [T, T] mask and
 # the activations of a long prompt without changing any value (the pieces are exact, like the blocks).

@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdllm.decode_service.local_cache import LocalKVCache
 from pdllm.shared.model.attention import AttentionBackend
-from pdllm.shared.model.local_cache import LocalKVCache
 from pdllm.shared.model.transformer import apply_rope
 
 from .base import StepContext, StepPlan, refresh_due
@@ -207,7 +207,7 @@ class PolestarState:
 class PolestarStep:
     """One step's per-layer hook (a ``local_cache.RowsHook``) of the reference loop: at a refresh, cluster
     and offload each layer's cached hidden states; at a partial step, detect drift and recompute the
-    drifting rows over the :class:`~pdllm.shared.model.local_cache.LocalKVCache`."""
+    drifting rows over the :class:`~pdllm.decode_service.local_cache.LocalKVCache`."""
 
     policy: Polestar
     lo: int  # forwarded rows [lo, hi): the block (and the lead row)

@@ -2,7 +2,7 @@
 
 A decode step forwards its *local* rows (vanilla: prompt + response; pdllm: query suffix + response) on
 top of whatever the method's attention backend adds (pdllm's static chunk KV, which stays as it is). A
-decode policy (``shared/generation/policies``) reuses the K/V of some local rows across steps:
+decode policy (``decode_service/policies``) reuses the K/V of some local rows across steps:
 
 - a *refresh* forward runs every local row; :class:`LocalCacheAttention` keeps each layer's K/V in a
   :class:`LocalKVCache` and otherwise passes the call through unchanged (so a refresh step computes exactly
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionBackend
+from pdllm.shared.model.attention import AttentionBackend
 
 # Per layer, from the refresh's q and k: the ascending local rows the cache keeps (None: all).
 KeepRows = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]

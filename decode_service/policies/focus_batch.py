@@ -22,10 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdllm.shared.model.attention import AttentionBackend, DenseAttention
-from pdllm.shared.model.transformer import DiffusionLM
-
-from ..block_diffusion import (
+from pdllm.decode_service.block_diffusion import (
     PREFILL_PIECE_TOKENS,
     BlockKVCache,
     answer_spans,
@@ -34,7 +31,10 @@ from ..block_diffusion import (
     prefill_blocks,
     record_span,
 )
-from ..sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
+from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
+from pdllm.shared.model.attention import AttentionBackend, DenseAttention
+from pdllm.shared.model.transformer import DiffusionLM
+
 from .focus import FocusConfig, FocusMemory, FocusStats, check_model
 from .focus_fast import FocusBatch, FocusRequest
 from .focus_layers import RowsAttention, SdarRows, inner_rows

@@ -46,15 +46,14 @@ from __future__ import annotations
 
 import torch
 
+from pdllm.shared.decode_policy import PAPER_THRESHOLDS, DyLLMConfig
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..sampler import GenerationConfig, GenerationResult
 from .base import vanilla_local_rows
 from .dyllm_base import (
-    PAPER_THRESHOLDS,
     DyLLMBase,
-    DyLLMConfig,
     DyLLMStats,
     context_cosine,
     flat,

@@ -1,7 +1,8 @@
-"""DyLLM's knobs, step schedule, activation cache and the parts both of its paths share (``dyllm.py`` says
-what the method does and where the paper says it).
+"""DyLLM's step schedule, activation cache and the parts both of its paths share (``dyllm.py`` says what
+the method does and where the paper says it; its knobs, :class:`DyLLMConfig`, are
+``shared/decode_policy.py``'s).
 
-Shared here: the :class:`DyLLMConfig` knobs, which kind a step is (:func:`step_kind`), the per-layer
+Shared here: which kind a step is (:func:`step_kind`), the per-layer
 activation cache, the counters, the FullStep (a plain forward that also caches every layer's K/V, attention
 context and FFN output) and the per-layer projections written the way ``shared/model/transformer.py``
 writes them, so that a step with every row salient computes exactly what the plain forward computes. The
@@ -11,69 +12,16 @@ implement.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 
+from pdllm.shared.decode_policy import DyLLMConfig
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM, SelfAttention, apply_rope
 
-from ..sampler import GenerationConfig
 from .base import check_local_rows
-
-# The paper's τ per model (§4.2.3: "0.99 for LLaDA and 0.995 for Dream"; Table 2 also runs Dream at 0.9975).
-PAPER_THRESHOLDS = {"dream": 0.995, "llada": 0.99}
-
-
-@dataclass(frozen=True)
-class DyLLMConfig:
-    """DyLLM's knobs, named as the settings would name them (``dyllm_<knob>``); defaults are the paper's.
-
-    ``threshold`` (τ, §3.2): a row is salient at a layer when the cosine similarity of its attention
-    context to the previous step's is below τ; None takes the paper's value for the model family
-    (:data:`PAPER_THRESHOLDS`). τ = 1 makes every row salient at every layer, the incoming rows of the
-    first layer included (plain decoding when every step also queries the full sequence).
-    ``full_steps`` (§3.2, App. C.1: 4): the decode's first forwards are FullSteps that compute every row and
-    fill the caches. ``full_sequence_interval`` (§3.5, App. C.1: 4): every N-th forward queries all local
-    rows, the others the response only (plus the row before it on shifted-logit models); 1: every step
-    queries all. ``approximate_attention`` (§3.3, Table 1's "Salient + Approx."): stable rows update their
-    cached context by the salient rows' value deltas; False: they attend exactly ("Salient").
-    """
-
-    threshold: float | None = None
-    full_steps: int = 4
-    full_sequence_interval: int = 4
-    approximate_attention: bool = True
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise a ValueError naming the first knob out of its range."""
-        t = self.threshold
-        if t is not None and (
-            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 1
-        ):
-            raise ValueError(f"dyllm_threshold must be in (0, 1] (1: every row salient), got {t!r}")
-        for name, value in (
-            ("dyllm_full_steps", self.full_steps),
-            ("dyllm_full_sequence_interval", self.full_sequence_interval),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.approximate_attention, bool):
-            raise ValueError(
-                f"dyllm_approximate_attention must be a bool, got {self.approximate_attention!r}"
-            )
-
-    def threshold_for(self, family: str) -> float:
-        """τ for a model family: the knob, or the paper's value for that family."""
-        if self.threshold is not None:
-            return float(self.threshold)
-        if family not in PAPER_THRESHOLDS:
-            raise ValueError(f"DyLLM has no paper threshold for family {family!r}; set dyllm_threshold")
-        return PAPER_THRESHOLDS[family]
 
 
 def step_kind(step: int, config: DyLLMConfig) -> str:

@@ -1,126 +1,19 @@
-"""The decode-policy interface: the per-step plan a policy returns, and the config that selects one."""
+"""The decode-policy interface: the per-step plan a policy returns (the config that selects one is
+``shared/decode_policy.py``'s)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from pdllm.shared.decode_policy_settings import (
-    COMPUTE_SKIP,
-    DYLLM_DEFAULTS,
-    DYLLM_KNOBS,
-    FOCUS_DEFAULTS,
-    FOCUS_SETTINGS,
-    POLESTAR_DEFAULTS,
-    POLESTAR_KNOBS,
-    SPARSE_DEFAULTS,
-    DecodePolicySettings,
-)
-from pdllm.shared.model.local_cache import RowsHook
-from pdllm.shared.settings import Label, validate
+from pdllm.decode_service.local_cache import RowsHook
 
-if TYPE_CHECKING:  # the configs' modules import the sampler, which imports this package
-    from ..sampler import GenerationConfig
-    from .dyllm_base import DyLLMConfig
-    from .focus import FocusConfig
-
-_DEFAULTS = DecodePolicySettings()
-
-
-@dataclass(frozen=True)
-class DecodePolicyConfig:
-    """The decode-policy settings (``settings.DecodePolicySettings``: defaults, bounds, help) as the decode
-    loop runs them. ``refresh_steps``: also refresh every N steps within a block (None: at block starts).
-    Sparse-dLLM's ``retention`` (r), ``pool_kernel`` (s) and ``delay_steps``: None takes the paper's value
-    (:meth:`sparse`); set under another policy, they are refused."""
-
-    name: str = _DEFAULTS.decode_policy
-    refresh_steps: int | None = _DEFAULTS.cache_refresh_steps
-    retention: float | None = None
-    pool_kernel: int | None = None
-    delay_steps: int | None = None
-    # Polestar-Cache's knobs by setting name (``polestar_clusters``, ...); unset ones take the paper's.
-    polestar: Mapping[str, Any] = field(default_factory=dict)
-    # DyLLM's and FOCUS's knobs by setting name (``dyllm_threshold``, ``focus_alpha``, ...), likewise.
-    dyllm: Mapping[str, Any] = field(default_factory=dict)
-    focus: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, label: Label = str) -> None:
-        """Raise a ``settings.SettingError`` (a ValueError) naming the first setting the schema refuses."""
-        values = {
-            "decode_policy": self.name,
-            "cache_refresh_steps": self.refresh_steps,
-            "sparse_retention": self.retention,
-            "sparse_pool_kernel": self.pool_kernel,
-            "sparse_delay_steps": self.delay_steps,
-        }
-        for group, knobs, given in (
-            ("polestar", POLESTAR_KNOBS, self.polestar),
-            ("dyllm", DYLLM_KNOBS, self.dyllm),
-            ("focus", FOCUS_SETTINGS, self.focus),
-        ):
-            unknown = set(given) - set(knobs)
-            if unknown:
-                raise ValueError(f"unknown {group} knobs {sorted(unknown)}; known: {list(knobs)}")
-            values |= dict(given)
-        validate(DecodePolicySettings, values, label=label)
-
-    def sparse(self) -> tuple[float, int, int]:
-        """Sparse-dLLM's (retention, pool kernel, delay steps), the paper's values where unset."""
-        r, s, d = self.retention, self.pool_kernel, self.delay_steps
-        return (
-            float(SPARSE_DEFAULTS["sparse_retention"] if r is None else r),
-            int(SPARSE_DEFAULTS["sparse_pool_kernel"] if s is None else s),
-            int(SPARSE_DEFAULTS["sparse_delay_steps"] if d is None else d),
-        )
-
-    def polestar_knobs(self) -> dict[str, Any]:
-        """Polestar-Cache's knobs, the paper's values where unset."""
-        return {n: self.polestar.get(n, POLESTAR_DEFAULTS[n]) for n in POLESTAR_KNOBS}
-
-    def dyllm_config(self) -> DyLLMConfig:
-        """DyLLM's knobs as its loop takes them, the paper's values where unset (threshold: per family)."""
-        from .dyllm_base import DyLLMConfig
-
-        k = {n: self.dyllm.get(n, DYLLM_DEFAULTS[n]) for n in DYLLM_KNOBS}
-        threshold = k["dyllm_threshold"]
-        return DyLLMConfig(
-            threshold=None if threshold is None else float(threshold),
-            full_steps=int(k["dyllm_full_steps"]),
-            full_sequence_interval=int(k["dyllm_full_sequence_interval"]),
-            approximate_attention=k["dyllm_approximate_attention"] == "on",
-        )
-
-    def focus_config(self) -> FocusConfig:
-        """FOCUS's knobs as its loop takes them, the paper's values where unset."""
-        from .focus import FocusConfig
-
-        k = {n: self.focus.get(n, FOCUS_DEFAULTS[n]) for n in FOCUS_SETTINGS}
-        budget = k["focus_budget"]
-        return FocusConfig(
-            alpha=float(k["focus_alpha"]),
-            pool_kernel=int(k["focus_pool_kernel"]),
-            budget=None if budget is None else int(budget),
-            delayed_cache=k["focus_delayed_cache"] == "on",
-        )
-
-    @property
-    def skips_compute(self) -> bool:
-        """Whether it is a compute-skipping policy (``compute_skip.py``), not a :class:`CachePolicy`."""
-        return self.name in COMPUTE_SKIP
-
-    @property
-    def caches(self) -> bool:
-        """Whether it changes the plain loop at all (``none`` runs it untouched; the compute-skipping
-        policies reuse cached activations too)."""
-        return self.name != "none"
+if TYPE_CHECKING:
+    from pdllm.shared.generation.sampler import GenerationConfig
 
 
 @dataclass(frozen=True)

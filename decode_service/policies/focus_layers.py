@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.shared.model.attention import AttentionBackend, sdpa
 from pdllm.shared.model.sdar import block_causal_mask
 from pdllm.shared.model.transformer import DiffusionLM
-
-from ..block_diffusion import BlockKVCache
 
 RowsAttention = Callable[[torch.Tensor, torch.Tensor], AttentionBackend]
 """(query rows, key rows), local row indices (ascending, on the model's device) -> the backend a forward's

@@ -4,7 +4,7 @@
 (:func:`~pdllm.shared.generation.sampler.denoise`) drives it exactly as it drives the plain logits
 functions, and stays the one place that decides what to unmask. Per call it asks the policy for a
 :class:`StepPlan`, forwards the planned local rows through the model with a
-:class:`~pdllm.shared.model.local_cache.LocalCacheAttention` around the method's own backend (vanilla:
+:class:`~pdllm.decode_service.local_cache.LocalCacheAttention` around the method's own backend (vanilla:
 dense attention over the local rows; pdllm: the static chunk KV plus the local rows), and returns the
 logits of the masked positions.
 """
@@ -17,12 +17,13 @@ from typing import Protocol
 
 import torch
 
+from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
+from pdllm.shared.decode_policy import DecodePolicyConfig
+from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend
-from pdllm.shared.model.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..sampler import DenoiseSession, GenerationConfig, GenerationResult, denoise
-from .base import CachePolicy, DecodePolicyConfig, StepContext, check_local_rows
+from .base import CachePolicy, StepContext, check_local_rows
 from .fast_dllm import DualCache, PrefixCache
 from .polestar import Polestar
 from .sparse_dllm import SparseDLLM

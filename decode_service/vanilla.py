@@ -1,40 +1,30 @@
-"""Vanilla masked-diffusion generation: every step re-encodes prompt + response, no cache.
-
-This is the quality reference and the baseline every speedup is measured against; keep it plain. A decode
-policy (``policies``, e.g. Fast-dLLM's dual cache) runs the same loop reusing the KV of some rows instead.
+"""Vanilla generation under a decode policy: the plain loop (``shared/generation/plain.py``), a decode
+policy's loop over prompt + response (``policies``, e.g. Fast-dLLM's dual cache), or SDAR's block-by-block
+decoding (``block_diffusion.py``); the reference the decode worker's vanilla sessions are held to.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..model.attention import DenseAttention
-from ..model.transformer import DiffusionLM
-from .block_diffusion import generate_block_diffusion
-from .policies import CachePolicy, DecodePolicyConfig, PolicyLogits, make_policy, run_policy
-from .policies.base import vanilla_local_rows
-from .policies.compute_skip import generate_compute_skip_sdar, run_compute_skip, vanilla_compute_skip_logits
-from .sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
-
-
-def vanilla_logits_fn(model: DiffusionLM, prompt: torch.Tensor, gen_length: int) -> LogitsFn:
-    """Logits for the response positions given the whole prompt, recomputed from scratch every call."""
-    p = prompt.numel()
-    seq = torch.cat([prompt, torch.empty(gen_length, dtype=torch.long, device=prompt.device)])
-
-    def logits_fn(response: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        seq[p:] = response
-        return model(seq[None], logits_at=(positions + p)[None])[0]
-
-    return logits_fn
-
-
-def prompt_tensor(model: DiffusionLM, prompt_ids: torch.Tensor | list[int]) -> torch.Tensor:
-    device = next(model.parameters()).device
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).flatten()
-    if prompt.numel() == 0:
-        raise ValueError("prompt is empty: vanilla generation needs at least one prompt token")
-    return prompt
+from pdllm.decode_service.block_diffusion import generate_block_diffusion
+from pdllm.decode_service.policies import (
+    CachePolicy,
+    DecodePolicyConfig,
+    PolicyLogits,
+    make_policy,
+    run_policy,
+)
+from pdllm.decode_service.policies.base import vanilla_local_rows
+from pdllm.decode_service.policies.compute_skip import (
+    generate_compute_skip_sdar,
+    run_compute_skip,
+    vanilla_compute_skip_logits,
+)
+from pdllm.shared.generation.plain import denoise_plain, prompt_tensor
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.model.attention import DenseAttention
+from pdllm.shared.model.transformer import DiffusionLM
 
 
 def vanilla_policy_logits(
@@ -76,11 +66,4 @@ def generate_vanilla(
         return run_compute_skip(vanilla_compute_skip_logits(model, prompt, config, policy), progress)
     if cache_policy is not None:
         return run_policy(vanilla_policy_logits(model, prompt, config, cache_policy), progress)
-    return denoise(
-        config,
-        mask_id=model.config.mask_token_id,
-        eos_id=model.config.eos_token_id,
-        logits_fn=vanilla_logits_fn(model, prompt, config.gen_length),
-        device=prompt.device,
-        progress=progress,
-    )
+    return denoise_plain(model, prompt, config, progress)

@@ -25,17 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pdllm.shared.model.attention import AttentionBackend
-from pdllm.shared.model.transformer import DiffusionLM
-
-from ..block_diffusion import (
+from pdllm.decode_service.block_diffusion import (
     PREFILL_PIECE_TOKENS,
     BlockDiffusionSession,
     BlockKVCache,
     BlockStep,
     run_to_end,
 )
-from ..sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.transformer import DiffusionLM
+
 from .base import check_local_rows
 from .focus import (
     FocusConfig,

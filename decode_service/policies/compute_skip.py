@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from pdllm.decode_service.block_diffusion import BlockDiffusionSession, BlockKVCache, run_to_end
+from pdllm.shared.decode_policy import DecodePolicyConfig
+from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..block_diffusion import BlockDiffusionSession, BlockKVCache, run_to_end
-from ..sampler import DenoiseSession, GenerationConfig, GenerationResult
-from .base import DecodePolicyConfig, vanilla_local_rows
+from .base import vanilla_local_rows
 from .dyllm_base import DyLLMBase
 from .dyllm_fast import DyLLMFastLogits
 from .focus_reference import FocusBlockSession, FocusLogits, FocusSession, run_focus

@@ -44,13 +44,19 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineConfig
-from ..layout import DecodeLayout, Request
-from ..model.transformer import DiffusionLM
-from .block_diffusion import BlockDiffusionSession, BlockKVCache, generation_block, prefill_blocks, run_to_end
-from .policies import DecodePolicyConfig
-from .policies.compute_skip import compute_skip_sdar_session
-from .sampler import GenerationConfig, GenerationResult
+from pdllm.decode_service.block_diffusion import (
+    BlockDiffusionSession,
+    BlockKVCache,
+    generation_block,
+    prefill_blocks,
+    run_to_end,
+)
+from pdllm.decode_service.policies.compute_skip import compute_skip_sdar_session
+from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy import DecodePolicyConfig
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.layout import DecodeLayout, Request
+from pdllm.shared.model.transformer import DiffusionLM
 
 WHERE = "the pdllm engine on SDAR (block-diffusion) models"
 POLICIES = ("none", "focus")

@@ -37,9 +37,9 @@ rows, every other local row being context forwarded as in plain decoding):
 **Degenerate knobs**: ``budget >= block length`` keeps every masked row (nothing evicted); with
 ``delayed_cache=False`` too, every step forwards every row and equals plain decoding token for token.
 
-This module holds the knobs, the per-request host state and the paper's equations written plainly (the
-reference, used by ``focus_reference.py``); ``focus_fast.py`` runs the same decisions vectorized over
-several requests and is held to them.
+This module holds the per-request host state and the paper's equations written plainly (the reference,
+used by ``focus_reference.py``; the knobs, :class:`FocusConfig`, are ``shared/decode_policy.py``'s);
+``focus_fast.py`` runs the same decisions vectorized over several requests and is held to them.
 """
 
 from __future__ import annotations
@@ -51,56 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Settings names the lead can wire (``--focus-alpha`` ...) -> FocusConfig fields.
-FOCUS_KNOBS: dict[str, str] = {
-    "focus_alpha": "alpha",
-    "focus_pool_kernel": "pool_kernel",
-    "focus_budget": "budget",
-    "focus_delayed_cache": "delayed_cache",
-}
-
-
-@dataclass(frozen=True)
-class FocusConfig:
-    """FOCUS's knobs, the paper's values by default; checked on construction (:meth:`validate`).
-
-    ``alpha``: Eq. 4's expansion factor (> 1; §5.2 adopts 1.5). ``pool_kernel``: Eq. 2's MaxPool1D kernel
-    (odd; §F.1: 3; 1 = no pooling). ``budget``: a fixed K instead of Eq. 4 (§5.1's fixed-K study; None:
-    dynamic); ``budget >= block length`` evicts nothing. ``delayed_cache``: §4.3's intra-block KV cache
-    (frozen stable decoded rows; part of FOCUS, E.3.4). The paper's other defaults are generation
-    settings, not FOCUS's: block length 32 and confidence threshold 0.8 (§5.2).
-    """
-
-    alpha: float = 1.5
-    pool_kernel: int = 3
-    budget: int | None = None
-    delayed_cache: bool = True
-    name: str = "focus"
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise a ValueError naming the first knob out of its range."""
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 1:
-            raise ValueError(f"focus alpha must be a finite number > 1 (Eq. 4 of the paper), got {a!r}")
-        k = self.pool_kernel
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
-            raise ValueError(f"focus pool_kernel must be an odd integer >= 1 (the paper: 3), got {k!r}")
-        b = self.budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"focus budget must be None (dynamic, Eq. 4) or an integer >= 1, got {b!r}")
-        if not isinstance(self.delayed_cache, bool):
-            raise ValueError(f"focus delayed_cache must be a bool, got {self.delayed_cache!r}")
-
-    @classmethod
-    def from_settings(cls, values: dict[str, Any]) -> FocusConfig:
-        """From settings names (:data:`FOCUS_KNOBS`); unset ones take the paper's values."""
-        unknown = set(values) - set(FOCUS_KNOBS)
-        if unknown:
-            raise ValueError(f"unknown focus knobs {sorted(unknown)}; known: {list(FOCUS_KNOBS)}")
-        return cls(**{FOCUS_KNOBS[n]: v for n, v in values.items() if v is not None})
+from pdllm.shared.decode_policy import FocusConfig
 
 
 def check_model(model: Any, block_diffusion: bool) -> None:

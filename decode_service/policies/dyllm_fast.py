@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 
-from ..sampler import GenerationConfig
 from .dyllm_base import DyLLMBase, DyLLMCache, DyLLMConfig, context_cosine, flat, project_kv, project_q
 
 
