@@ -6,12 +6,11 @@ A group is a :class:`~pdllm.decode_service.policies.focus_batch.FocusDecodeBatch
 held token for token to the reference loop by its tests) of requests that share the generation config and
 the FOCUS knobs (Dream/LLaDA: local rows over the method's attention; SDAR: block diffusion over each
 request's exact cache, pdllm's continuing its block-causal prefix) (the packed step runs one schedule and one selection rule); requests with other
-settings form other groups, and a full group (``slots`` requests) starts another. Each request's job holds a
-:class:`FocusMember` as its session. The scheduler steps sessions that are not in the batched rounds one
-by one (``policy_sessions.step_alone``); a member's first ``step()`` of an iteration steps its whole group,
-and the other members' ``step()`` only take note that they were advanced, so every member advances by
-exactly one denoising step per iteration and emits one partial. A member whose request is done or cancelled
-leaves its group at the group's next step (its block-K/V slot is reused).
+settings form other groups, and a full group (``slots`` requests) starts another. Each request holds a
+:class:`FocusMember` as its session; a member has no step of its own: the scheduler steps each member's
+``group`` once per iteration (``policy_sessions.step_alone``), so every member advances by exactly one
+denoising step per iteration and emits one partial. A member whose request is done or cancelled leaves its
+group at the group's next step (its block-K/V slot is reused).
 
 Attention stays each request's own (vanilla: dense over prompt + response; pdllm: its static chunk KV
 through the method's backend; SDAR: its cache of earlier blocks), as in the reference loop: the gRPC
@@ -34,12 +33,11 @@ from pdllm.shared.model.transformer import DiffusionLM
 
 
 class FocusMember:
-    """One request's place in a :class:`FocusGroup`: the job's session (``state``, ``done``, ``step``,
-    ``partial``, ``result``, as a ``DenoiseSession``'s)."""
+    """One request's place in a :class:`FocusGroup`: the request's session (``state``, ``done``,
+    ``partial``, ``result``, as a ``DenoiseSession``'s; stepped through its ``group``)."""
 
     def __init__(self, group: FocusGroup, request: BatchedRequest, cancelled: threading.Event) -> None:
         self.group, self.request, self.cancelled = group, request, cancelled
-        self.advanced = False  # stepped by another member's step() since this one's last step()
         self.seconds = 0.0  # group steps while a member, in seconds
 
     @property
@@ -49,12 +47,6 @@ class FocusMember:
     @property
     def done(self) -> bool:
         return self.request.state.done
-
-    def step(self) -> None:
-        if self.advanced:
-            self.advanced = False
-            return
-        self.group.step(self)
 
     def partial(self) -> list[int]:
         """Response slots so far, -1 where still masked."""
@@ -83,17 +75,16 @@ class FocusGroup:
             self.batch.remove(member.request)
             self.members.remove(member)
 
-    def step(self, caller: FocusMember) -> None:
-        """One denoising step of every member (``caller`` is the member whose ``step()`` asked)."""
+    def step(self) -> None:
+        """One denoising step of every member, in one packed forward."""
         self.prune()
-        if caller not in self.members:
+        if not self.members:
             return
         start = time.perf_counter()
         self.batch.step()  # synchronous: it reads its selection and the sampler's predictions
         seconds = time.perf_counter() - start
         for member in self.members:
             member.seconds += seconds
-            member.advanced = member is not caller
 
 
 class FocusGroups:

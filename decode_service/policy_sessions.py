@@ -95,19 +95,36 @@ def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: w
 def step_alone(
     reqs: Sequence[DecodeRequest], stopping: Callable[[], bool], observe: Callable[[float], None]
 ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
-    """One step of each session that cannot share a round (vanilla, a decode policy, SDAR): (stepped, failed).
-    A failed request has its exception queued for its caller. None runs once the scheduler is ``stopping`` or
-    after its request was cancelled: such a step is long, and nobody would wait for it."""
+    """One step of each session outside the rounds (DyLLM's loop, SDAR block diffusion), and one step of each
+    group of sessions stepped together (a FOCUS group: its members' ``group``), whatever number of its
+    members ``reqs`` holds: (stepped, failed). A failed request has its exception queued for its caller.
+    None runs once the scheduler is ``stopping`` or after its request was cancelled: such a step is long,
+    and nobody would wait for it."""
     stepped: list[DecodeRequest] = []
     failed: list[DecodeRequest] = []
+    groups: dict[int, Exception | None] = {}  # id(group) -> its step's failure
     for req in reqs:
         if req.cancelled.is_set() or stopping():
             continue
-        assert req.session is not None
+        session = req.session
+        assert session is not None
+        group = getattr(session, "group", None)
         try:
-            start = time.perf_counter()
-            req.session.step()  # type: ignore[union-attr]  # alone: an AloneSession
-            observe(time.perf_counter() - start)
+            if group is None:
+                start = time.perf_counter()
+                session.step()  # type: ignore[union-attr]
+                observe(time.perf_counter() - start)
+            elif id(group) not in groups:
+                start = time.perf_counter()
+                try:
+                    group.step()
+                    groups[id(group)] = None
+                except Exception as exc:
+                    groups[id(group)] = exc
+                    raise
+                observe(time.perf_counter() - start)
+            elif groups[id(group)] is not None:
+                raise groups[id(group)]  # type: ignore[misc]
         except Exception as exc:
             _log.exception("decode step failed", extra={"request_id": req.request_id})
             req.events.put(exc)

@@ -36,9 +36,12 @@ def _join(groups: FocusGroups, model: DiffusionLM, prompt: list[int], gen: Gener
 
 
 def _iteration(members: list[FocusMember]) -> None:
-    """One scheduler iteration: each live member's step(), then the retiring of finished ones."""
+    """One scheduler iteration: each live member's group stepped once, then the retiring of finished ones."""
+    stepped: list[object] = []
     for m in members:
-        m.step()
+        if not any(m.group is g for g in stepped):
+            m.group.step()
+            stepped.append(m.group)
     members[:] = [m for m in members if not m.done]
 
 
@@ -52,7 +55,7 @@ def test_members_advance_once_per_iteration_and_match_the_reference(family: str)
     assert a.state.steps_taken == b.state.steps_taken == 1
     c = _join(groups, model, PROMPTS[2], GEN)  # joins the running group mid-way
     assert c.group is a.group
-    live.insert(0, c)  # and is the member whose step() steps the group
+    live.insert(0, c)
     done.append(c)
     for n in range(2, 5):
         _iteration(live if n % 2 else live[::-1])
@@ -71,18 +74,18 @@ def test_cancelled_and_finished_members_free_their_slots() -> None:
     a, b = _join(groups, model, PROMPTS[0], GEN), _join(groups, model, PROMPTS[1], GEN)
     c = _join(groups, model, PROMPTS[2], GEN)
     assert c.group is not a.group and a.group is b.group  # the first group was full
-    b.step()  # a's block K/V fill its slot
+    b.group.step()  # a's block K/V fill its slot
     a.cancelled.set()
-    b.step()
+    b.group.step()
     assert a.state.steps_taken == 1 and b.state.steps_taken == 2  # a left at the group's step
     d = _join(groups, model, PROMPTS[2], GEN)
     assert d.group is b.group and d.request.slot == a.request.slot
     other = GenerationConfig(gen_length=8, steps=8, block_length=4, stop_at_eos=False)
     e = _join(groups, model, PROMPTS[0], other)
     assert e.group not in (b.group, c.group)  # another schedule: another group
-    e.step()
-    e.step()
-    assert e.state.steps_taken == 2  # alone in its group, it advances at each of its steps
+    e.group.step()
+    e.group.step()
+    assert e.state.steps_taken == 2  # alone in its group, it advances at each of its group's steps
     live = [b, c, d, e]
     while live:
         _iteration(live)
@@ -97,6 +100,41 @@ def test_groups_left_empty_are_dropped_at_the_next_join() -> None:
     other = GenerationConfig(gen_length=8, steps=8, block_length=4, stop_at_eos=False)
     a = _join(groups, model, PROMPTS[0], other)
     while not a.done:
-        a.step()
+        a.group.step()
     _join(groups, model, PROMPTS[1], GEN)
     assert list(groups.groups) == [(GEN, PAPER)]  # the finished request's group is gone
+
+
+def test_the_scheduler_steps_each_focus_group_once_per_iteration() -> None:
+    """Requests of one FOCUS group through the scheduler advance one step per iteration, together, and
+    answer as the reference loop. Planted: ``step_alone`` stepping a group once per member -> each member
+    advances three steps in the first iteration; fails."""
+    from pdllm.decode_service.request import DecodeRequest, Final
+    from pdllm.decode_service.rounds import EagerRoundForward
+    from pdllm.decode_service.scheduler import DecodeScheduler
+    from pdllm.decode_service.sessions import SessionMaker
+    from tests.decode.helpers import pool_for
+
+    model = tiny_model("dream", seed=2, num_layers=4)
+    pool = pool_for(model, pages=8)
+    sched = DecodeScheduler(model, pool, EagerRoundForward(model, pool, "torch"), start_thread=False)
+    maker = SessionMaker(model, "segments", False)
+    policy = DecodePolicyConfig("focus")
+    reqs = []
+    for i, prompt in enumerate(PROMPTS):
+        cancelled = threading.Event()
+        start = lambda p=prompt, c=cancelled: maker.vanilla(p, GEN, policy, c)  # noqa: E731
+        reqs.append(sched.submit(DecodeRequest(f"f{i}", start, cancelled, False)))
+    sched.run_once()
+    sessions = [r.session for r in reqs]
+    assert all(isinstance(s, FocusMember) and s.group is sessions[0].group for s in sessions)
+    assert [s.state.steps_taken for s in sessions] == [1, 1, 1]  # type: ignore[union-attr]
+    for _ in range(100):
+        if not sched.active:
+            break
+        sched.run_once()
+    for req, prompt in zip(reqs, PROMPTS, strict=True):
+        final = req.events.get_nowait()
+        assert isinstance(final, Final)
+        ref = _reference(model, prompt, GEN)
+        assert final.result.raw_tokens == ref.raw_tokens and final.result.cache == ref.cache
