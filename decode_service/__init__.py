@@ -1,11 +1,15 @@
 """Decode workers: steps 6-7 (static KV build, masked denoising) and the Decode server.
 
-Modules: ``worker`` (:class:`DecodeWorker`: chunk-only KV loading, the build, one request's decode),
-``build`` (static decode KV in the full-mask / chunk-query / chunk-only modes, top-B retention),
-``decode`` (the DecodePolicy protocol and the single-request decode loop over the shared sampler),
-``attention`` (segmented split + LSE merge, contiguous buffer + SDPA, Triton split-S over pages),
-``graphs`` (CUDA-graph replay of a single-request decode step), ``kv_pool`` (the paged static KV of the
-active requests), ``rounds`` (one batched forward per round over every active request), ``round_graphs``
-(CUDA graphs of a round, per padded shape bucket), ``scheduler`` (admission, builds, rounds),
-``server`` (``pdllm.v1.Decode``).
+A request's path: ``server`` (``pdllm.v1.Decode``) -> ``request`` (:class:`DecodeRequest`, its status) ->
+``scheduler`` (admission, KV pulls, builds, one iteration at a time) -> ``sessions`` (what a request
+becomes) -> ``rounds`` / ``round_graphs`` (one batched forward per round over every session in the rounds,
+graphed per padded shape bucket; ``policy_rounds`` and ``polestar_rounds``: caching policies in them) or a
+session stepped alone (``policy_sessions``; FOCUS groups: ``focus_rounds``) -> the sampler.
+
+Beside it: ``worker`` (:class:`DecodeWorker`: chunk-only KV loading, the build, the in-process decode),
+``local`` (the scheduler driven from the caller's thread: ``generate``, ``eval``), ``build`` (static decode
+KV, top-B retention), ``kv_pool`` (the active requests' paged KV), ``handoff`` (a prefill worker's KV pulled
+into the pool), ``policies`` (the decode policies), ``block_diffusion`` / ``sdar_decode`` (SDAR),
+``vanilla`` and ``decode`` (the reference loops the tests hold the rounds to), ``attention`` (the reference
+loops' static-KV attention).
 """

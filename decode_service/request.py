@@ -9,15 +9,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pdllm.decode_service.block_diffusion import BlockDiffusionSession
+from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.focus_rounds import FocusMember
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy
-from pdllm.decode_service.rounds import BatchSession
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps
@@ -65,7 +66,24 @@ class StaticDecode:
 
 # Stepped alone (not in the batched rounds): a denoising loop, or an SDAR request's block diffusion.
 AloneSession = DenoiseSession | BlockDiffusionSession
-Session = BatchSession | AloneSession
+
+
+class Session(Protocol):
+    """What the scheduler reads of a running request's session, whatever runs it (a session in the rounds,
+    one stepped alone, a FOCUS group member): its denoising state (steps taken, block), whether it is done,
+    its partial output and its result."""
+
+    @property
+    def state(self) -> DenoiseState | DeviceDenoiseState: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def partial(self) -> list[int]: ...
+
+    def result(self) -> GenerationResult: ...
+
+
 # What a request's ``start`` returns: a session for the rounds (StaticDecode) or one stepped alone (a
 # FOCUS group member included).
 Started = StaticDecode | AloneSession | FocusMember
@@ -117,7 +135,7 @@ class DecodeRequest:
     transfer: Transfer | None = None  # its pull (PULLING); ``received`` once it finished
     received: Transfer | None = None
     build: Build | None = None
-    session: Session | FocusMember | None = None  # RUNNING
+    session: Session | None = None  # RUNNING
     # what its result reports
     submitted: float = field(default_factory=time.perf_counter)
     build_started: float = 0.0
