@@ -28,6 +28,7 @@ import torch
 
 from pdllm.decode_service.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.kernels.split_s_reference import gather_request
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
 from pdllm.shared.model.attention import sdpa
@@ -205,14 +206,11 @@ def gathered_attention(
     vanilla session's thousands of rows would make gigabytes). Same signature as the kernel."""
     out = torch.empty_like(q)
     offs, lens = q_offsets.tolist(), kv_lens.tolist()
-    page, hkv, d = k_pages.shape[2], k_pages.shape[1], k_pages.shape[3]
     for b, kv_len in enumerate(lens):
         q0, q1 = offs[b], offs[b + 1]
         if q1 == q0:
             continue
-        ids = page_table[b, : -(-kv_len // page)].long()
-        k = k_pages[ids].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :kv_len]
-        v = v_pages[ids].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :kv_len]
+        k, v, _ = gather_request(b, k_pages, v_pages, page_table, kv_len, None)  # every slot valid
         if k_local is not None and v_local is not None:
             k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
             v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)

@@ -160,7 +160,7 @@ def check_inputs(
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def _gather_request(
+def gather_request(
     b: int,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
@@ -204,7 +204,7 @@ def naive_attention(
     offs = q_offsets.tolist()
     for b, kv_len in enumerate(kv_lens.tolist()):
         q0, q1 = offs[b], offs[b + 1]
-        k, v, valid = _gather_request(b, k_pages, v_pages, page_table, kv_len, page_fill)
+        k, v, valid = gather_request(b, k_pages, v_pages, page_table, kv_len, page_fill)
         k, v = k[:, valid], v[:, valid]
         if k_local is not None:
             k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
@@ -249,7 +249,7 @@ def split_s_attention_reference(
         q0, q1 = offs[b], offs[b + 1]
         if q1 == q0:
             continue
-        k, v, valid = _gather_request(b, k_pages, v_pages, page_table, kv_len, page_fill)
+        k, v, valid = gather_request(b, k_pages, v_pages, page_table, kv_len, page_fill)
         if local:
             k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
             v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
