@@ -19,12 +19,12 @@ import grpc
 
 from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.kv_pool import PooledKV
-from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
+from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
 from pdllm.decode_service.policy_sessions import pooled_static
 from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started, StaticDecode
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
-from pdllm.decode_service.sessions import SessionMaker, runtime
+from pdllm.decode_service.sessions import SessionMaker, rounds_policy, runtime
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
@@ -118,7 +118,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 self._check_identity(request, cfg)
                 start = lambda: self._start_pdllm(request, gen, cfg, entry, policy)  # noqa: E731
                 if runtime(policy).rounds:  # its build may run in pieces
-                    cache_policy = make_policy(policy)
+                    cache_policy = rounds_policy(policy)
                     start_steps = lambda layers: self._pdllm_steps(
                         request, gen, cfg, entry, layers, cache_policy
                     )  # noqa: E731
@@ -169,7 +169,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         policy: DecodePolicyConfig,
     ) -> Started:
         """The whole build, then the session it starts (in the rounds, or stepped alone)."""
-        cache_policy = make_policy(policy) if runtime(policy).rounds else None
+        cache_policy = rounds_policy(policy)
         built = drain(self._pdllm_steps(request, gen, cfg, entry, None, cache_policy))
         entry.cache_stats, entry.kv_source = built.cache_stats, built.kv_source
 

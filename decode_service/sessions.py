@@ -21,7 +21,7 @@ from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.focus_rounds import FocusGroups
 from pdllm.decode_service.kv_pool import PooledKV
-from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
+from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.decode_service.policies.base import vanilla_local_rows
 from pdllm.decode_service.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.decode_service.policy_rounds import cache_slots
@@ -61,6 +61,14 @@ def runtime(policy: DecodePolicyConfig | None) -> PolicyRuntime:
     return POLICY_RUNTIMES["none" if policy is None else policy.name]
 
 
+def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | None:
+    """The caching policy a request's session in the rounds runs under (None: plain steps, or a policy
+    whose sessions are stepped outside the rounds)."""
+    if policy is None or not runtime(policy).rounds:
+        return None
+    return make_policy(policy)
+
+
 class SessionMaker:
     """Starts requests for one scheduler (its thread only: the FOCUS groups are its own). ``attention`` and
     ``cuda_graph``: the static-KV backend and graph replay of the sessions stepped alone (DyLLM, FOCUS)."""
@@ -82,7 +90,7 @@ class SessionMaker:
         if self.block_diffusion or not runtime(policy).caches:
             return 0
         assert policy is not None
-        return cache_slots(local_rows, gen, make_policy(policy), local_rows if static else 0)
+        return cache_slots(local_rows, gen, rounds_policy(policy), local_rows if static else 0)
 
     def vanilla(
         self,
@@ -100,7 +108,7 @@ class SessionMaker:
                 return self.focus_groups.join_block_diffusion(tensor, gen, policy.focus_config(), cancelled)
             return sdar_decode.block_session(model, tensor, gen, policy)
         if runtime(policy).rounds:
-            return StaticDecode(list(prompt), None, gen, cache_policy=make_policy(policy) if policy else None)
+            return StaticDecode(list(prompt), None, gen, cache_policy=rounds_policy(policy))
         assert policy is not None
         if runtime(policy).groups:
             local, positions = vanilla_local_rows(model.config.mask_token_id, tensor, gen)

@@ -21,9 +21,9 @@ from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.build import build_static_steps
 from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, decode
 from pdllm.decode_service.local import LocalDecoder
-from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
+from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.request import StaticDecode
-from pdllm.decode_service.sessions import SessionMaker, runtime
+from pdllm.decode_service.sessions import SessionMaker, rounds_policy
 from pdllm.kernels import HAS_TRITON
 from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.chunk_store import ChunkKVStore
@@ -159,10 +159,7 @@ class DecodeWorker:
                 raise ValueError("a static-KV attention policy runs without a decode policy")
             return decode(self.model, query_ids, static, gen, policy, progress)
         gen.validate()
-        rounds = runtime(decode_policy).rounds and decode_policy is not None
-        built = StaticDecode(
-            list(query_ids), static, gen, cache_policy=make_policy(decode_policy) if rounds else None
-        )  # type: ignore[arg-type]
+        built = StaticDecode(list(query_ids), static, gen, cache_policy=rounds_policy(decode_policy))
         cancelled = threading.Event()
         slots = self.sessions.pool_slots(decode_policy, len(query_ids), gen, static=True)
         start = lambda: self.sessions.pdllm(built, decode_policy, cancelled)  # noqa: E731
