@@ -101,6 +101,13 @@ class BlockKVCache:
             positions, self.block_size, prefix, torch.arange(n, device=positions.device)
         )
 
+    def tensor(self) -> torch.Tensor:
+        """The cached K/V as one ``[layers, 2, Hkv, length, D]`` tensor (batch row 0; the chunk-KV layout)."""
+        n = self.length
+        keys = torch.stack([k[0, :, :n] for k in self._keys])
+        values = torch.stack([v[0, :, :n] for v in self._values])
+        return torch.stack([keys, values], dim=1)
+
     def append(self, record: RecordKV) -> None:
         """Add a forward's recorded K/V (its tokens must be the next positions, ``length`` onwards)."""
         t = record.keys[0].shape[2]

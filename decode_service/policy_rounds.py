@@ -39,7 +39,7 @@ import torch
 from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
 from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
-from pdllm.decode_service.request import StaticDecode
+from pdllm.decode_service.request import BlockDecode, RoundsStart
 from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
@@ -203,12 +203,17 @@ class PolicyBatchSession(BatchSession):
 
 def batch_session(
     model: DiffusionLM,
-    built: StaticDecode,
+    built: RoundsStart,
     pages: list[int],
     page_size: int,
     device_sampler: bool = True,
 ) -> BatchSession:
-    """A built request's session in the rounds: under its batched decode policy, if it has one."""
+    """A built request's session in the rounds: block diffusion, or under its batched decode policy, if it
+    has one."""
+    if isinstance(built, BlockDecode):
+        from pdllm.decode_service.block_rounds import BlockBatchSession  # it builds on rounds.py only
+
+        return BlockBatchSession.begin(model, built, pages, page_size)
     args = (model, built.query, built.query_start, built.kv_tokens, pages, built.gen)
     if built.cache_policy is None:
         return BatchSession.start(*args, device_sampler)

@@ -64,6 +64,22 @@ class StaticDecode:
         return 0 if self.static is None else self.static.num_tokens
 
 
+@dataclass
+class BlockDecode:
+    """A block-diffusion (SDAR) request ready to join the batched rounds: its prompt, the K/V of the
+    prompt's whole generation blocks (``static``, slot = position; None when it has none) and settings."""
+
+    prompt: list[int]
+    static: StaticKV | None
+    gen: GenerationConfig
+    cache_stats: tuple[int, int] = (0, 0)  # as StaticDecode's (a block-causal build reads no chunk KV)
+    kv_source: str = "built"
+    prefill_s: float = 0.0  # the build's wall time: the prompt's whole blocks recorded
+
+
+RoundsStart = StaticDecode | BlockDecode
+"""What joins the batched rounds once built (its ``static`` placed in its pool pages)."""
+
 # Stepped alone (not in the batched rounds): a denoising loop, or an SDAR request's block diffusion.
 AloneSession = DenoiseSession | BlockDiffusionSession
 
@@ -84,9 +100,9 @@ class Session(Protocol):
     def result(self) -> GenerationResult: ...
 
 
-# What a request's ``start`` returns: a session for the rounds (StaticDecode) or one stepped alone (a
-# FOCUS group member included).
-Started = StaticDecode | AloneSession | FocusMember
+# What a request's ``start`` returns: a session for the rounds or one stepped alone (a FOCUS group member
+# included).
+Started = StaticDecode | BlockDecode | AloneSession | FocusMember
 
 
 class Status(enum.Enum):

@@ -94,6 +94,12 @@ class BatchSession:
         """What this session puts into the next round: every local row, over its static KV."""
         return RoundRows(0, len(self.query) + self.state.config.gen_length, self.kv_tokens)
 
+    def round_parts(self) -> list[RoundRows]:
+        """The next round's attention entries of this session, called once as the round is packed: parts
+        contiguous in local rows, in order, each reading its own ``kv_len`` pool slots besides its own rows
+        (one part: :meth:`round_rows`; block diffusion splits its rows at model-block boundaries)."""
+        return [self.round_rows()]
+
 
 @dataclass(frozen=True)
 class RoundRows:
@@ -129,7 +135,8 @@ class PagedBatchAttention:
 
     ``writes`` (optional, three long tensors ``[W]``: packed row, pool page, slot in page): rows whose
     fresh K/V each layer also stores in the pool, where later rounds read them as paged KV (a decode
-    policy's cache of local rows). Stored slots are never among those this round reads.
+    policy's cache of local rows). Each layer stores before it attends, so an entry may read slots another
+    entry of the same round stores (block diffusion: a finished block's record, earlier model blocks).
     """
 
     def __init__(
@@ -221,7 +228,9 @@ def gathered_attention(
 @dataclass
 class PackedRound:
     """Host-side packing of one round: ``ids``/``positions`` ``[T]``, ``rows`` (masked rows into the packed
-    tokens, shifted logits applied later by the model), per-session row ``counts`` and attention metadata.
+    tokens, shifted logits applied later by the model), per-session row ``counts`` and attention metadata
+    per entry (``q_offsets``, ``page_table``, ``kv_lens``, ``drops``: one entry per session part,
+    :meth:`BatchSession.round_parts`).
 
     Device sessions' response tokens and rows are known only on the device: ``ids`` hold [MASK] and
     ``rows`` -1 in their place, and ``device_ids`` / ``device_rows`` (set by :func:`decode_round`) are
@@ -248,10 +257,11 @@ class PackedRound:
     def pack(cls, sessions: list[BatchSession]) -> PackedRound:
         out = cls([], [], [], [], [0], [], [])
         for s in sessions:
-            part = s.round_rows()
+            parts = s.round_parts()
+            lo, hi = parts[0].lo, parts[-1].hi
             base = out.q_offsets[-1]
             q = len(s.query)
-            start = base + q - part.lo
+            start = base + q - lo
             state = s.state
             if isinstance(state, DeviceDenoiseState):
                 response = [state.mask_id] * state.config.gen_length
@@ -261,20 +271,21 @@ class PackedRound:
                 response = state.tokens.tolist()
                 rows = (masked + start).tolist()
             # Slices, not query + response: a vanilla session's query is its whole prompt.
-            r0, r1 = max(0, part.lo - q), max(0, part.hi - q)
-            out.ids += s.query[part.lo : part.hi] + response[r0:r1]
-            out.positions += range(s.query_start + part.lo, s.query_start + part.hi)
+            r0, r1 = max(0, lo - q), max(0, hi - q)
+            out.ids += s.query[lo:hi] + response[r0:r1]
+            out.positions += range(s.query_start + lo, s.query_start + hi)
             out.rows += rows
             out.counts.append(len(rows))
             out.starts.append(start)
             out.responses.append((r0, r1))
-            out.q_offsets.append(base + part.hi - part.lo)
-            out.page_table.append(s.pages)
-            out.kv_lens.append(part.kv_len)
-            out.writes += [(base + row - part.lo, page, slot) for row, page, slot in part.writes]
-            if part.store is not None:
-                out.stores.append((base - part.lo, part.store))
-            out.drops.append(part.drop)
+            for part in parts:  # one attention entry each, over the same page table
+                out.q_offsets.append(out.q_offsets[-1] + part.hi - part.lo)
+                out.page_table.append(s.pages)
+                out.kv_lens.append(part.kv_len)
+                out.writes += [(base + row - lo, page, slot) for row, page, slot in part.writes]
+                if part.store is not None:
+                    out.stores.append((base - lo, part.store))
+                out.drops.append(part.drop)
         return out
 
     def table(self, sessions: int, width: int) -> torch.Tensor:

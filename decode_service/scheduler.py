@@ -39,7 +39,15 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
 from pdllm.decode_service.policy_rounds import batch_session
 from pdllm.decode_service.policy_sessions import step_alone
-from pdllm.decode_service.request import Build, DecodeRequest, Final, Partial, StaticDecode, Status
+from pdllm.decode_service.request import (
+    Build,
+    DecodeRequest,
+    Final,
+    Partial,
+    RoundsStart,
+    StaticDecode,
+    Status,
+)
 from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
@@ -271,7 +279,7 @@ class DecodeScheduler:
                     torch.cuda.reset_peak_memory_stats(device)
                     before = torch.cuda.memory_allocated(device)
                 build.made = req.start()
-                if isinstance(build.made, StaticDecode) and build.made.static is not None:
+                if isinstance(build.made, RoundsStart) and build.made.static is not None:
                     self.pool.place(req.pages, build.made.static)
                 if self.build_stream is not None:
                     build.done = torch.cuda.Event()
@@ -354,7 +362,7 @@ class DecodeScheduler:
         joined, dropped = [], []
         for req in ready:
             made = req.build.made  # type: ignore[union-attr]
-            if isinstance(made, StaticDecode):
+            if isinstance(made, RoundsStart):
                 req.cache_stats, req.kv_source = made.cache_stats, made.kv_source
                 req.session = batch_session(self.model, made, req.pages, self.pool.page_size)
             else:

@@ -107,9 +107,11 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 ids = self._vanilla_prompt(request)
                 start: Callable[[], Started] = lambda: sessions.vanilla(ids, gen, policy, entry.cancelled)  # noqa: E731
                 cache_tokens = sessions.pool_slots(policy, len(ids), gen, static=False)
-            elif sessions.block_diffusion:  # its own cache, no pool pages: no handoff pulled either
+            elif sessions.block_diffusion:  # its block-causal cache is built here: no handoff pulled
                 start = lambda: sessions.sdar(_request(request), gen, policy, entry.cancelled)  # noqa: E731
-                cache_tokens = 0
+                prompt_tokens = len(request.instruction_ids) + len(request.question_ids)
+                prompt_tokens += sum(len(c.token_ids) for c in request.chunks)
+                cache_tokens = sessions.pool_slots(policy, prompt_tokens, gen, static=True)
             else:
                 if not request.chunks:
                     raise PdllmError(

@@ -4,11 +4,12 @@ One place decides it for the decode server and the in-process engine alike (no p
 model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES`):
 
 - Dream / LLaDA, no policy or a caching one (prefix / dual cache, Sparse-dLLM, Polestar-Cache): a
-  :class:`~.jobs.StaticDecode` that joins the rounds (pdllm over its static KV; vanilla with its whole
+  :class:`~.request.StaticDecode` that joins the rounds (pdllm over its static KV; vanilla with its whole
   prompt as local rows), a caching policy's cache in pool pages after the static KV (:meth:`pool_slots`);
 - DyLLM: its own loop, stepped alone (``policy_sessions.py``);
 - FOCUS: a member of the worker's packed FOCUS groups (``focus_rounds.py``);
-- SDAR (block diffusion), any method: exact block diffusion stepped alone, or a FOCUS group member.
+- SDAR (block diffusion), any method: exact block diffusion in the rounds (``block_rounds.py``, its cache in
+  pool pages), or a FOCUS group member.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
+from pdllm.decode_service.block_rounds import block_slots, start_block_decode
 from pdllm.decode_service.focus_rounds import FocusGroups
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
@@ -85,9 +87,12 @@ class SessionMaker:
         self, policy: DecodePolicyConfig | None, local_rows: int, gen: GenerationConfig, static: bool
     ) -> int:
         """Pool slots a request reserves beyond its static KV: a caching policy's cache (``cache_slots``;
-        ``local_rows``: the rows before the response, protected from eviction under pdllm (``static``));
-        none on SDAR (no pool pages)."""
-        if self.block_diffusion or not runtime(policy).caches:
+        ``local_rows``: the rows before the response, protected from eviction under pdllm (``static``)). On
+        SDAR (``local_rows``: the whole prompt) one per position of prompt and answer, in the rounds; none
+        for a FOCUS group member (its own cache)."""
+        if self.block_diffusion:
+            return 0 if runtime(policy).groups else block_slots(local_rows, gen)
+        if not runtime(policy).caches:
             return 0
         assert policy is not None
         return cache_slots(local_rows, gen, rounds_policy(policy), local_rows if static else 0)
@@ -106,7 +111,8 @@ class SessionMaker:
             if runtime(policy).groups:
                 assert policy is not None
                 return self.focus_groups.join_block_diffusion(tensor, gen, policy.focus_config(), cancelled)
-            return sdar_decode.block_session(model, tensor, gen, policy)
+            sdar_decode.check_decode_options(policy, None, "block diffusion on SDAR models")
+            return start_block_decode(model, tensor, gen)
         if runtime(policy).rounds:
             return StaticDecode(list(prompt), None, gen, cache_policy=rounds_policy(policy))
         assert policy is not None
@@ -159,8 +165,8 @@ class SessionMaker:
         a group member."""
         model = self.model
         layout = decode_layout(request, list(range(len(request.chunks))), gen.gen_length)
+        sdar_decode.check_decode_options(policy, None)  # before the prefix's forwards
         if prefix is None:
-            sdar_decode.check_decode_options(policy, None)  # before the prefix's forwards
             prefix = sdar_decode.build_prefix(model, request, layout, gen)
         prompt = sdar_decode.selected_prompt_tensor(model, request, layout)
         if runtime(policy).groups:
@@ -168,4 +174,4 @@ class SessionMaker:
             return self.focus_groups.join_block_diffusion(
                 prompt, gen, policy.focus_config(), cancelled, prefix
             )
-        return sdar_decode.block_session(model, prompt, gen, policy, prefix)
+        return start_block_decode(model, prompt, gen, prefix)

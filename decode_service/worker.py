@@ -194,5 +194,7 @@ class DecodeWorker:
         """A pdllm request on SDAR (``request``: its selected chunks, in order) from its built block-causal
         ``prefix``, through the decode server's scheduler."""
         cancelled = threading.Event()
+        prompt = len(request.instruction) + sum(map(len, request.chunks)) + len(request.query)
+        slots = self.sessions.pool_slots(decode_policy, prompt, gen, static=True)
         start = lambda: self.sessions.sdar(request, gen, decode_policy, cancelled, prefix)  # noqa: E731
-        return self.local.run(start, 0, 0, gen, progress, cancelled)
+        return self.local.run(start, 0, slots, gen, progress, cancelled)
