@@ -16,10 +16,10 @@ never change, and decoding keeps them as an exact cache, like an autoregressive 
 
 Memory: the cache is preallocated for prompt + answer per layer (no re-concatenation per block).
 
-:class:`BlockDiffusionSession` is one request's steps 1-3, advanced one denoising step at a time (the decode
-worker steps an SDAR request's session alone, beside its batched rounds); :func:`generate_block_diffusion`
-drives one to the end (:func:`run_to_end`, which also drives a decode policy's session, e.g. FOCUS's
-``policies/focus_reference.FocusBlockSession``).
+:class:`BlockDiffusionSession` is one request's steps 1-3, advanced one denoising step at a time:
+:func:`generate_block_diffusion` drives one to the end (:func:`run_to_end`, which also drives a decode
+policy's session, e.g. FOCUS's ``policies/focus_reference.FocusBlockSession``). It is the reference loop:
+the decode worker and the engine run block diffusion in the batched rounds (``block_rounds.py``).
 
 ``step`` (optional, :data:`BlockStep`) replaces step 2's forward + sampler update with the caller's own
 (a decode policy's: FOCUS forwards only some rows of the block); prefill, recording and stopping stay here.
@@ -151,8 +151,7 @@ class BlockDiffusionSession:
 
     Construction is the prompt's prefill (step 1); each :meth:`step` is one denoising step of the current
     block (step 2), and the forward that records the block's K/V once it finished (step 3).
-    :func:`generate_block_diffusion` drives one to the end; the decode worker steps an SDAR request's session
-    alone, once per scheduler iteration (``decode_service/server.py``), so both run this very code. Same
+    :func:`generate_block_diffusion` drives one to the end. Same
     arguments as :func:`generate_block_diffusion`; ``state``, :meth:`partial`, ``done`` and :meth:`result`
     as a :class:`~.sampler.DenoiseSession`'s.
     """

@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from pdllm.decode_service.block_diffusion import BlockDiffusionSession
 from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.focus_rounds import FocusMember
 from pdllm.decode_service.kv_pool import PooledKV
@@ -80,8 +79,8 @@ class BlockDecode:
 RoundsStart = StaticDecode | BlockDecode
 """What joins the batched rounds once built (its ``static`` placed in its pool pages)."""
 
-# Stepped alone (not in the batched rounds): a denoising loop, or an SDAR request's block diffusion.
-AloneSession = DenoiseSession | BlockDiffusionSession
+# Stepped alone (not in the batched rounds): a decode policy's denoising loop (DyLLM).
+AloneSession = DenoiseSession
 
 
 class Session(Protocol):

@@ -16,12 +16,12 @@ The decode must be exact block diffusion over the selected prompt ``[instruction
   partial block must also see the query (and maybe the answer), so it is decoded with them. ``kv_mode``
   full-mask and chunk-query therefore build the same cache (the query and the masked response are in later
   blocks, which earlier blocks never see).
-* Step 7: block diffusion (:class:`~.block_diffusion.BlockDiffusionSession`) over the whole prompt with that
-  cache as its ``prefix``: it records the rest of the prompt's whole generation blocks, then decodes block
-  by block, the prompt's partial last block with the first answer block, blocks aligned to absolute
-  positions. The result equals plain block diffusion on the selected prompt. The engine runs it to the end
-  (:func:`decode`); the decode worker builds the same session (:func:`session`) and steps it alone, one
-  denoising step per scheduler iteration.
+* Step 7: block diffusion over the whole prompt with that cache as its ``prefix``: it records the rest of
+  the prompt's whole generation blocks, then decodes block by block, the prompt's partial last block with
+  the first answer block, blocks aligned to absolute positions. The result equals plain block diffusion on
+  the selected prompt. The decode worker and the in-process engine run it in the batched rounds
+  (``block_rounds.py``, the cache in pool pages); :func:`decode` is the reference loop
+  (:class:`~.block_diffusion.BlockDiffusionSession` to the end) the rounds are tested against.
 * Decode policy ``focus`` (FOCUS): step 7's session is a
   :class:`~.policies.focus_reference.FocusBlockSession` over the same prefix (:func:`block_session`), so the
   result equals vanilla FOCUS on the selected prompt (``generate_vanilla`` with the policy), its counters in
@@ -36,8 +36,7 @@ hand off (one bidirectional forward) are not block-causal, and decoding over the
 Not supported (refused with a ValueError naming the option; the decode worker answers INVALID_ARGUMENT):
 ``kv_mode="chunk-only"`` (it reuses the step-3 chunk KV), ``top_b`` (holes in the positions break block
 alignment), decode policies other than ``none`` and ``focus`` (:data:`POLICIES`; the caching ones and DyLLM
-assume full bidirectional attention over every local row), a static-KV decode policy, CUDA graphs
-(``serve --cuda-graph`` is refused at startup).
+assume full bidirectional attention over every local row), a static-KV decode policy.
 """
 
 from __future__ import annotations
@@ -155,20 +154,6 @@ def decode(
     ``prefix`` (filled further in place)."""
     prompt = selected_prompt_tensor(model, request, layout)
     return run_to_end(block_session(model, prompt, gen, decode_policy, prefix), gen, progress)
-
-
-def session(
-    model: DiffusionLM,
-    request: Request,
-    layout: DecodeLayout,
-    gen: GenerationConfig,
-    decode_policy: DecodePolicyConfig | None = None,
-) -> BlockDiffusionSession:
-    """Steps 6-7 as a session the decode worker steps alone: :func:`build_prefix`, then the rest of the
-    prompt's prefill; each ``step()`` is one denoising step (the same steps as :func:`decode`)."""
-    check_decode_options(decode_policy, None)  # before the prefix's forwards
-    prefix = build_prefix(model, request, layout, gen)
-    return block_session(model, selected_prompt_tensor(model, request, layout), gen, decode_policy, prefix)
 
 
 def selected_prompt_tensor(model: DiffusionLM, request: Request, layout: DecodeLayout) -> torch.Tensor:

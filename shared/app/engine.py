@@ -67,8 +67,6 @@ class PrefillingEngine:
         self.block_diffusion = sdar_decode.is_block_diffusion(model)
         if self.block_diffusion:  # fail at construction, not after a request's prefill
             sdar_decode.check_config(self.config, None, model)
-            if cuda_graph:
-                raise ValueError("cuda_graph is not supported by the pdllm engine on SDAR models")
         self.store: ChunkKVStore | None = (
             store if store is not None else (default_chunk_store() if reuse_chunks else None)
         )

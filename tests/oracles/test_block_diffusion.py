@@ -105,17 +105,20 @@ def test_a_request_leaving_mid_block_does_not_disturb_the_others() -> None:
         assert (_final(jobs[i]).result.raw_tokens, _final(jobs[i]).result.steps) == (answer, steps)
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph-buckets"])
 @pytest.mark.parametrize("schedule", [(16, 16, 4, None), (12, 6, 12, None), (16, 16, 8, 0.2)])
-def test_in_process_vanilla_and_pdllm_equal_the_oracle(schedule: tuple) -> None:
+def test_in_process_vanilla_and_pdllm_equal_the_oracle(schedule: tuple, cuda_graph: bool) -> None:
     """``DecodeWorker.vanilla`` over a prompt, and the engine's pdllm decode over its selected prompt
-    (``[instruction][BOS c_i]...[question]``, the chunks it reports, fixed chunks of ``CHUNK`` tokens)."""
+    (``[instruction][BOS c_i]...[question]``, the chunks it reports, fixed chunks of ``CHUNK`` tokens);
+    ``cuda_graph``: through the graph buckets' padded buffers (run eagerly off CUDA)."""
     m, g = model("sdar", layers=2, seed=5), gen(*schedule)
     prompt = ids(21, 7)
     answer, steps = block_diffusion(m, prompt, g.gen_length, g.block, g.steps, g.threshold)
-    result = DecodeWorker(m).vanilla(prompt, g)
+    result = DecodeWorker(m, cuda_graph=cuda_graph).vanilla(prompt, g)
     assert (result.raw_tokens, result.steps) == (answer, steps)
 
-    engine = PrefillingEngine(m, None, EngineConfig(chunk_size=CHUNK, top_k=TOP_K))
+    config = EngineConfig(chunk_size=CHUNK, top_k=TOP_K)
+    engine = PrefillingEngine(m, None, config, cuda_graph=cuda_graph)
     result, trace = engine.generate(CONTEXT, QUESTION, g, INSTRUCTION)
     bos = m.config.bos_token_id
     selected = list(INSTRUCTION)
