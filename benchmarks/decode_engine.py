@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,14 +106,18 @@ from benchmarks.harness import (  # noqa: E402
     write_report,
 )
 from benchmarks.shapes import dream7b, sdar8b, sync, tiny, tiny_sdar  # noqa: E402
+from pdllm.decode_service import block_rounds  # noqa: E402
+from pdllm.decode_service.block_rounds import block_slots, start_block_decode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy  # noqa: E402
 from pdllm.decode_service.policies.compute_skip import run_compute_skip, vanilla_compute_skip_logits  # noqa: E402
 from pdllm.decode_service.policies.focus import FocusConfig  # noqa: E402
 from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots, session_kind  # noqa: E402
+from pdllm.decode_service.request import DecodeRequest, Status  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, decode_round  # noqa: E402
+from pdllm.decode_service.scheduler import DecodeScheduler  # noqa: E402
 from pdllm.decode_service.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
 from pdllm.shared.config import EngineConfig  # noqa: E402
@@ -590,12 +595,71 @@ def case_focus_batched(bench: Bench) -> None:
                        "peak_gib": peak_gib(bench.device), "model": model.config.model_id,
                        "rows_frac": done / total if total else None, "seconds": seconds,
                        "forwards": tally.forwards, "rounds": rounds})  # fmt: skip
+        sdar_rounds_row(bench, case, model, prompts, batch, base)
     bench.meta(case)["setup"] = (
         f"{model.config.model_id} (model block {model.config.block_size}), generation block {a.block}, prompt "
         f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, one token per step; "
         "speedup_vs_vanilla: vs plain-batched at the same batch; round_ms: the batch's stepping seconds / "
-        "rounds (prefill out); forwards include SDAR's per-request record pass of each finished block."
+        "rounds (prefill out); forwards include SDAR's per-request record pass of each finished block. "
+        "plain-rounds: plain block diffusion in the decode worker's rounds (the scheduler, graph buckets, "
+        "split-S attention over the pool; a finished block's record rides in the next round), the prompts' "
+        "prefill (the builds) in the time as for the other rows."
     )
+
+
+def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]], batch: int,
+                    base: float | None) -> None:  # fmt: skip
+    """Plain block diffusion of ``prompts`` through the decode scheduler's rounds, all submitted at once."""
+    a = bench.args
+    where = {"policy": "plain-rounds", "batch": batch, "gen_length": a.focus_gen}
+    if bench.left() <= 0:
+        bench.skip(case, where, "time budget spent")
+        return
+    counter = bench.counter
+    assert counter is not None
+    cuda = bench.run.cuda
+    gen = bench.gen(a.focus_gen)
+    slots = block_slots(len(prompts[0]), gen)
+    c = model.config
+    page = 64
+    page_bytes = c.num_layers * 2 * c.num_kv_heads * page * c.head_dim * next(model.parameters()).element_size()
+    pool = DecodeKVPool.for_model(model, KVPoolConfig(batch * (-(-slots // page) + 1) * page_bytes, page))
+    forward = GraphedRoundForward(model, pool, "triton" if cuda else "torch", capture=cuda)
+
+    def run(g: GenerationConfig) -> tuple[float, list[DecodeRequest], int]:
+        sched = DecodeScheduler(model, pool, forward, start_thread=False)
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            tensor = torch.tensor(prompt, device=bench.device)
+            start = lambda t=tensor: start_block_decode(model, t, g)  # noqa: E731
+            jobs.append(DecodeRequest(f"s{i}", start, threading.Event(), False, cache_tokens=slots))
+        sync(bench.device)
+        begin = time.perf_counter()
+        for job in jobs:
+            sched.submit(job)
+        while sched.depth:
+            sched.run_once()
+        sync(bench.device)
+        return time.perf_counter() - begin, jobs, sched.rounds
+
+    try:
+        run(bench.gen(a.block))  # warm-up: one block, every graph bucket captured
+        reset_peak(bench.device)
+        with counter.tally() as tally, counter.excluding(block_rounds, "prefill_blocks"):
+            seconds, jobs, rounds = run(gen)
+        failed = [j.request_id for j in jobs if j.status is not Status.FINISHED]
+        if failed:
+            raise RuntimeError(f"requests did not finish: {failed}")
+    except Exception as exc:
+        bench.error(case, where, exc)
+        return
+    speed = batch * a.focus_gen / seconds
+    bench.add({"case": case, "policy": "plain-rounds", "method": "vanilla", "context_tokens": a.vanilla_context,
+               "gen_length": a.focus_gen, "batch": batch, "tokens_per_s": speed, "round_ms": seconds / rounds * 1e3,
+               "forwards_per_round": per_round(tally.forwards, rounds), "tpf": tpf_of(a.focus_gen, tally.forwards),
+               "speedup_vs_vanilla": speedup(speed, base), "peak_gib": peak_gib(bench.device),
+               "model": model.config.model_id, "rows_frac": None, "seconds": seconds, "forwards": tally.forwards,
+               "rounds": rounds})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- Polestar TPF
