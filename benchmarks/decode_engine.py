@@ -116,7 +116,7 @@ from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots, session_kind  # noqa: E402
 from pdllm.decode_service.request import DecodeRequest, Status  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
-from pdllm.decode_service.rounds import BatchSession, decode_round  # noqa: E402
+from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round  # noqa: E402
 from pdllm.decode_service.scheduler import DecodeScheduler  # noqa: E402
 from pdllm.decode_service.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
@@ -622,7 +622,9 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
     slots = block_slots(len(prompts[0]), gen)
     c = model.config
     page = 64
-    page_bytes = c.num_layers * 2 * c.num_kv_heads * page * c.head_dim * next(model.parameters()).element_size()
+    page_bytes = (
+        c.num_layers * 2 * c.num_kv_heads * page * c.head_dim * next(model.parameters()).element_size()
+    )
     pool = DecodeKVPool.for_model(model, KVPoolConfig(batch * (-(-slots // page) + 1) * page_bytes, page))
     forward = GraphedRoundForward(model, pool, "triton" if cuda else "torch", capture=cuda)
 
@@ -919,6 +921,10 @@ def case_rounds(bench: Bench) -> None:
             for n in a.batches:
                 for policy in a.rounds_policies:
                     round_cell(bench, case, rows, method, context, gen_len, n, prompt, policy)
+            if a.profile and method == "pdllm":
+                profile_rounds(
+                    bench, prompt, GenerationConfig(gen_length=gen_len, steps=gen_len, block_length=a.block)
+                )
     drop_rounds(bench)
     round_speedups(rows)
     for r in rows:
@@ -930,6 +936,43 @@ def case_rounds(bench: Bench) -> None:
         f"full-mask. Policy sessions in these rounds == the reference policy loop (tiny fp32 models"
         f"{', CUDA graphs' if bench.run.cuda else ''}): {check}."
     )
+
+
+def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
+    """``--profile``: the CUDA kernels of four cached dual-cache rounds of pdllm sessions, eager (op by op, so
+    every kernel is named) at each batch of ``--batches``, and the graphed round's time at the same state;
+    written to ``<name>_profile.txt`` beside the results."""
+    if not bench.run.cuda:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    st, model = rounds_state(bench), bench.model
+    eager = EagerRoundForward(model, st.pool, "triton")
+    out = []
+    for n in bench.args.batches:
+        active = sessions(model, st.pool, prompt, gen, "dual-cache", n)
+        for _ in range(3):  # the block's refresh, then cached steps (their graph buckets captured)
+            decode_round(st.forward, active)
+        sync(bench.device)
+        t = time.perf_counter()
+        for _ in range(4):
+            decode_round(st.forward, active)
+        sync(bench.device)
+        graphed_ms = (time.perf_counter() - t) / 4 * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                decode_round(eager, active)
+            sync(bench.device)
+        rows = sum(len(s.query) + 1 for s in active)  # a rough label: cached steps forward the block (+1)
+        out.append(f"## batch {n}: graphed cached round {graphed_ms:.2f} ms; eager profile of 4 rounds "
+                   f"(~{rows} sessions' rows)\n")  # fmt: skip
+        out.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        for s in active:
+            st.pool.release(s.pages)
+    path = bench.args.out / f"{bench.args.name}_profile.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out))
+    print(f"[profile] {path}", flush=True)
 
 
 def case_rounds_e2e(bench: Bench) -> None:
@@ -1166,6 +1209,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cell-s", type=float, default=None, help="rounds: timed seconds per cell, whole blocks (2)"
     )
+    ap.add_argument("--profile", action="store_true",
+                    help="rounds (CUDA): a kernel profile of cached dual-cache pdllm rounds at each batch")  # fmt: skip
     ap.add_argument(
         "--round-check",
         action="store_true",
