@@ -383,7 +383,8 @@ def add_arguments(
         field = cls.model_fields[name]
         option, convert = flag(name), value_type(cls, name)
         default = None if unset else field.default
-        shown = unset.format(default=field.default) if unset else ("none" if default is None else default)
+        schema_default = "none" if field.default is None else field.default
+        shown = unset.format(default=schema_default) if unset else schema_default
         group.add_argument(
             option,
             type=convert,

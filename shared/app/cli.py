@@ -1,7 +1,8 @@
-"""The ``pdllm`` command line: generate, train, eval, serve, ask.
+"""The ``pdllm`` command line: generate, train, eval, serve, ask, demo.
 
 Every subcommand turns expected failures (bad arguments, missing files, unloadable checkpoints) into
-one ``error: ...`` line and exit code 2; stack traces are for bugs only.
+one ``error: ...`` line and exit code 2; stack traces are for bugs only. Every flag has help, ``--help``
+shows defaults in groups, and a mistyped flag is named (``shared/cli_args.py``).
 """
 
 from __future__ import annotations
@@ -13,44 +14,73 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pdllm.shared import settings
+from pdllm.shared.cli_args import Parser
 
 EXIT_USAGE = 2
 
-# Subcommands whose implementation lives in another module: name -> (module, help).
+# Subcommands whose implementation lives in another module: name -> (module, one-line description).
 DELEGATED: dict[str, tuple[str, str]] = {
-    "train": ("pdllm.shared.training.train", "train the small dLLM the project ships"),
-    "eval": ("pdllm.shared.app.eval", "long-context accuracy: vanilla vs pdllm"),
-    "serve": ("pdllm.shared.app.serve", "run a router / prefill / decode worker, or all in one"),
-    "ask": ("pdllm.shared.rpc.ask", "ask a running server a long-context question"),
+    "serve": (
+        "pdllm.shared.app.serve",
+        "run a router, a prefill worker, a decode worker, or all three in one",
+    ),
+    "ask": ("pdllm.shared.rpc.ask", "ask a running server a question about a (long) context"),
     "demo": (
         "pdllm.shared.app.demo",
-        "all-in-one deployment answering a question about a bundled 12K-token document",
+        "start the all-in-one deployment and answer a question about a bundled 12K-token document",
     ),
+    "eval": ("pdllm.shared.app.eval", "long-context accuracy, vanilla vs pdllm, over length x depth"),
+    "train": ("pdllm.shared.training.train", "train the small dLLM the project ships"),
 }
+GENERATE = "answer a question about a (long) context in this process, no server"
+
+# A vanilla prompt longer than this on a CPU gets a step-time estimate before decoding starts: every
+# vanilla step forwards the whole prompt.
+VANILLA_NOTE_TOKENS = 4096
+# The timed forward behind that estimate: at most this many tokens and this many FLOPs.
+CALIBRATION_TOKENS = 1024
+CALIBRATION_FLOPS = 2e11
 
 
 def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="answer a question about a (long) context, in process")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    src = p.add_mutually_exclusive_group(required=True)
+    p = sub.add_parser(
+        "generate",
+        help=GENERATE,
+        description=f"pdllm generate: {GENERATE}.",
+        usage="%(prog)s (--context-file FILE | --context TEXT) --question TEXT [--method {vanilla,pdllm}] "
+        "[FLAG ...]",
+    )
+    i = p.add_argument_group("input")
+    src = i.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="UTF-8 text file holding the context")
     src.add_argument("--context", help="the context itself")
-    p.add_argument("--question", required=True)
-    p.add_argument("--instruction", default=None, help="optional instruction before the context")
-    settings.add_arguments(p, settings.MethodSettings, names=["method"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    i.add_argument("--question", required=True, help="the question to answer about the context")
+    i.add_argument("--instruction", default=None, help="optional instruction before the context")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    m.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights' dtype"
+    )
+    settings.add_arguments(p.add_argument_group("method"), settings.MethodSettings, names=["method"])
     # Every setting of the schema (shared/settings.py) is a flag, with PDLLM_<FLAG> as its default.
     settings.add_arguments(p.add_argument_group("generation"), settings.GenerationSettings)
     settings.add_arguments(p.add_argument_group("decode policy"), settings.DecodePolicySettings)
-    m = p.add_argument_group("pdllm method")
+    e = p.add_argument_group("pdllm method (chunking, scoring, selection)")
     names = [*list(settings.MethodSettings.model_fields)[1:], *settings.EngineOnlySettings.model_fields]
     settings.add_arguments(
-        m, settings.EngineSettings, unset="the checkpoint's pdllm.json, else {default}", names=names
+        e, settings.EngineSettings, unset="the checkpoint's pdllm.json, else {default}", names=names
     )
-    m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--json",
+        action="store_true",
+        help="print the response as one JSON object, in the fields of pdllm.v1.GenerateResponse "
+        "(what `pdllm ask --json` prints)",
+    )
 
 
 def _read_context(args: argparse.Namespace) -> str:
@@ -64,9 +94,65 @@ def _read_context(args: argparse.Namespace) -> str:
         raise ValueError(f"{args.context_file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
 
 
+def forward_flops(config: Any, tokens: int, logit_rows: int) -> float:
+    """FLOPs of one forward over ``tokens`` positions: the projections and MLP (linear in ``tokens``),
+    attention scores and values (quadratic) and ``logit_rows`` rows of the LM head."""
+    h, heads, kv_heads, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    per_token = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * config.intermediate_size
+    linear = 2.0 * tokens * config.num_layers * per_token
+    attention = 4.0 * config.num_layers * tokens * tokens * heads * d
+    return linear + attention + 2.0 * logit_rows * h * config.vocab_size
+
+
+def vanilla_step_seconds(model: Any, prompt: list[int], gen_length: int) -> tuple[float, int]:
+    """(estimated seconds of one vanilla step, tokens of the forward it was measured on): a forward of the
+    prompt's first tokens is timed and scaled by :func:`forward_flops` to the whole prompt."""
+    import torch
+
+    config = model.config
+    n = min(len(prompt), CALIBRATION_TOKENS)
+    while n > 64 and forward_flops(config, n, n) > CALIBRATION_FLOPS:
+        n //= 2
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(torch.tensor([prompt[: min(n, 64)]], device=device))  # first-call overheads
+        ids = torch.tensor([prompt[:n]], device=device)
+        began = time.perf_counter()
+        model(ids)
+        seconds = time.perf_counter() - began
+    whole = forward_flops(config, len(prompt) + gen_length, gen_length)
+    return seconds * whole / forward_flops(config, n, n), n
+
+
+def _vanilla_note(loaded: Any, prompt: list[int], gen: Any, device: str) -> None:
+    """Before a long vanilla decode on a CPU: how long a step will take, and what the model card says
+    about vanilla decoding beyond the training length."""
+    if device != "cpu" or len(prompt) <= VANILLA_NOTE_TOKENS or loaded.config.block_size is not None:
+        return  # (SDAR decodes over an exact cache: its steps do not forward the whole prompt)
+    step, measured = vanilla_step_seconds(loaded.model, prompt, gen.gen_length)
+    total = step * gen.steps
+    when = f"{total / 60:.0f} min" if total >= 120 else f"{total:.0f} s"
+    print(
+        f"note: every vanilla step forwards the whole {len(prompt)}-token prompt; on this CPU a step should "
+        f"take about {step:.0f} s, {gen.steps} steps about {when} (estimated from a timed {measured}-token "
+        "forward; the progress bar shows the real rate). --method pdllm forwards only the question and the "
+        "answer.",
+        file=sys.stderr,
+    )
+    train = loaded.serving.train_length
+    if train and len(prompt) > 2 * train:
+        print(
+            f"note: {loaded.path.name} was trained on {train}-token contexts; its vanilla accuracy falls "
+            f"beyond that length (its model card: 0% needle exact match at 16x), pdllm's does not.",
+            file=sys.stderr,
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdllm.shared.app.trace import generate_traced, response
     from pdllm.shared.model.loader import load_model
     from pdllm.shared.prompt import encode_prompt
+    from pdllm.shared.rpc.trace_format import message_json, summary
 
     label = settings.flag_label()
     gen = settings.generation_config(settings.from_args(args, settings.GenerationSettings), label=label)
@@ -76,21 +162,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = _read_context(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    # SDAR: vanilla decodes block by block (decode_service/block_diffusion.py), pdllm by block diffusion over
-    # the selected chunks (decode_service/sdar_decode.py).
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer files; `generate` needs text in and out")
     ids = encode_prompt(loaded.tokenizer, context, args.question, args.instruction)
-    timings: dict[str, float] = {"load": load_s}
-    trace: dict | None = None
+    sel = None
+    # SDAR: vanilla decodes block by block (decode_service/block_diffusion.py), pdllm by block diffusion over
+    # the selected chunks (decode_service/sdar_decode.py).
     if args.method == "vanilla":
         from pdllm.decode_service.worker import DecodeWorker
 
-        prompt = ids.vanilla(loaded.config.bos_token_id)
-        result = DecodeWorker(loaded.model).vanilla(list(prompt), gen, policy, progress=True)
-        timings.update(result.timings)  # SDAR: the prompt's block-causal prefill
-        timings["decode"] = result.decode_seconds
+        prompt = list(ids.vanilla(loaded.config.bos_token_id))
+        _vanilla_note(loaded, prompt, gen, str(args.device))
+        started = time.perf_counter()
+        result = DecodeWorker(loaded.model).vanilla(prompt, gen, policy, progress=True)
     else:
         from pdllm.shared.app.engine import PrefillingEngine
         from pdllm.shared.config import EngineConfig
@@ -100,32 +185,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         given = settings.from_args(args, settings.EngineSettings)
         engine_cfg = settings.engine_config(checkpoint | given, label=label)
         engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)
-        result, tr = engine.generate(
-            ids.context,
-            ids.query,
-            gen,
-            instruction_ids=ids.instruction or None,
-            progress=True,
-            decode_policy=policy,
-        )
-        trace = tr.to_dict()
-        timings.update(trace.get("timings", {}))
+        started = time.perf_counter()
+        result, sel = generate_traced(engine, ids, gen, policy, progress=True)
+    total_s = time.perf_counter() - started
     answer = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
     prompt_tokens = len(ids.instruction) + len(ids.context) + len(ids.query)
+    out = response(
+        args.method,
+        loaded.path.name,
+        answer,
+        result,
+        prompt_tokens,
+        len(ids.context),
+        loaded.config.eos_token_id,
+        total_s,
+        sel,
+    )
     if args.json:
-        out = {"answer": answer, "method": args.method, "prompt_tokens": prompt_tokens, "timings": timings}
-        out["decode_policy"] = {"policy": policy.name, **result.cache}
-        if trace is not None:
-            out["trace"] = trace
-        print(json.dumps(out))
+        print(json.dumps(message_json(out)))
         return 0
     print(answer)
-    print(f"\n[{args.method}] prompt tokens: {prompt_tokens}, steps: {result.steps}", file=sys.stderr)
-    if result.cache:
-        print("decode policy: " + json.dumps(result.cache), file=sys.stderr)
-    print("timings: " + ", ".join(f"{k} {v:.3f}s" for k, v in timings.items()), file=sys.stderr)
-    if trace is not None:
-        print("trace: " + json.dumps({k: v for k, v in trace.items() if k != "timings"}), file=sys.stderr)
+    print(summary(out.trace, {"load_s": load_s}), file=sys.stderr)
     return 0
 
 
@@ -143,13 +223,13 @@ def _delegate(module: str) -> Callable[[list[str]], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pdllm", description="Prefill/decode-disaggregated inference for diffusion LMs on long contexts."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _build_generate_parser(sub)
     for name, (_, help_text) in DELEGATED.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+        sub.add_parser(name, help=help_text, add_help=False)  # parsed by the module's own parser
     return parser
 
 

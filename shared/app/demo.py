@@ -1,4 +1,4 @@
-"""``pdllm demo``: the README's run command.
+"""``pdllm demo``: start the all-in-one deployment and answer a question about a bundled 12K-token document.
 
 Starts the all-in-one deployment (router + prefill worker + decode worker, in-process CPU KV tier) on
 the shipped default model, asks it a question about a bundled ~12K-token document with a planted fact,
@@ -14,7 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdllm.shared.cli_args import Parser
 from pdllm.shared.model.loader import DEFAULT_MODEL_DIR
+from pdllm.shared.rpc.trace_format import SCORE_DIRECTION
 
 SHARED = Path(__file__).resolve().parents[1]  # pdllm/shared: the bundled data and tokenizer live there
 DATA = SHARED / "data"
@@ -42,14 +44,30 @@ def placeholder_model(out: Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdllm demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--document", type=Path, default=DATA / "demo_document.txt")
-    p.add_argument("--question", default=None, help="default: the bundled document's question")
-    p.add_argument("--method", choices=["pdllm", "vanilla"], default="pdllm")
-    p.add_argument("--chunk-size", type=int, default=None, help="default: the checkpoint's (pdllm.json)")
-    p.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's (pdllm.json)")
-    p.add_argument("--gen-length", type=int, default=16)
+    p = Parser(
+        prog="pdllm demo",
+        description="pdllm demo: start the all-in-one deployment (router, prefill and decode worker) on the "
+        "shipped model, ask it about a bundled 12K-token document with a planted fact, print the answer "
+        "and the trace, and stop.",
+    )
+    i = p.add_argument_group("input")
+    i.add_argument(
+        "--document",
+        type=Path,
+        default=DATA / "demo_document.txt",
+        help="UTF-8 text file to ask about (default: the bundled document)",
+    )
+    i.add_argument("--question", default=None, help="the question (default: the bundled document's)")
+    m = p.add_argument_group("model and method")
+    m.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    m.add_argument("--method", choices=["pdllm", "vanilla"], default="pdllm", help="decoding method")
+    m.add_argument(
+        "--chunk-size", type=int, default=None, help="context tokens per chunk (default: the checkpoint's)"
+    )
+    m.add_argument(
+        "--top-k", type=int, default=None, help="chunks kept for decoding (default: the checkpoint's)"
+    )
+    m.add_argument("--gen-length", type=int, default=16, help="answer tokens to denoise, one step each")
     return p
 
 
@@ -84,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
                 context, question, method=args.method, chunk_size=args.chunk_size, top_k=args.top_k,
                 gen_length=args.gen_length, steps=args.gen_length,
             )  # fmt: skip
+            terminal = sys.stderr.isatty()
             for event in stream:
                 if event.HasField("partial"):
                     p = event.partial
-                    print(f"\r  step {p.step}/{p.total_steps}: {p.text!r:60.60}", end="", file=sys.stderr)
+                    line = f"  step {p.step}/{p.total_steps}: {p.text!r:60.60}"
+                    sys.stderr.write(f"\r\x1b[K{line}" if terminal else f"{line}\n")
                 else:
                     final = event.final
-        print(file=sys.stderr)
+        if terminal:
+            sys.stderr.write("\n")
         assert final is not None
         t = final.trace
         print(f"answer: {final.text!r}")
@@ -100,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"method: {t.method}  prompt tokens: {t.prompt_tokens}  chunks: {t.num_chunks}")
         if t.method == "pdllm":
             print(f"selected chunks: {list(t.selected_chunk_ids)}  kept context tokens: {t.kept_tokens}")
+            print(f"  ({SCORE_DIRECTION})")
         tm = t.timings
         print(
             f"timings: prefill {tm.prefill_s:.2f}s score {tm.score_s:.2f}s select {tm.select_s:.3f}s "

@@ -12,7 +12,9 @@ paragraph verbatim: rows score the exact-passage rate (``accuracy``) and ``token
 length is sized per sample (passage + EOS rounded up to whole blocks of ``--block-length``, else of 32), so
 ``--gen-length`` applies to the short-answer tasks only. ``--agreement`` decodes every sample a second time
 with policy ``none`` and adds ``agreement``: the share of answer tokens the policy's decoding shares with
-the no-cache one (by definition 1 under ``none``, where nothing is decoded twice).
+the no-cache one (by definition 1 under ``none``, where nothing is decoded twice). ``--traces FILE``
+writes one JSON line per decoded sample: its cell, the expected answer, and the response with its trace in
+the fields ``generate --json`` and ``ask --json`` print (``shared/rpc/trace_format.py``).
 
 SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
 selected chunks (``decode_service/sdar_decode.py``), either plain or under ``--decode-policy focus``;
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import platform
 import shlex
 import sys
@@ -31,12 +34,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from pdllm.decode_service import sdar_decode
+from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared import settings as schema
+from pdllm.shared.app.trace import generate_traced, response
+from pdllm.shared.cli_args import Parser
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.eval.long_answer import (
@@ -50,9 +57,10 @@ from pdllm.shared.eval.long_answer import (
 )
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
-from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.prompt import encode_prompt
+from pdllm.shared.rpc.trace_format import message_json
 
 EVAL_TASKS = (*TASKS, LONG_ANSWER)
 # Long-answer generation lengths are whole multiples of this where no --block-length is given.
@@ -105,9 +113,26 @@ def generation(settings: EvalSettings, tokenizer: object, sample: AnySample) -> 
     return gen
 
 
-def make_decoder(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Decoder:
-    """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``."""
+def make_decoder(
+    loaded: LoadedModel,
+    method: str,
+    settings: EvalSettings,
+    train_length: int,
+    responses: list[pb.GenerateResponse] | None = None,
+) -> Decoder:
+    """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``.
+    ``responses``: each decode's response (answer and trace, as ``generate`` gives it) is appended there."""
     tok = loaded.tokenizer
+
+    def keep(ids: Any, result: GenerationResult, seconds: float, sel: Any = None) -> None:
+        if responses is not None:
+            text = tok.decode(result.token_ids, skip_special_tokens=True).strip()
+            n = len(ids.instruction) + len(ids.context) + len(ids.query)
+            eos = loaded.config.eos_token_id
+            responses.append(
+                response(method, loaded.path.name, text, result, n, len(ids.context), eos, seconds, sel)
+            )
+
     if method == "vanilla":
         from pdllm.decode_service.worker import DecodeWorker
 
@@ -116,7 +141,10 @@ def make_decoder(loaded: LoadedModel, method: str, settings: EvalSettings, train
         def vanilla(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
             ids = encode_prompt(tok, sample.context, sample.question)
             prompt = list(ids.vanilla(loaded.config.bos_token_id))
-            return worker.vanilla(prompt, gen, policy).token_ids
+            started = time.perf_counter()
+            result = worker.vanilla(prompt, gen, policy)
+            keep(ids, result, time.perf_counter() - started)
+            return result.token_ids
 
         return vanilla
     if method != "pdllm":
@@ -130,7 +158,12 @@ def make_decoder(loaded: LoadedModel, method: str, settings: EvalSettings, train
         cfg = settings.engine_config(loaded, train_length, len(ids.query), gen.gen_length)
         if cfg not in engines:
             engines[cfg] = PrefillingEngine(loaded.model, tok, cfg)
-        out, _ = engines[cfg].generate(ids.context, ids.query, gen, decode_policy=policy)
+        if responses is None:
+            out, _ = engines[cfg].generate(ids.context, ids.query, gen, decode_policy=policy)
+            return out.token_ids
+        started = time.perf_counter()
+        out, sel = generate_traced(engines[cfg], ids, gen, policy)  # the Selection: for the trace
+        keep(ids, out, time.perf_counter() - started, sel)
         return out.token_ids
 
     return pdllm
@@ -173,11 +206,14 @@ def run_grid(
     progress: bool = True,
     on_cell: Callable[[list[dict]], None] | None = None,
     agreement: bool = False,
+    on_trace: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results.
-    ``agreement``: also decode with policy ``none`` and report the share of tokens both decodings share."""
+    ``agreement``: also decode with policy ``none`` and report the share of tokens both decodings share.
+    ``on_trace``: called with each sample's record (cell, expected answer, response with its trace)."""
     tok = loaded.tokenizer
-    decoders = {m: make_decoder(loaded, m, settings, train_length) for m in methods}
+    responses: list[pb.GenerateResponse] | None = [] if on_trace is not None else None
+    decoders = {m: make_decoder(loaded, m, settings, train_length, responses) for m in methods}
     policy = settings.decode_policy
     twice = agreement and policy.name != "none"  # under none the reference is the decoding itself
     rows: list[dict] = []
@@ -192,7 +228,7 @@ def run_grid(
                         exact: list[float] = []
                         token_acc: list[float] = []
                         agree: list[float] = []
-                        for s in cell:
+                        for seed, s in enumerate(cell):
                             gen = generation(settings, tok, s)
                             ids = decoders[method](s, gen, policy)
                             text = tok.decode(ids, skip_special_tokens=True)
@@ -202,10 +238,24 @@ def run_grid(
                                 token_acc.append(score.token_accuracy)
                             else:
                                 exact.append(exact_match(text, s.answer))
+                            if on_trace is not None and responses:
+                                on_trace(
+                                    {
+                                        "task": task,
+                                        "context_length": length,
+                                        "depth": depth,
+                                        "seed": seed,
+                                        "expected": s.answer,
+                                        "exact": bool(exact[-1]),
+                                        "response": message_json(responses.pop()),
+                                    }
+                                )
                             bar.update(1)
                             if twice:
                                 ref = decoders[method](s, gen, DecodePolicyConfig())
                                 agree.append(token_agreement(ids, ref))
+                                if responses:
+                                    responses.clear()  # the reference decode's: not this sample's trace
                                 bar.update(1)
                             elif agreement:
                                 agree.append(1.0)
@@ -259,39 +309,99 @@ def _describe(policy: DecodePolicyConfig) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdllm eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--methods", default="vanilla,pdllm")
-    p.add_argument("--tasks", default="needle,multidoc", help=f"comma-separated: {', '.join(EVAL_TASKS)}")
-    p.add_argument(
+    p = Parser(
+        prog="pdllm eval",
+        usage="%(prog)s [--methods M,...] [--tasks T,...] [--length-multiples X,...] [--samples N] [FLAG ...]",
+        description="pdllm eval: long-context accuracy, vanilla vs pdllm, over context length x depth of the "
+        "gold fact; writes JSON, Markdown and heatmaps.",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    m.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)",
+    )
+    m.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype"
+    )
+    g = p.add_argument_group("grid")
+    g.add_argument("--methods", default="vanilla,pdllm", help=f"comma-separated: {', '.join(METHODS)}")
+    g.add_argument("--tasks", default="needle,multidoc", help=f"comma-separated: {', '.join(EVAL_TASKS)}")
+    g.add_argument(
         "--train-length",
         type=int,
         default=None,
-        help="default: the checkpoint's pdllm.json, else its max positions",
+        help="the model's training length (default: the checkpoint's pdllm.json, else its max positions)",
     )
-    p.add_argument("--length-multiples", default="0.5,1,2,4,8,16", help="context lengths / train length")
-    p.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
-    p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
-    p.add_argument("--gen-length", type=int, default=8, help="short-answer tasks (long-answer: per sample)")
-    p.add_argument("--block-length", type=int, default=None, help="default: one block of --gen-length")
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--score-mode", default=None, choices=["pseudo-label", "self-info", "query-only"])
-    p.add_argument("--kv-mode", default=None, choices=["full-mask", "chunk-query", "chunk-only"])
-    p.add_argument(
-        "--chunk-boundary", default=None, choices=["fixed", "sentence"], help="default: the model's"
+    g.add_argument(
+        "--length-multiples", default="0.5,1,2,4,8,16", help="comma-separated context lengths / train length"
+    )
+    g.add_argument(
+        "--depths",
+        default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
+        help="comma-separated depths of the gold fact in the context (0: start, 1: end)",
+    )
+    g.add_argument("--samples", type=int, default=20, help="seeded samples per (length, depth) cell")
+    n = p.add_argument_group("generation")
+    n.add_argument(
+        "--gen-length",
+        type=int,
+        default=8,
+        help="answer tokens of the short-answer tasks (long-answer: per sample)",
+    )
+    n.add_argument(
+        "--block-length", type=int, default=None, help="block length (default: one block of --gen-length)"
+    )
+    e = p.add_argument_group("pdllm method")
+    e.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="context tokens per chunk (default: the checkpoint's pdllm.json, else train length / 4)",
+    )
+    e.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="chunks kept (default: the checkpoint's pdllm.json, else as many as fit the train length)",
+    )
+    e.add_argument(
+        "--score-mode",
+        default=None,
+        choices=["pseudo-label", "self-info", "query-only"],
+        help="how chunks are scored (default: the checkpoint's, else pseudo-label)",
+    )
+    e.add_argument(
+        "--kv-mode",
+        default=None,
+        choices=["full-mask", "chunk-query", "chunk-only"],
+        help="what decoding attends to (default: the checkpoint's, else full-mask)",
+    )
+    e.add_argument(
+        "--chunk-boundary",
+        default=None,
+        choices=["fixed", "sentence"],
+        help="where chunks end (default: the checkpoint's, else fixed)",
     )
     # --decode-policy and its knobs: flag, choices, help and PDLLM_<FLAG> from the settings schema.
-    schema.add_arguments(p.add_argument_group("decode policy (both methods)"), schema.DecodePolicySettings)
-    p.add_argument(
+    d = p.add_argument_group("decode policy (both methods)")
+    schema.add_arguments(d, schema.DecodePolicySettings)
+    d.add_argument(
         "--agreement",
         action="store_true",
         help="also decode with --decode-policy none; report the share of answer tokens both decodings share",
     )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--name", default="longctx_eval")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory of the reports")
+    o.add_argument("--name", default="longctx_eval", help="file name stem of the reports")
+    o.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        help="also write one JSON line per decoded sample to this file: its cell, the expected answer and "
+        "the response with its trace (the fields of `generate --json`)",
+    )
     return p
 
 
@@ -364,18 +474,27 @@ def main(argv: list[str] | None = None) -> int:
             rows, {**header, "seconds": round(time.perf_counter() - start, 1)}, args.out, args.name
         )
 
-    rows = run_grid(
-        loaded,
-        methods,
-        tasks,
-        lengths,
-        _floats(args.depths),
-        args.samples,
-        settings,
-        train_length,
-        on_cell=save,
-        agreement=args.agreement,
-    )
+    traces = None
+    if args.traces is not None:
+        args.traces.parent.mkdir(parents=True, exist_ok=True)
+        traces = args.traces.open("w", encoding="utf-8")
+    try:
+        rows = run_grid(
+            loaded,
+            methods,
+            tasks,
+            lengths,
+            _floats(args.depths),
+            args.samples,
+            settings,
+            train_length,
+            on_cell=save,
+            agreement=args.agreement,
+            on_trace=None if traces is None else lambda record: print(json.dumps(record), file=traces),
+        )
+    finally:
+        if traces is not None:
+            traces.close()
     table = save(rows)
     for path in write_heatmaps(rows, args.out, args.name):
         print(f"wrote {path}", file=sys.stderr)

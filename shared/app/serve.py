@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,9 +27,8 @@ from pdllm.shared import settings
 from pdllm.shared.app.handoff import make_receiver, make_sender
 from pdllm.shared.app.serve_args import build_parser, piece_tokens
 from pdllm.shared.rpc.channels import worker_channel_factory
-from pdllm.shared.rpc.metrics import MergedRegistries, start_metrics_endpoint
 from pdllm.shared.rpc.options import server_config_from_args
-from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, service_spec
+from pdllm.shared.rpc.server import RpcServer, ServerConfig, build_server, check_port, service_spec
 
 _log = logging.getLogger("pdllm.serve")
 
@@ -224,9 +223,14 @@ def start_decode(
 
 
 def start_router(
-    args: argparse.Namespace, config: ServerConfig, tokenizer: Any, workers: ServerConfig | None = None
+    args: argparse.Namespace,
+    config: ServerConfig,
+    tokenizer: Any,
+    workers: ServerConfig | None = None,
+    also_export: Sequence[CollectorRegistry] = (),
 ) -> tuple[RpcServer, Callable]:
-    """``workers``: how the workers are reached (TLS, token); default: like the router itself."""
+    """``workers``: how the workers are reached (TLS, token); default: like the router itself.
+    ``also_export``: registries the router's metrics endpoint serves beside its own."""
     from pdllm.protos.pdllm.v1 import generation_pb2_grpc
     from pdllm.router.discovery import HealthCheckConfig, WorkerPool, discovery_from_flags
     from pdllm.router.server import Pools, RouterConfig, RouterServicer
@@ -256,7 +260,7 @@ def start_router(
     routing = RouterConfig(max_queue=args.max_queue, name_workers=workers is None, build_on=args.build_on)
     servicer = RouterServicer(tokenizer, view, routing, limits, defaults)
     spec = service_spec(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, "pdllm.v1.Generation")
-    server = build_server(config, [spec]).start()
+    server = build_server(config, [spec]).start(also_export)
 
     def close() -> None:
         source.stop()
@@ -285,6 +289,7 @@ def start(args: argparse.Namespace) -> Deployment:
     """Start what ``args.role`` asks for; returns once every server is serving."""
     _policy_defaults(args)
     config = server_config_from_args(args, args.role if args.role != "all" else "router")
+    check_port(config.host, config.port)  # a taken --port fails before a long model load
     if args.role == "router":
         from pdllm.shared.model.loader import load_tokenizer, resolve_model_dir
 
@@ -320,15 +325,12 @@ def start(args: argparse.Namespace) -> Deployment:
             "build_on": "decode",  # one device: nothing to hand off
         }
     )
-    # One public metrics endpoint for the three servers (the workers' own have no port): router, prefill,
-    # decode and KV-tier metrics, the servers' pdllm_rpc_* told apart by their role label.
+    # One public metrics endpoint for the three servers (the workers' own have no port), the router's:
+    # router, prefill, decode and KV-tier metrics, the servers' pdllm_rpc_* told apart by their role label.
+    workers_metrics = [prefill.registry, decode.registry]
     router, close_router = start_router(
-        args, replace(config, metrics_port=None), loaded.tokenizer, workers=internal
+        args, config, loaded.tokenizer, workers=internal, also_export=workers_metrics
     )
-    if config.metrics_port is not None:
-        merged = CollectorRegistry()
-        merged.register(MergedRegistries([router.registry, prefill.registry, decode.registry]))
-        router.metrics_endpoint = start_metrics_endpoint(merged, config.metrics_host, config.metrics_port)
     return Deployment([router, prefill, decode], [close_router, close_prefill, close_decode, close_store])
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from pdllm.shared import settings
 from pdllm.shared.app.handoff import add_handoff_arguments
+from pdllm.shared.cli_args import Parser
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KV_WRITE_POLICIES, check_kv_write_policy
 from pdllm.shared.rpc.options import add_server_arguments, env_value
 
@@ -44,67 +45,85 @@ def _env_bool(raw: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pdllm serve",
-        description="pdllm serve: run the router, a prefill worker, a decode worker, or all three in one process",
+        usage="%(prog)s [--role {router,prefill,decode,all}] [--port PORT] [--model DIR] [FLAG ...]",
+        description="pdllm serve: run the router, a prefill worker, a decode worker, or all three in one "
+        "process. Every flag also reads PDLLM_<FLAG> from the environment.",
     )
-    p.add_argument("--role", choices=ROLES, default=_env_default("--role", "all"))
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=_env_default("--model", None), help="checkpoint dir (default: shipped)")
-    m.add_argument("--device", default=_env_default("--device", "cpu"))
+    m = p.add_argument_group("role and model")
     m.add_argument(
-        "--dtype", default=_env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"]
+        "--role",
+        choices=ROLES,
+        default=_env_default("--role", "all"),
+        help="what this process runs: the public router, a prefill or decode worker, or all three (one "
+        "model shared by the two workers, the router on --port)",
     )
-    # Engine settings no request carries: flag, choices, help and PDLLM_<FLAG> from the schema; unset, the
-    # checkpoint's pdllm.json decides (serve.py checks what was given).
-    settings.add_arguments(
-        p.add_argument_group("engine (prefill and decode workers)"),
-        settings.EngineOnlySettings,
-        unset="the checkpoint's pdllm.json, else {default}",
-        names=SERVE_ENGINE_SETTINGS,
+    m.add_argument(
+        "--model",
+        default=_env_default("--model", None),
+        help="checkpoint directory (default: the shipped model); the router reads its tokenizer",
     )
-    # The router's decode policy for requests that name none (a request's DecodePolicyParams decide
-    # otherwise); workers take the policy each request carries.
-    settings.add_arguments(
-        p.add_argument_group("decode policy (router: the default of requests that name none)"),
-        settings.DecodePolicySettings,
+    m.add_argument(
+        "--device", default=_env_default("--device", "cpu"), help="workers' device: cpu, cuda, cuda:N"
     )
-    k = p.add_argument_group("KV tier")
-    k.add_argument(
-        "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"
+    m.add_argument(
+        "--dtype",
+        default=_env_default("--dtype", "float32"),
+        choices=["float32", "bfloat16", "float16"],
+        help="workers' weights and KV dtype",
     )
-    k.add_argument("--kv-cpu-bytes", type=int, default=_env_default("--kv-cpu-bytes", 2 << 30, int))
-    k.add_argument(
-        "--kv-write-queue-bytes",
-        type=int,
-        default=_env_default("--kv-write-queue-bytes", 1 << 30, int),
-        help="chunk-KV writes to the tier run on a background thread with at most this many bytes queued "
-        "(more are dropped and counted); 0: write on the device thread, waiting for each write",
-    )
-    k.add_argument(
-        "--kv-write-policy",
-        choices=KV_WRITE_POLICIES,
-        default=_env_default("--kv-write-policy", DEFAULT_KV_WRITE_POLICY, check_kv_write_policy),
-        help="which chunk KV prefill writes to the tier once a request's top-K is known: 'all' computed "
-        "chunks, the 'selected' top-K, or 'second-sight' (the top-K; every chunk once a request finds its "
-        "document already stored), benchmarks/results/kv_write_policy.md",
-    )
+    add_server_arguments(p)
     r = p.add_argument_group("router")
     r.add_argument(
-        "--discovery", default=_env_default("--discovery", "static"), choices=["static", "kubernetes"]
+        "--discovery",
+        default=_env_default("--discovery", "static"),
+        choices=["static", "kubernetes"],
+        help="how the router finds workers: the --prefill-workers / --decode-workers lists, or the "
+        "endpoints of the --k8s-* services",
     )
-    r.add_argument("--prefill-workers", default=_env_default("--prefill-workers", ""))
-    r.add_argument("--decode-workers", default=_env_default("--decode-workers", ""))
-    r.add_argument("--k8s-namespace", default=_env_default("--k8s-namespace", ""))
-    r.add_argument("--k8s-prefill-service", default=_env_default("--k8s-prefill-service", ""))
-    r.add_argument("--k8s-decode-service", default=_env_default("--k8s-decode-service", ""))
-    r.add_argument("--max-queue", type=int, default=_env_default("--max-queue", 256, int))
+    r.add_argument(
+        "--prefill-workers",
+        default=_env_default("--prefill-workers", ""),
+        help="static discovery: comma-separated host:port of the prefill workers",
+    )
+    r.add_argument(
+        "--decode-workers",
+        default=_env_default("--decode-workers", ""),
+        help="static discovery: comma-separated host:port of the decode workers",
+    )
+    r.add_argument(
+        "--k8s-namespace",
+        default=_env_default("--k8s-namespace", ""),
+        help="kubernetes discovery: the workers' namespace (default: the pod's own)",
+    )
+    r.add_argument(
+        "--k8s-prefill-service",
+        default=_env_default("--k8s-prefill-service", ""),
+        help="kubernetes discovery: the prefill workers' Service",
+    )
+    r.add_argument(
+        "--k8s-decode-service",
+        default=_env_default("--k8s-decode-service", ""),
+        help="kubernetes discovery: the decode workers' Service",
+    )
+    r.add_argument(
+        "--max-queue",
+        type=int,
+        default=_env_default("--max-queue", 256, int),
+        help="requests the router holds at once; beyond it, RESOURCE_EXHAUSTED",
+    )
     r.add_argument(
         "--model-name",
         default=_env_default("--model-name", ""),
         help="name clients use (default: the model dir)",
     )
-    r.add_argument("--max-prompt-bytes", type=int, default=_env_default("--max-prompt-bytes", 4 << 20, int))
+    r.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=_env_default("--max-prompt-bytes", 4 << 20, int),
+        help="largest context + question + instruction a request may send (UTF-8 bytes)",
+    )
     pb = p.add_argument_group("prefill")
     pb.add_argument(
         "--prefill-batch-requests",
@@ -116,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-batch-wait-ms",
         type=float,
         default=_env_default("--prefill-batch-wait-ms", 2.0, float),
-        help="how long the first request of a batch waits for company",
+        help="milliseconds the first request of a batch waits for company",
     )
     pb.add_argument(
         "--prefill-piece-tokens",
@@ -124,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_default("--prefill-piece-tokens", None, int),
         help="chunk prefill forwards hold at most this many padded chunk tokens (at least one chunk): a "
         "request whose caller has gone stops between them, and in --role all decode rounds run between them "
-        f"(0: whole batches of prefill_batch chunks; default {PIECE_TOKENS['all']} with --role all, "
+        f"(0: whole batches of --prefill-batch chunks; default {PIECE_TOKENS['all']} with --role all, "
         f"{PIECE_TOKENS['prefill']} with --role prefill)",
     )
     pb.add_argument(
@@ -145,10 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-pool-bytes",
         type=int,
         default=_env_default("--kv-pool-bytes", 0, int),
-        help="decode KV pool size; requests beyond it wait (0: 40%% of free GPU memory after the model "
-        "load on CUDA, 256 MiB on CPU)",
+        help="decode KV pool size in bytes; requests beyond it wait (default 0: 40%% of free GPU memory "
+        "after the model load on CUDA, 256 MiB on CPU)",
     )
-    d.add_argument("--max-waiting", type=int, default=_env_default("--max-waiting", 256, int))
+    d.add_argument(
+        "--max-waiting",
+        type=int,
+        default=_env_default("--max-waiting", 256, int),
+        help="requests queued beyond --max-active; beyond it, RESOURCE_EXHAUSTED (the router tries another "
+        "worker)",
+    )
     d.add_argument(
         "--max-vanilla-tokens",
         type=int,
@@ -170,6 +195,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay batched decode rounds as CUDA graphs, one per padded shape bucket (default: on for "
         "CUDA devices: 1.44 vs 1.25 req/s at 16 x 16K on an H100, benchmarks/results/serving_notes.md)",
     )
+    k = p.add_argument_group("KV tier")
+    k.add_argument(
+        "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"
+    )
+    k.add_argument(
+        "--kv-cpu-bytes",
+        type=int,
+        default=_env_default("--kv-cpu-bytes", 2 << 30, int),
+        help="in-process CPU tier of chunk KV, in front of Redis (0: none)",
+    )
+    k.add_argument(
+        "--kv-write-queue-bytes",
+        type=int,
+        default=_env_default("--kv-write-queue-bytes", 1 << 30, int),
+        help="chunk-KV writes to the tier run on a background thread with at most this many bytes queued "
+        "(more are dropped and counted); 0: write on the device thread, waiting for each write",
+    )
+    k.add_argument(
+        "--kv-write-policy",
+        choices=KV_WRITE_POLICIES,
+        default=_env_default("--kv-write-policy", DEFAULT_KV_WRITE_POLICY, check_kv_write_policy),
+        help="which chunk KV prefill writes to the tier once a request's top-K is known: 'all' computed "
+        "chunks, the 'selected' top-K, or 'second-sight' (the top-K; every chunk once a request finds its "
+        "document already stored), benchmarks/results/kv_write_policy.md",
+    )
     add_handoff_arguments(p, _env_default)
-    add_server_arguments(p)
+    # Engine settings no request carries: flag, choices, help and PDLLM_<FLAG> from the schema; unset, the
+    # checkpoint's pdllm.json decides (serve.py checks what was given).
+    settings.add_arguments(
+        p.add_argument_group("engine (prefill and decode workers)"),
+        settings.EngineOnlySettings,
+        unset="the checkpoint's pdllm.json, else {default}",
+        names=SERVE_ENGINE_SETTINGS,
+    )
+    # The router's decode policy for requests that name none (a request's DecodePolicyParams decide
+    # otherwise); workers take the policy each request carries.
+    settings.add_arguments(
+        p.add_argument_group("decode policy (router: the default of requests that name none)"),
+        settings.DecodePolicySettings,
+    )
     return p

@@ -6,12 +6,13 @@ Figure 6), and merging the JSON of several runs (a grid split over device calls)
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
+
+from pdllm.shared.cli_args import Parser
 
 METHODS = ("vanilla", "pdllm")
 
@@ -117,11 +118,15 @@ def merge(paths: list[Path]) -> tuple[dict, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Merge pdllm eval JSON files into one report")
-    ap.add_argument("runs", type=Path, nargs="+")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--title", default=None)
+    ap = Parser(
+        prog="python -m pdllm.shared.eval.report", description="Merge pdllm eval JSON files into one report."
+    )
+    ap.add_argument(
+        "runs", type=Path, nargs="+", help="JSON files `pdllm eval` wrote; a later run's cell wins"
+    )
+    ap.add_argument("--out", type=Path, required=True, help="directory of the merged report")
+    ap.add_argument("--name", required=True, help="file name stem of the merged report")
+    ap.add_argument("--title", default=None, help="report title (default: the last run's)")
     args = ap.parse_args(argv)
     try:
         header, rows = merge(args.runs)

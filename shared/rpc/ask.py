@@ -14,34 +14,59 @@ import os
 import sys
 from pathlib import Path
 
-from google.protobuf import json_format
-
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared import settings
+from pdllm.shared.cli_args import Parser
 from pdllm.shared.rpc.client import ClientTls, PdllmClient, build_generate_request
 from pdllm.shared.rpc.errors import InvalidRequestError, PdllmError
+from pdllm.shared.rpc.trace_format import message_json, summary
 
 EXIT_SERVER_ERROR = 1
 EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdllm ask", description="Ask a running pdllm server a question.")
-    p.add_argument("--server", default=os.environ.get("PDLLM_SERVER", "127.0.0.1:50051"), help="host:port")
-    src = p.add_mutually_exclusive_group(required=True)
+    p = Parser(
+        prog="pdllm ask", description="pdllm ask: ask a running server a question about a (long) context."
+    )
+    c = p.add_argument_group("server")
+    c.add_argument(
+        "--server",
+        default=os.environ.get("PDLLM_SERVER", "127.0.0.1:50051"),
+        help="host:port of the router (or the all-in-one server) (env PDLLM_SERVER; default %(default)s)",
+    )
+    c.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    c.add_argument(
+        "--token-file", type=Path, default=None, help="file holding the bearer token (else $PDLLM_AUTH_TOKEN)"
+    )
+    c.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
+    c.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate(s) to trust")
+    c.add_argument(
+        "--tls-server-name", default=None, help="name to check the server certificate against (default: host)"
+    )
+    r = p.add_argument_group("request")
+    src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="UTF-8 text file holding the context")
     src.add_argument("--context", help="the context itself")
-    p.add_argument("--question", required=True)
-    p.add_argument("--instruction", default=None)
-    p.add_argument("--model", default="", help="model name (default: the server's default)")
-    p.add_argument("--request-id", default="")
-    p.add_argument("--stream", action="store_true", help="print partial answers to stderr as they unmask")
-    p.add_argument("--json", action="store_true", help="print the final response as one JSON object")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
-    p.add_argument("--token-file", type=Path, default=None, help="file holding the bearer token")
-    p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
-    p.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate(s) to trust")
-    p.add_argument("--tls-server-name", default=None, help="name to check the server certificate against")
+    r.add_argument("--question", required=True, help="the question to answer about the context")
+    r.add_argument("--instruction", default=None, help="optional instruction before the context")
+    r.add_argument("--model", default="", help="model name (default: the server's model)")
+    r.add_argument(
+        "--request-id", default="", help="id for the server's logs (default: the server makes one)"
+    )
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--stream",
+        action="store_true",
+        help="show the answer on stderr as it unmasks (one line redrawn on a terminal, a line per step when "
+        "piped)",
+    )
+    o.add_argument(
+        "--json",
+        action="store_true",
+        help="print the response as one JSON object, in the fields of pdllm.v1.GenerateResponse "
+        "(what `pdllm generate --json` prints)",
+    )
     settings.add_arguments(
         p.add_argument_group("generation"), settings.GenerationSettings, unset="the server's"
     )
@@ -66,19 +91,14 @@ def _read_text(path: Path, what: str) -> str:
         raise ValueError(f"{path}: {what} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
 
 
-def _summary(final: pb.GenerateResponse) -> str:
-    trace = final.trace
-    timings = json_format.MessageToDict(trace.timings, preserving_proto_field_name=True)
-    parts = [
-        f"method {trace.method or '?'}",
-        f"prompt tokens {trace.prompt_tokens}",
-        f"chunks {trace.num_chunks}, selected {list(trace.selected_chunk_ids)}",
-        f"cache hits {trace.cache_hits}, misses {trace.cache_misses}",
-        f"steps {trace.steps}",
-        f"decode policy {trace.decode_policy.policy or '?'}",
-        "timings " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()),
-    ]
-    return "trace: " + "; ".join(parts)
+def _progress(part: pb.PartialOutput, terminal: bool) -> None:
+    """One partial answer on stderr: redrawn in place on a terminal, a plain line otherwise."""
+    line = f"[step {part.step}/{part.total_steps}] {part.text}"
+    if terminal:
+        sys.stderr.write("\r\x1b[K" + line)
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -95,21 +115,25 @@ def _run(args: argparse.Namespace) -> int:
     with PdllmClient(args.server, token=token or None, tls=tls) as client:
         if args.stream:
             final = None
-            for message in client.stream_request(request, timeout_s=args.timeout):
-                if message.HasField("partial"):
-                    part = message.partial
-                    print(f"[step {part.step}/{part.total_steps}] {part.text}", file=sys.stderr, flush=True)
-                else:
-                    final = message.final
+            terminal = sys.stderr.isatty()
+            try:
+                for message in client.stream_request(request, timeout_s=args.timeout):
+                    if message.HasField("partial"):
+                        _progress(message.partial, terminal)
+                    else:
+                        final = message.final
+            finally:
+                if terminal:  # end the redrawn line, also before an error message
+                    sys.stderr.write("\n")
             if final is None:
                 raise PdllmError("the server ended the stream without a final message")
         else:
             final = client.generate_request(request, timeout_s=args.timeout)
     if args.json:
-        print(json.dumps(json_format.MessageToDict(final, preserving_proto_field_name=True)))
+        print(json.dumps(message_json(final)))
     else:
         print(final.text)
-        print(_summary(final), file=sys.stderr)
+        print(summary(final.trace), file=sys.stderr)
     return 0
 
 

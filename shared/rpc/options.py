@@ -25,11 +25,12 @@ def add_server_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, 
     g = parser.add_argument_group("server")
 
     def add(flag: str, convert: Callable[[str], T], default: T, help_text: str) -> None:
+        shown = '""' if default == "" else default
         g.add_argument(
             flag,
             type=convert,
             default=env_value(flag, convert, default, env),
-            help=f"{help_text} (env {env_name(flag)}; default {default})",
+            help=f"{help_text} (env {env_name(flag)}; default {shown})",
         )
 
     add("--host", str, "127.0.0.1", "address to bind")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from pdllm.shared.rpc.interceptors import AdmissionState, AuthInterceptor, ObservabilityInterceptor
-from pdllm.shared.rpc.metrics import MetricsEndpoint, RpcMetrics, start_metrics_endpoint
+from pdllm.shared.rpc.metrics import MergedRegistries, MetricsEndpoint, RpcMetrics, start_metrics_endpoint
 
 _log = logging.getLogger("pdllm.rpc.server")
 
@@ -93,6 +94,28 @@ def _address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def check_port(host: str, port: int) -> None:
+    """ValueError naming ``--port`` when ``host:port`` cannot be bound (another server listens there);
+    port 0 (any free port) always can. A probe socket, bound and closed at once, with the address reuse
+    gRPC's own listener uses."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host}: cannot resolve it ({err.strerror})") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as err:
+                raise ValueError(
+                    f"--port {port}: cannot listen on {_address(host, port)} ({err.strerror or err}); "
+                    "another server is there: stop it or pick another --port (0: any free port)"
+                ) from None
+
+
 class RpcServer:
     """A built (not yet started) server; `start()`, then `drain()` or `stop()`."""
 
@@ -126,10 +149,17 @@ class RpcServer:
     def metrics_port(self) -> int | None:
         return self.metrics_endpoint.port if self.metrics_endpoint else None
 
-    def start(self) -> RpcServer:
+    def start(self, also_export: Iterable[CollectorRegistry] = ()) -> RpcServer:
+        """``also_export``: registries whose metrics this server's endpoint serves beside its own (the
+        all-in-one deployment's workers, which have no endpoint of their own)."""
         if self.config.metrics_port is not None:
+            registry = self.registry
+            others = list(also_export)
+            if others:
+                registry = CollectorRegistry()
+                registry.register(MergedRegistries([self.registry, *others]))
             self.metrics_endpoint = start_metrics_endpoint(
-                self.registry, self.config.metrics_host, self.config.metrics_port
+                registry, self.config.metrics_host, self.config.metrics_port
             )
         self.grpc_server.start()
         for name in ("", *self.service_names):
@@ -257,11 +287,15 @@ def build_server(
         listed = (*names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
         reflection.enable_server_reflection(listed, server)
         server.add_generic_rpc_handlers((_reflection_v1_handler(listed),))
+    check_port(config.host, config.port)  # before gRPC's own bind, which logs a C-core error first
     address = _address(config.host, config.port)
-    if credentials is not None:
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.68 raises where it returned 0
+        port = 0
     if port == 0:  # ValueError: `serve` reports it as one line naming the flag
         raise ValueError(f"--port {config.port}: could not bind the gRPC server to {address} (in use?)")
     return RpcServer(config, server, port, health_servicer, names, admission, metrics, registry)

@@ -8,7 +8,6 @@ measured over the first steps) and the checkpoint is written before the budget r
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..cli_args import Parser
 from ..eval.tasks import TaskFactory, split_train_eval_sentences
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, save_checkpoint
@@ -277,7 +277,7 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train the shipped masked-diffusion model")
+    parser = Parser(prog="pdllm train", description="pdllm train: train the small dLLM the project ships.")
     parser.add_argument("--config", type=Path, help="training config JSON (see shared/training/configs/)")
     parser.add_argument(
         "--smoke",
@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/train"), help="output directory")
     parser.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget for training")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the config's)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the config's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.config is None and not args.smoke:
         parser.error("give --config FILE or --smoke")

@@ -46,9 +46,10 @@ def test_vanilla_generate_matches_library(tiny_dir, tmp_path) -> None:
     expected = generate_vanilla(
         loaded.model, ids.vanilla(loaded.config.bos_token_id), GenerationConfig(gen_length=8, steps=8)
     )
-    assert out["answer"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
-    assert out["method"] == "vanilla" and out["timings"]["decode"] > 0
-    assert out["prompt_tokens"] == len(ids.vanilla(None))
+    assert out["text"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
+    trace = out["trace"]
+    assert trace["method"] == "vanilla" and trace["timings"]["decode_s"] > 0
+    assert trace["prompt_tokens"] == len(ids.vanilla(None))
 
 
 def test_text_output_prints_timings(tiny_dir) -> None:
@@ -57,7 +58,7 @@ def test_text_output_prints_timings(tiny_dir) -> None:
         "--method", "vanilla", "--gen-length", "4", "--steps", "2",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    assert "timings: load" in res.stderr and "decode" in res.stderr
+    assert "timings load_s " in res.stderr and "decode_s " in res.stderr
 
 
 @pytest.mark.parametrize(

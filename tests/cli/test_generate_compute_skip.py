@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from pdllm.decode_service.server import policy_trace
 from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.app.engine import PrefillingEngine
@@ -16,6 +17,7 @@ from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
+from pdllm.shared.rpc.trace_format import message_json
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 from .test_generate_policy import CONTEXT, QUESTION, _generate
@@ -32,6 +34,11 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sdar_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "sdar", family="sdar")
+
+
+def _policy_json(cache: dict) -> dict:
+    """The trace's decode_policy for a result's counters, as the decode server reports it."""
+    return message_json(policy_trace(cache))
 
 
 def _library(model_dir, policy: DecodePolicyConfig) -> tuple[str, dict]:
@@ -53,13 +60,14 @@ def test_vanilla_matches_library(tiny_dir, capsys, flags: list[str], policy: Dec
     assert main(_generate(tiny_dir, "--method", "vanilla", *flags, "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     answer, cache = _library(tiny_dir, policy)
-    assert out["answer"] == answer and out["decode_policy"] == cache and cache["policy"] == policy.name
+    assert out["text"] == answer and out["trace"]["decode_policy"] == _policy_json(cache)
+    assert cache["policy"] == policy.name
 
 
 @pytest.mark.parametrize("name", ["dyllm", "focus"])
 def test_pdllm_runs_and_names_the_policy(tiny_dir, capsys, name: str) -> None:
     assert main([*_generate(tiny_dir, *PDLLM), "--decode-policy", name, "--json"]) == 0
-    stats = json.loads(capsys.readouterr().out)["decode_policy"]
+    stats = json.loads(capsys.readouterr().out)["trace"]["decode_policy"]
     assert stats["policy"] == name and stats["forwards"] == GEN.steps
 
 
@@ -67,7 +75,8 @@ def test_sdar_vanilla_focus_runs_block_by_block(sdar_dir, capsys) -> None:
     assert main(_generate(sdar_dir, "--method", "vanilla", "--decode-policy", "focus", "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     answer, cache = _library(sdar_dir, DecodePolicyConfig("focus"))
-    assert out["answer"] == answer and out["decode_policy"] == cache and cache["policy"] == "focus"
+    assert out["text"] == answer and out["trace"]["decode_policy"] == _policy_json(cache)
+    assert cache["policy"] == "focus"
 
 
 def test_sdar_pdllm_focus_matches_the_engine(sdar_dir, capsys) -> None:
@@ -78,9 +87,8 @@ def test_sdar_pdllm_focus_matches_the_engine(sdar_dir, capsys) -> None:
     engine = PrefillingEngine(loaded.model, loaded.tokenizer, EngineConfig(chunk_size=16, top_k=2))
     result, _ = engine.generate(ids.context, ids.query, GEN, decode_policy=DecodePolicyConfig("focus"))
     answer = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
-    assert (
-        out["answer"] == answer and out["decode_policy"] == result.cache and result.cache["policy"] == "focus"
-    )
+    assert out["text"] == answer and out["trace"]["decode_policy"] == _policy_json(result.cache)
+    assert result.cache["policy"] == "focus"
 
 
 def test_sdar_refuses_dyllm(sdar_dir, capsys) -> None:

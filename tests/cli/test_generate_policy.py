@@ -6,12 +6,14 @@ import json
 
 import pytest
 
+from pdllm.decode_service.server import policy_trace
 from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
+from pdllm.shared.rpc.trace_format import message_json
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 
@@ -38,20 +40,22 @@ def test_vanilla_dual_cache_matches_library(tiny_dir, capsys) -> None:
     expected = generate_vanilla(
         loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, policy=DecodePolicyConfig("dual-cache")
     )
-    assert out["answer"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
-    assert out["decode_policy"] == expected.cache and out["decode_policy"]["refreshes"] >= 1
+    assert out["text"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
+    policy = out["trace"]["decode_policy"]
+    assert policy == message_json(policy_trace(expected.cache)) and policy["refreshes"] >= 1
 
 
 def test_pdllm_prefix_cache_runs_and_names_the_policy(tiny_dir, capsys) -> None:
     args = _generate(tiny_dir, "--method", "pdllm", "--chunk-size", "16", "--top-k", "2")
     assert main([*args, "--decode-policy", "prefix-cache", "--cache-refresh-steps", "2"]) == 0
     err = capsys.readouterr().err
-    assert 'decode policy: {"policy": "prefix-cache"' in err and '"refreshes": ' in err
+    assert "decode policy prefix-cache" in err
 
 
 def test_no_policy_reports_none(tiny_dir, capsys) -> None:
     assert main(_generate(tiny_dir, "--method", "vanilla", "--json")) == 0
-    assert json.loads(capsys.readouterr().out)["decode_policy"] == {"policy": "none"}
+    policy = json.loads(capsys.readouterr().out)["trace"]["decode_policy"]
+    assert policy["policy"] == "none" and policy["forwards"] == 0 and policy["counters"] == {}
 
 
 @pytest.mark.parametrize(
@@ -95,14 +99,15 @@ def test_vanilla_sparse_dllm_matches_library(tiny_dir, capsys) -> None:
     gen = GenerationConfig(gen_length=8, steps=8, block_length=4)
     policy = DecodePolicyConfig("sparse-dllm", retention=0.25, pool_kernel=1, delay_steps=2)
     expected = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), gen, policy=policy)
-    assert out["answer"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
-    assert out["decode_policy"] == expected.cache and out["decode_policy"]["policy"] == "sparse-dllm"
+    assert out["text"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
+    policy = out["trace"]["decode_policy"]
+    assert policy == message_json(policy_trace(expected.cache)) and policy["policy"] == "sparse-dllm"
 
 
 def test_pdllm_sparse_dllm_runs_with_the_papers_defaults(tiny_dir, capsys) -> None:
     args = _generate(tiny_dir, "--method", "pdllm", "--chunk-size", "16", "--top-k", "2")
     assert main([*args, "--decode-policy", "sparse-dllm", "--json"]) == 0
-    stats = json.loads(capsys.readouterr().out)["decode_policy"]
+    stats = json.loads(capsys.readouterr().out)["trace"]["decode_policy"]
     assert stats["policy"] == "sparse-dllm" and stats["refreshes"] == 2  # one cache per block
 
 

@@ -38,8 +38,8 @@ def test_pdllm_on_sdar_equals_block_diffusion_on_the_selection(sdar_dir: Path, c
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     out = json.loads(captured.out)
-    selected = out["trace"]["selected"]
-    assert len(selected) == 2 and out["trace"]["decode_steps"] == 8
+    selected = out["trace"]["selected_chunk_ids"]
+    assert len(selected) == 2 and out["trace"]["steps"] == 8
     loaded = load_model(sdar_dir)
     ids = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION)
     chunks = split_context(list(ids.context), 16)
@@ -49,7 +49,7 @@ def test_pdllm_on_sdar_equals_block_diffusion_on_the_selection(sdar_dir: Path, c
     prompt += list(ids.query)
     gen = GenerationConfig(gen_length=8, steps=8, block_length=4)
     expected = generate_block_diffusion(loaded.model, torch.tensor(prompt), gen)
-    assert out["answer"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
+    assert out["text"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ def test_generate_uses_the_checkpoint_chunking_unless_told(tiny_dir, tmp_path, c
     args += ["--gen-length", "4", "--steps", "2"]
     assert main(args) == 0
     trace = json.loads(capsys.readouterr().out)["trace"]
-    assert trace["num_chunks"] == -(-n_tokens // 16) and len(trace["selected"]) == 1
+    assert trace["num_chunks"] == -(-n_tokens // 16) and len(trace["selected_chunk_ids"]) == 1
     assert main([*args, "--chunk-size", "32", "--top-k", "2"]) == 0
     trace = json.loads(capsys.readouterr().out)["trace"]
-    assert trace["num_chunks"] == -(-n_tokens // 32) and len(trace["selected"]) == 2
+    assert trace["num_chunks"] == -(-n_tokens // 32) and len(trace["selected_chunk_ids"]) == 2
