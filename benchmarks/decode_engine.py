@@ -76,7 +76,10 @@ of the cases not run from an earlier file of the same name.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import threading
 import time
@@ -940,8 +943,8 @@ def case_rounds(bench: Bench) -> None:
 
 def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
     """``--profile``: the CUDA kernels of four cached dual-cache rounds of pdllm sessions, eager (op by op, so
-    every kernel is named) at each batch of ``--batches``, and the graphed round's time at the same state;
-    written to ``<name>_profile.txt`` beside the results."""
+    every kernel is named) at each batch of ``--batches``, the graphed round's time at the same state and a
+    cProfile of eight graphed rounds (where the host's time goes); written to ``<name>_profile.txt``."""
     if not bench.run.cuda:
         return
     from torch.profiler import ProfilerActivity, profile
@@ -959,6 +962,14 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
             decode_round(st.forward, active)
         sync(bench.device)
         graphed_ms = (time.perf_counter() - t) / 4 * 1e3
+        host = cProfile.Profile()  # the host's share: what the rounds loop spends its wall time in
+        host.enable()
+        for _ in range(8):
+            decode_round(st.forward, active)
+        sync(bench.device)
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(30)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
                 decode_round(eager, active)
@@ -967,6 +978,7 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
         out.append(f"## batch {n}: graphed cached round {graphed_ms:.2f} ms; eager profile of 4 rounds "
                    f"(~{rows} sessions' rows)\n")  # fmt: skip
         out.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        out.append(f"### batch {n}: cProfile of 8 graphed rounds (host)\n{text.getvalue()}")
         for s in active:
             st.pool.release(s.pages)
     path = bench.args.out / f"{bench.args.name}_profile.txt"
