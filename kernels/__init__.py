@@ -15,6 +15,9 @@
 - :mod:`.silu_mul`: SwiGLU ``silu(gate) * up``, separate or from one fused ``gate_up`` (Triton + reference).
 - :mod:`.skinny_gemm`: GEMMs of at most 64 rows (a decode step) with SwiGLU or the residual add in the
   epilogue; the model's MLP takes them on CUDA where :func:`~.skinny_gemm.pick_config` has a config.
+- :mod:`.resources`: the device's shared-memory limit and the launch guard. Each launcher fits its config to
+  that limit per dtype (pure ``fit_config`` / ``pick_config`` functions, tested on CPU) and falls back to its
+  reference, logged once, where nothing fits or Triton refuses the launch for lack of resources.
 
 Measured behaviour and the backend choice are in ``benchmarks/results/attention_notes.md``.
 """

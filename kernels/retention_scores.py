@@ -15,6 +15,9 @@ The kernel never forms ``P``: it takes the per-row log-sum-exp the prefill atten
 (``chunk_prefill_attention(..., return_lse=True)``) and recomputes only the query x chunk and chunk x query
 score tiles, normalising them with that LSE; about ``4 * Lq * C * Hq * D`` flops per chunk against the
 ``4 * (C + Lq)^2 * Hq * D`` of the attention pass itself.
+
+Tiles and stages are fitted to the device's shared memory per dtype (:func:`fit_config`); where nothing fits,
+or Triton refuses the launch for lack of resources, the reference runs (logged once).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pdllm.kernels.chunk_prefill_attention import _sequence_scores, chunk_prefill_attention
+from pdllm.kernels.resources import guarded, itemsize, smem_limit, warn_once
 
 try:
     import triton
@@ -30,6 +34,36 @@ except ImportError:  # pragma: no cover
     triton = None
 
 LOG2E = 1.4426950408889634
+NUM_STAGES = 3  # Triton's default on CUDA
+SCRATCH_BYTES = 4096
+
+
+def smem_estimate(block_n: int, block_m: int, num_stages: int, dtype: torch.dtype, head_dim: int) -> int:
+    """Upper estimate of one program's shared memory in bytes: the two chunk-side tiles (K rows and Q rows),
+    ``num_stages`` buffers of the query-side tile, the fp32 score tile, and a scratch allowance."""
+    tiles = (2 * block_n + num_stages * block_m) * head_dim * itemsize(dtype)
+    return tiles + block_m * block_n * 4 + SCRATCH_BYTES
+
+
+def fit_config(
+    block_n: int, block_m: int, dtype: torch.dtype, head_dim: int, limit: int, num_stages: int = NUM_STAGES
+) -> tuple[int, int, int] | None:
+    """``(block_n, block_m, num_stages)`` as asked if :func:`smem_estimate` fits ``limit`` bytes, else the
+    first that does of: fewer stages (down to 2), then BLOCK_M halved, then BLOCK_N halved (each down to
+    16, at <= 2 stages), then each of those at 1 stage; None if none does. Pure."""
+    cands = [(block_n, block_m, s) for s in range(num_stages, 1, -1)] or [(block_n, block_m, num_stages)]
+    stages = min(num_stages, 2)
+    tiles, bn, bm = [], block_n, block_m
+    while bm > 16:
+        bm //= 2
+        tiles.append((bn, bm))
+    while bn > 16:
+        bn //= 2
+        tiles.append((bn, bm))
+    cands += [(n, m, stages) for n, m in tiles]
+    if stages > 1:
+        cands += [(n, m, 1) for n, m in [(block_n, block_m), *tiles]]
+    return next((c for c in cands if smem_estimate(*c, dtype, head_dim) <= limit), None)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, query_lens: torch.Tensor) -> None:
@@ -146,7 +180,8 @@ def retention_scores(
     block_m: int = 64,
 ) -> torch.Tensor:
     """Triton launcher. ``lse`` is the prefill attention's natural-log LSE ``[total, Hq]`` (fp32); when
-    omitted it is recomputed with :func:`chunk_prefill_attention` (an extra attention pass)."""
+    omitted it is recomputed with :func:`chunk_prefill_attention` (an extra attention pass). ``block_n`` /
+    ``block_m`` are the largest tiles wanted; :func:`fit_config` may shrink them for the device."""
     if triton is None:
         raise RuntimeError("retention_scores needs triton; use retention_scores_reference on this machine")
     _check(q, k, cu_seqlens, query_lens)
@@ -166,10 +201,28 @@ def retention_scores(
     part = torch.zeros(hkv, total, dtype=torch.float32, device=q.device)
     if max_chunk_len <= 0 or total == 0:
         return part.sum(0)
-    grid = (triton.cdiv(max_chunk_len, block_n), hkv, n_seq)
-    _retention_kernel[grid](
-        q, k, lse2, cu_seqlens, query_lens, part, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse2.stride(0), part.stride(0),
-        G=hq // hkv, D=d, BLOCK_N=block_n, BLOCK_M=block_m, CAUSAL=causal, num_warps=4,
-    )  # fmt: skip
-    return part.sum(0)
+
+    def reference() -> torch.Tensor:
+        return retention_scores_reference(q, k, cu_seqlens, query_lens, scale=scale, causal=causal)
+
+    limit = smem_limit(q.device)
+    fitted = fit_config(block_n, block_m, q.dtype, d, limit)
+    if fitted is None:
+        warn_once(
+            ("retention_scores", q.dtype, d, block_n, block_m),
+            f"retention_scores: no tile config fits {limit} bytes of shared memory for {q.dtype} at head_dim "
+            f"{d}; using the torch reference",
+        )
+        return reference()
+    bn, bm, stages = fitted
+
+    def launch() -> torch.Tensor:
+        grid = (triton.cdiv(max_chunk_len, bn), hkv, n_seq)
+        _retention_kernel[grid](
+            q, k, lse2, cu_seqlens, query_lens, part, scale * LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse2.stride(0), part.stride(0),
+            G=hq // hkv, D=d, BLOCK_N=bn, BLOCK_M=bm, CAUSAL=causal, num_warps=4, num_stages=stages,
+        )  # fmt: skip
+        return part.sum(0)
+
+    return guarded(("retention_scores", q.dtype, d, causal, *fitted), launch, reference)

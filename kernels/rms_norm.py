@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pdllm.kernels.resources import guarded
+
 try:
     import triton
     import triton.language as tl
@@ -87,7 +89,8 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher, same signature and results as :func:`rms_norm_reference`; outputs are contiguous."""
+    """Triton launcher, same signature and results as :func:`rms_norm_reference`; outputs are contiguous.
+    If Triton refuses the launch for lack of resources, the reference's result (logged once)."""
     if triton is None:
         raise RuntimeError("rms_norm needs triton; use rms_norm_reference on this machine")
     _check(x, weight, residual)
@@ -98,11 +101,17 @@ def rms_norm(
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else x2
-    if x2.shape[0] and n:
-        block = triton.next_power_of_2(n)
-        warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    if not (x2.shape[0] and n):
+        return out if s is None else (out, s)
+    block = triton.next_power_of_2(n)
+    warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+    def launch() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight.contiguous(), out, s if s is not None else out, n, eps, x2.stride(0), r2.stride(0),
             BLOCK=block, HAS_RES=residual is not None, num_warps=warps,
         )  # fmt: skip
-    return out if s is None else (out, s)
+        return out if s is None else (out, s)
+
+    key = ("rms_norm", x.dtype, weight.dtype, block, residual is not None)
+    return guarded(key, launch, lambda: rms_norm_reference(x, weight, eps, residual))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from pdllm.kernels.resources import guarded
+
 try:
     import triton
     import triton.language as tl
@@ -109,7 +111,8 @@ if triton is not None:
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher, same signature and values as :func:`apply_rope_reference` (layout: module doc)."""
+    """Triton launcher, same signature and values as :func:`apply_rope_reference` (layout: module doc). If
+    Triton refuses the launch for lack of resources, the reference's result (logged once)."""
     if triton is None:
         raise RuntimeError("apply_rope needs triton; use apply_rope_reference on this machine")
     _check(q, k, cos, sin)
@@ -124,10 +127,15 @@ def apply_rope(
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 1024 // block_d))  # ~2K elements a program
     grid = (b * t, triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h))
-    _rope_kernel[grid](
-        q, k, cos, sin, oq, ok, t, hq, hk, half,
-        *q.stride(), *k.stride(), *cos.stride(), *sin.stride(), *oq.stride()[:3], *ok.stride()[:3],
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-        enable_fp_fusion=False,  # no FMA contraction: fp32 results equal eager torch's separate mul/add
-    )  # fmt: skip
-    return oq, ok
+
+    def launch() -> tuple[torch.Tensor, torch.Tensor]:
+        _rope_kernel[grid](
+            q, k, cos, sin, oq, ok, t, hq, hk, half,
+            *q.stride(), *k.stride(), *cos.stride(), *sin.stride(), *oq.stride()[:3], *ok.stride()[:3],
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+            enable_fp_fusion=False,  # no FMA contraction: fp32 results equal eager torch's separate mul/add
+        )  # fmt: skip
+        return oq, ok
+
+    key = ("rope", q.dtype, cos.dtype, block_h, block_d)
+    return guarded(key, launch, lambda: apply_rope_reference(q, k, cos, sin))

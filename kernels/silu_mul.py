@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdllm.kernels.resources import guarded
 from pdllm.kernels.rms_norm import as_rows
 
 try:
@@ -62,14 +63,22 @@ if triton is not None:
 
 
 def _launch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gate``/``up``: ``[rows, I]`` with unit last stride (row strides may differ)."""
+    """``gate``/``up``: ``[rows, I]`` with unit last stride (row strides may differ). If Triton refuses the
+    launch for lack of resources, the reference's result (logged once)."""
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     rows, n = gate.shape
-    if rows and n:
-        block = min(BLOCK, triton.next_power_of_2(n))
+    if not (rows and n):
+        return out
+    block = min(BLOCK, triton.next_power_of_2(n))
+
+    def launch() -> torch.Tensor:
         grid = (rows, triton.cdiv(n, block))
         _silu_mul_kernel[grid](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block, num_warps=4)
-    return out
+        return out
+
+    return guarded(
+        ("silu_mul", gate.dtype, up.dtype, block), launch, lambda: silu_mul_reference(gate, up).contiguous()
+    )
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ side, padded to 16..64) and streams them through ``num_stages`` buffers. Measure
 SiLU 1.05x and down + residual 1.07x cuBLAS + the separate kernels; q/k/v and o stay on cuBLAS
 (:func:`pick_config` returns None for shapes with no measured win, and for shapes the tiles do not divide).
 
+Shared memory: :func:`smem_estimate` per config and dtype; :func:`pick_config` and every launch fit the config
+to the limit (fewer stages, then smaller tiles), so fp32 gets shallower pipelines than bf16; where nothing
+fits, or Triton refuses a launch for lack of resources, the torch reference runs (logged once).
+
 Accumulation in fp32; the epilogue adds bias and residual in fp32 and rounds once (the eager chain rounds
 after each op), so outputs agree with the reference to bf16 rounding, not bit for bit. With ``split > 1``
 (long K, few columns) each split writes an fp32 partial and a second kernel sums them in a fixed order:
@@ -22,10 +26,13 @@ results do not depend on scheduling.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdllm.kernels.resources import H100_SMEM, guarded, itemsize, smem_limit, warn_once
 
 try:
     import triton
@@ -57,10 +64,50 @@ def skinny_silu_mul_reference(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch
     return F.silu(gate) * up
 
 
-def pick_config(m: int, n: int, k: int, glu: bool) -> SkinnyConfig | None:
-    """A config for ``[m, k] @ [n, k].T`` (``n``: output columns, half the packed rows for ``glu``), or None
-    where cuBLAS stays: too many rows, tiles that do not divide, or a projection too small to gain
-    (q/k/v and o at 7B shapes measured within ±3% of cuBLAS)."""
+def block_m_for(m: int) -> int:
+    """The padded activation-row tile of ``m`` rows: the next power of two, at least 16."""
+    return max(16, 1 << max(0, m - 1).bit_length())
+
+
+def smem_estimate(config: SkinnyConfig, m: int, dtype: torch.dtype, glu: bool) -> int:
+    """Upper estimate of one program's shared memory in bytes: ``num_stages`` buffers of the weight tile
+    (gate and up for ``glu``) and the activation tile, plus the fp32 accumulator tile the epilogue
+    transposes."""
+    rows = config.block_n * (2 if glu else 1) + block_m_for(m)
+    return config.num_stages * rows * config.block_k * itemsize(dtype) + config.block_n * block_m_for(m) * 4
+
+
+def fit_config(
+    config: SkinnyConfig, m: int, dtype: torch.dtype, glu: bool, limit: int
+) -> SkinnyConfig | None:
+    """``config`` if :func:`smem_estimate` fits ``limit`` bytes, else the first that does of: fewer stages
+    (down to 2), then BLOCK_K halved, then BLOCK_N halved (each down to 16, at <= 2 stages; halving keeps
+    them dividing N and K), then each of those at 1 stage; None if none does. Pure."""
+    cands = [dataclasses.replace(config, num_stages=s) for s in range(config.num_stages, 1, -1)] or [config]
+    stages = min(config.num_stages, 2)
+    tiles, bk, bn = [], config.block_k, config.block_n
+    while bk > 16:
+        bk //= 2
+        tiles.append((bn, bk))
+    while bn > 16:
+        bn //= 2
+        tiles.append((bn, bk))
+    cands += [dataclasses.replace(config, block_n=n, block_k=k, num_stages=stages) for n, k in tiles]
+    if stages > 1:
+        cands += [
+            dataclasses.replace(config, block_n=n, block_k=k, num_stages=1)
+            for n, k in [(config.block_n, config.block_k), *tiles]
+        ]
+    return next((c for c in cands if smem_estimate(c, m, dtype, glu) <= limit), None)
+
+
+def pick_config(
+    m: int, n: int, k: int, glu: bool, dtype: torch.dtype = torch.bfloat16, smem: int = H100_SMEM
+) -> SkinnyConfig | None:
+    """A config for ``[m, k] @ [n, k].T`` (``n``: output columns, half the packed rows for ``glu``) in
+    ``dtype``, fitted to ``smem`` bytes of shared memory (:func:`fit_config`), or None where cuBLAS stays:
+    too many rows, tiles that do not divide, a projection too small to gain (q/k/v and o at 7B shapes
+    measured within ±3% of cuBLAS), or no config that fits (logged once)."""
     if m > MAX_ROWS or m == 0:
         return None
     block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
@@ -70,7 +117,15 @@ def pick_config(m: int, n: int, k: int, glu: bool) -> SkinnyConfig | None:
     block_k = next((b for b in (128, 64, 32, 16) if k % (b * split) == 0), None)
     if block_k is None:
         return None
-    return SkinnyConfig(block_n, block_k, split, num_stages=4 if glu else 6)
+    base = SkinnyConfig(block_n, block_k, split, num_stages=4 if glu else 6)
+    fitted = fit_config(base, m, dtype, glu, smem)
+    if fitted is None:
+        warn_once(
+            ("skinny_gemm", dtype, glu, block_m_for(m)),
+            f"skinny_gemm: no config fits {smem} bytes of shared memory for {dtype} at {block_m_for(m)} rows "
+            f"(glu={glu}); cuBLAS runs these GEMMs",
+        )
+    return fitted
 
 
 if triton is not None:
@@ -153,12 +208,41 @@ def _launch(
     glu: bool,
     config: SkinnyConfig,
 ) -> torch.Tensor:
+    """Fit ``config`` to the device for x's dtype and launch it; the reference where nothing fits or Triton
+    refuses the launch for lack of resources (each logged once)."""
     if triton is None:
         raise RuntimeError("skinny GEMMs need triton; use the *_reference functions on this machine")
     _check(x, w, n, config)
     m, k = x.shape
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [{m}, {n}] with unit column stride")
+
+    def reference() -> torch.Tensor:
+        return skinny_silu_mul_reference(x, w) if glu else skinny_linear_reference(x, w, bias, residual)
+
+    limit = smem_limit(x.device)
+    fitted = fit_config(config, m, x.dtype, glu, limit)
+    if fitted is None:
+        warn_once(
+            ("skinny_gemm", x.dtype, glu, block_m_for(m), config),
+            f"skinny_gemm: {config} has no variant that fits {limit} bytes of shared memory for {x.dtype} at "
+            f"{block_m_for(m)} rows (glu={glu}); using the torch reference",
+        )
+        return reference()
+    key = ("skinny_gemm", x.dtype, glu, block_m_for(m), fitted)
+    return guarded(key, lambda: _launch_kernel(x, w, n, bias, residual, glu, fitted), reference)
+
+
+def _launch_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    glu: bool,
+    config: SkinnyConfig,
+) -> torch.Tensor:
+    m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -169,7 +253,7 @@ def _launch(
     grid = (n // config.block_n, split)
     _skinny_kernel[grid](
         x, w, b, res, y, part, m, n, k // split, x.stride(0), w.stride(0), res.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=block_m_for(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT=split, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GLU=glu,
         # fp32 inputs (tests, small fp32 models) get exact fp32 dots; tf32 would cost them ~1e-3 relative
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -194,7 +278,9 @@ def skinny_linear(
     """``x [M, K] @ w [N, K].T (+ bias [N]) (+ residual [M, N])``, M <= :data:`MAX_ROWS`; values as
     :func:`skinny_linear_reference` up to one rounding. ``config`` None: :func:`pick_config`'s, or a
     ValueError where it has none (callers ask :func:`pick_config` first)."""
-    config = config or pick_config(x.shape[0], w.shape[0], x.shape[1], glu=False)
+    config = config or pick_config(
+        x.shape[0], w.shape[0], x.shape[1], glu=False, dtype=x.dtype, smem=smem_limit(x.device)
+    )
     if config is None:
         raise ValueError(f"no skinny config for x {tuple(x.shape)}, w {tuple(w.shape)}")
     return _launch(x, w, w.shape[0], bias, residual, False, config)
@@ -207,7 +293,9 @@ def skinny_silu_mul(
     if w_gate_up.dim() != 2 or w_gate_up.shape[0] % 2:
         raise ValueError(f"w_gate_up must be [2I, K], got {tuple(w_gate_up.shape)}")
     n = w_gate_up.shape[0] // 2
-    config = config or pick_config(x.shape[0], n, x.shape[1], glu=True)
+    config = config or pick_config(
+        x.shape[0], n, x.shape[1], glu=True, dtype=x.dtype, smem=smem_limit(x.device)
+    )
     if config is None:
         raise ValueError(f"no skinny config for x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)}")
     if config.split != 1:

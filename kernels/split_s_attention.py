@@ -24,13 +24,15 @@ final output directly. The split count comes from the work (:func:`plan_splits`)
 spreads over all SMs. fp32 accumulation throughout; bf16/fp16 (or fp32) inputs.
 
 Tiles, warps, stages and the split policy come per call from ``config``; left None, from the tuned table by
-device name and shape bucket, or a heuristic where the table has no entry (:mod:`.split_s_tuning`).
+device name and shape bucket, or a heuristic where the table has no entry, fitted to the device's shared
+memory for the input dtype (:mod:`.split_s_tuning`); the torch reference where nothing fits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdllm.kernels.resources import guarded, warn_once
 from pdllm.kernels.split_s_reference import (
     SplitPlan,
     SplitSConfig,
@@ -263,8 +265,11 @@ def split_s_attention(
 ) -> torch.Tensor:
     """Launch the split-S kernel (see the module docstring for layouts).
 
-    ``config`` None: the tuned table's config for this device and shape bucket, else the heuristic's
-    (:func:`pdllm.kernels.split_s_tuning.select_config`, host integers only); an explicit config wins.
+    ``config`` None: the tuned table's config for this device and shape bucket, else the heuristic's, fitted
+    to the device's shared memory for this dtype (:func:`pdllm.kernels.split_s_tuning.select_config`, host
+    integers only). Where no config fits, or Triton still refuses the launch for lack of resources, the
+    result comes from :func:`split_s_attention_reference` (logged once per dtype and shape class; it reads
+    lengths on the host, so it is not capturable in a CUDA graph). An explicit config is launched as given.
 
     ``workspace`` (``config.fused_merge`` only): a zeroed int32 tensor of at least ``B * Hkv * m_blocks``
     counters, reused across calls (the kernel leaves it zeroed); omitted, one is allocated per call.
@@ -283,20 +288,59 @@ def split_s_attention(
         raise ValueError("k_pages/v_pages must share strides with each page's [page_size, D] tile contiguous")
     if q.stride(2) != 1 or (k_local is not None and (k_local.stride(2) != 1 or v_local.stride(2) != 1)):
         raise ValueError("q and k_local/v_local need a contiguous last dim")
-    page_table = page_table.contiguous()
-    if page_fill is not None:
-        page_fill = page_fill.contiguous()
     if max_q_len is None:
         max_q_len = int((q_offsets[1:] - q_offsets[:-1]).max()) if batch else 0
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max()) if batch else 0
+    args = (q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill, scale)
+    if total_q == 0 or max_q_len == 0:
+        return torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
+    if config is not None:
+        return _launch(*args, config, max_q_len, max_kv_len, workspace)
+    max_total = max_kv_len + (max_q_len if k_local is not None else 0)
+    sel = select_config(q.device, q.dtype, max_q_len * g, max_total, batch * hkv, d, page)
+
+    def reference() -> torch.Tensor:
+        return split_s_attention_reference(*args)
+
+    if sel.config is None:
+        warn_once(
+            ("split_s_attention", q.dtype, sel.bucket),
+            f"split_s_attention: no tile config fits {sel.smem_limit} bytes of shared memory for {q.dtype} "
+            f"at {sel.bucket}; using the torch reference",
+        )
+        return reference()
+    cfg = sel.config
+    key = ("split_s_attention", q.dtype, d, page, cfg.block_m, cfg.block_n, cfg.num_stages, cfg.fused_merge)
+    return guarded(key, lambda: _launch(*args, cfg, max_q_len, max_kv_len, workspace), reference)
+
+
+def _launch(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None,
+    v_local: torch.Tensor | None,
+    page_fill: torch.Tensor | None,
+    scale: float | None,
+    config: SplitSConfig,
+    max_q_len: int,
+    max_kv_len: int,
+    workspace: torch.Tensor | None,
+) -> torch.Tensor:
+    total_q, hq, d = q.shape
+    _, hkv, page, _ = k_pages.shape
+    g = hq // hkv
+    batch = page_table.shape[0]
+    page_table = page_table.contiguous()
+    if page_fill is not None:
+        page_fill = page_fill.contiguous()
     has_local = k_local is not None
     max_total = max_kv_len + (max_q_len if has_local else 0)
     out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
-    if total_q == 0 or max_q_len == 0:
-        return out
-    if config is None:
-        config = select_config(q.device, q.dtype, max_q_len * g, max_total, batch * hkv, d, page).config
     plan = plan_splits(max_total, batch, hkv, max_q_len * g, config, _num_sms(q.device, config))
     single = plan.num_splits == 1
     if single:

@@ -1,10 +1,12 @@
 """Per-shape split-S configs: a shape bucket key, a committed table of tuned entries and a heuristic fallback
-(:mod:`.split_s_tuner` writes the table).
+(:mod:`.split_s_tuner` writes the table), each fitted to the device's shared memory.
 
 :func:`select_config` is what :func:`~pdllm.kernels.split_s_attention.split_s_attention` calls when its
 ``config`` is None: device name + :class:`ShapeBucket` -> the table's entry if there is one, else
-:func:`heuristic_config`. It reads only host integers (no device sync, so it is safe inside CUDA-graph
-capture) and is memoised per raw shape, so a repeat call is one dict lookup.
+:func:`heuristic_config`; then :func:`fit_config` shrinks it (stages, then tiles) until
+:func:`smem_estimate` fits the device's limit, or gives None (the launcher then runs the torch reference).
+It reads only host integers (no device sync, so it is safe inside CUDA-graph capture) and is memoised per
+raw shape, so a repeat call is one dict lookup.
 
 Bucket key (all "nearest" in log space, ties up, so ``S*C + Lq`` such as 4096 + 96 stays in the 4096 bucket):
 
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pdllm.kernels.resources import itemsize, smem_limit
 from pdllm.kernels.split_s_reference import SplitSConfig
 
 TABLE_ENV = "PDLLM_SPLIT_S_TABLE"
@@ -43,6 +46,7 @@ CONFIG_FIELDS = (
 )  # fmt: skip
 ENTRY_FIELDS = {"device", "bucket", "config", "us", "default_us", "shape"}
 SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, for the heuristic's residency estimate
+SCRATCH_BYTES = 4096  # allowance for reductions and layout conversions outside the tiles
 
 
 class SplitSTableError(ValueError):
@@ -91,12 +95,18 @@ class ShapeBucket:
 
 @dataclass(frozen=True)
 class Selection:
-    """What :func:`select_config` chose, and why (``source`` = "table" or "heuristic")."""
+    """What :func:`select_config` chose, and why (``source`` = "table" or "heuristic").
 
-    config: SplitSConfig
+    ``config`` is what runs: the source's config fitted to ``smem_limit`` (``wanted`` holds the source's
+    own when fitting changed it), or None where no config fits (the torch reference runs).
+    """
+
+    config: SplitSConfig | None
     source: str
     device: str
     bucket: ShapeBucket
+    wanted: SplitSConfig | None = None
+    smem_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,11 +208,62 @@ def heuristic_config(bucket: ShapeBucket) -> SplitSConfig:
     """
     block_m = 16 if bucket.rows <= 16 else 32 if bucket.rows <= 32 else 64
     warps = 4 if block_m == 64 else 2
-    itemsize = torch.empty((), dtype=getattr(torch, bucket.dtype)).element_size()
-    smem = (2 * 2 * 64 + block_m) * bucket.head_dim * itemsize  # 2 stages of K and V tiles, plus Q
+    # 2 stages of K and V tiles, plus Q
+    smem = (2 * 2 * 64 + block_m) * bucket.head_dim * itemsize(getattr(torch, bucket.dtype))
     return SplitSConfig(
         block_m=block_m, num_warps=warps, programs_per_sm=float(max(1, min(4, SMEM_BYTES // smem)))
     )
+
+
+def smem_estimate(config: SplitSConfig, dtype: torch.dtype, head_dim: int) -> int:
+    """Upper estimate of one split-S program's shared memory in bytes.
+
+    The Q tile, ``num_stages`` buffers of the K and V tiles (Triton's pipelining keeps at most that many)
+    and the P tile the second dot reads, all in the input dtype; with ``fused_merge`` the merge loop's
+    ``num_stages`` fp32 partial tiles where larger (they are live after the main loop, not with it); plus
+    :data:`SCRATCH_BYTES`.
+    """
+    bm, bn, stages = config.block_m, config.block_n, config.num_stages
+    tiles = (bm * head_dim + 2 * stages * bn * head_dim + bm * bn) * itemsize(dtype)
+    merge = stages * bm * head_dim * 4 if config.fused_merge else 0
+    return max(tiles, merge) + SCRATCH_BYTES
+
+
+def _shrunk(config: SplitSConfig) -> list[SplitSConfig]:
+    """``config``, then ever smaller variants: fewer stages (down to 2), then BLOCK_N halved, then BLOCK_M
+    halved (each down to 16, at <= 2 stages, warps cut to the row block), then each tile at 1 stage."""
+    out = [config]
+    out += [dataclasses.replace(config, num_stages=s) for s in range(config.num_stages - 1, 1, -1)]
+    stages = min(config.num_stages, 2)
+    tiles, bm, bn = [], config.block_m, config.block_n
+    while bn > 16:
+        bn //= 2
+        tiles.append((bm, bn))
+    while bm > 16:
+        bm //= 2
+        tiles.append((bm, bn))
+
+    def tile(bm: int, bn: int, s: int) -> SplitSConfig:
+        warps = config.num_warps if bm == config.block_m else min(config.num_warps, 4 if bm >= 64 else 2)
+        return dataclasses.replace(config, block_m=bm, block_n=bn, num_stages=s, num_warps=warps)
+
+    out += [tile(bm, bn, stages) for bm, bn in tiles]
+    if stages > 1:
+        out += [tile(bm, bn, 1) for bm, bn in [(config.block_m, config.block_n), *tiles]]
+    return out
+
+
+def fit_config(config: SplitSConfig, dtype: torch.dtype, head_dim: int, limit: int) -> SplitSConfig | None:
+    """``config`` if :func:`smem_estimate` fits ``limit`` bytes, else the first variant of :func:`_shrunk`
+    that does (its ``programs_per_sm`` capped by what fits), else None. Pure."""
+    for cand in _shrunk(config):
+        need = smem_estimate(cand, dtype, head_dim)
+        if need <= limit:
+            if cand is config:
+                return config
+            per_sm = float(max(1, min(config.programs_per_sm, limit // need)))
+            return dataclasses.replace(cand, programs_per_sm=per_sm)
+    return None
 
 
 @functools.cache
@@ -223,11 +284,26 @@ def _lookup(table: TunedTable, device: str, bucket: ShapeBucket) -> Selection:
     return Selection(heuristic_config(bucket), "heuristic", device, bucket)
 
 
+def _fitted(sel: Selection, dtype: torch.dtype, head_dim: int, limit: int) -> Selection:
+    cfg = fit_config(sel.config, dtype, head_dim, limit)
+    wanted = None if cfg == sel.config else sel.config
+    return dataclasses.replace(sel, config=cfg, wanted=wanted, smem_limit=limit)
+
+
 @functools.lru_cache(maxsize=4096)
 def _select(
-    device: str, dtype: torch.dtype, rows: int, kv: int, bh: int, head_dim: int, page: int, table_path: str
+    device: str,
+    dtype: torch.dtype,
+    rows: int,
+    kv: int,
+    bh: int,
+    head_dim: int,
+    page: int,
+    table_path: str,
+    limit: int,
 ) -> Selection:
-    return _lookup(_TABLES[table_path], device, ShapeBucket.of(rows, kv, bh, head_dim, page, dtype))
+    sel = _lookup(_TABLES[table_path], device, ShapeBucket.of(rows, kv, bh, head_dim, page, dtype))
+    return _fitted(sel, dtype, head_dim, limit)
 
 
 def select_config(
@@ -239,14 +315,18 @@ def select_config(
     head_dim: int,
     page: int,
     table: TunedTable | None = None,
+    smem: int | None = None,
 ) -> Selection:
-    """The table's config for (device name, bucket of this shape), else the heuristic's.
+    """The table's config for (device name, bucket of this shape), else the heuristic's, fitted to ``smem``
+    bytes of shared memory (None: the device's, :func:`~pdllm.kernels.resources.smem_limit`).
 
     Host integers only (no device sync). ``table`` None = :func:`load_table`'s; memoised per raw shape for
     tables loaded by path (a hand-built ``table`` is looked up afresh each call).
     """
     name = device_name(device)
+    limit = smem_limit(device) if smem is None else smem
     if table is None or _TABLES.get(table.path) is table:
         table_path = table.path if table is not None else load_table().path
-        return _select(name, dtype, rows, kv, batch_heads, head_dim, page, table_path)
-    return _lookup(table, name, ShapeBucket.of(rows, kv, batch_heads, head_dim, page, dtype))
+        return _select(name, dtype, rows, kv, batch_heads, head_dim, page, table_path, limit)
+    sel = _lookup(table, name, ShapeBucket.of(rows, kv, batch_heads, head_dim, page, dtype))
+    return _fitted(sel, dtype, head_dim, limit)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdllm.kernels import HAS_TRITON
+from pdllm.kernels.resources import smem_limit
 from pdllm.kernels.rms_norm import rms_norm
 from pdllm.kernels.rope import apply_rope as apply_rope_fused
 from pdllm.kernels.silu_mul import silu_mul_fused
@@ -204,12 +205,13 @@ class MLP(nn.Module):
         (``kernels/skinny_gemm.py``); None where those kernels have no config (cuBLAS then)."""
         rows = x.reshape(-1, x.shape[-1])
         w_gu, w_down = self.gate_up.weight, self.down_proj.weight
-        glu = pick_config(rows.shape[0], w_gu.shape[0] // 2, rows.shape[1], glu=True)
+        smem = smem_limit(rows.device)  # configs are fitted per dtype to the device's shared memory
+        glu = pick_config(rows.shape[0], w_gu.shape[0] // 2, rows.shape[1], True, rows.dtype, smem)
         usable = rows.is_contiguous() and rows.dtype == w_gu.dtype == w_down.dtype
         if glu is None or not usable or w_gu.stride(1) != 1 or w_down.stride(1) != 1:
             return None
         h = skinny_silu_mul(rows, w_gu, glu)
-        down = pick_config(h.shape[0], w_down.shape[0], h.shape[1], glu=False)
+        down = pick_config(h.shape[0], w_down.shape[0], h.shape[1], False, h.dtype, smem)
         res = None if residual is None else residual.reshape(-1, residual.shape[-1])
         if down is None:
             out = F.linear(h, w_down)

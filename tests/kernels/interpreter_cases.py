@@ -371,6 +371,67 @@ def case_elementwise() -> None:
     case_model_fused()
 
 
+def case_fitted_configs() -> None:
+    """Every kernel launched with the config its launcher picks (config=None) at the shipped model's shapes
+    (hidden 256, intermediate 768, 8/2 heads, d = 32), in fp32 and fp16 (bf16 too for the elementwise
+    kernels: the interpreter has no bf16 matmul), first at an H100's shared memory, then at a limit small
+    enough that the tiles shrink: each against its reference."""
+    from pdllm.kernels import resources
+    from pdllm.kernels import retention_scores as rs
+    from pdllm.kernels import skinny_gemm as sg
+    from pdllm.kernels import split_s_attention as sa
+    from pdllm.kernels import split_s_tuning as st
+    from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention_reference
+    from pdllm.kernels.rms_norm import rms_norm, rms_norm_reference
+    from pdllm.kernels.rope import apply_rope, apply_rope_reference
+    from pdllm.kernels.silu_mul import silu_mul_fused, silu_mul_fused_reference
+    from tests.kernels.test_fused_elementwise import rope_inputs
+
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    gen = torch.Generator().manual_seed(6)
+    for limit in (resources.H100_SMEM, 24 * 1024):
+        for mod in (st, sg, rs):
+            mod.smem_limit = lambda device, limit=limit: limit
+        st.clear_caches()
+        for dtype in (torch.float32, torch.float16):
+
+            def rnd(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+                return torch.randn(*shape, generator=gen).to(dtype)
+
+            p = make_problem(gen, [9, 2], [[64, 30], [17]], 2, 4, 32, 64, dtype=dtype)
+            lqs = (p.q_offsets[1:] - p.q_offsets[:-1]).tolist()
+            kv = int(p.kv_lens.max()) + max(lqs)
+            sel = st.select_config(torch.device("cpu"), dtype, max(lqs) * 4, kv, 2 * 2, 32, 64)
+            assert sel.config is not None and st.smem_estimate(sel.config, dtype, 32) <= limit, sel
+            got = sa.split_s_attention(*p.args())
+            assert _rel(got, sa.naive_attention(*p.args())) < tol[dtype], (limit, dtype)
+            x, w_gu = rnd(40, 256), rnd(2 * 768, 256) / 16
+            cfg = sg.pick_config(40, 768, 256, True, dtype, limit)
+            assert cfg is not None and sg.smem_estimate(cfg, 40, dtype, True) <= limit, cfg
+            assert _rel(sg.skinny_silu_mul(x, w_gu, cfg), sg.skinny_silu_mul_reference(x, w_gu)) < tol[dtype]
+            h, w_d, res = rnd(40, 768), rnd(256, 768) / 16, rnd(40, 256)
+            down = sg.SkinnyConfig(block_n=64, block_k=128, split=2, num_stages=6)  # fitted at launch
+            got = sg.skinny_linear(h, w_d, residual=res, config=down)
+            assert _rel(got, sg.skinny_linear_reference(h, w_d, residual=res)) < tol[dtype]
+            q, k = rnd(70, 8, 32), rnd(70, 2, 32)
+            cu, ql = torch.tensor([0, 50, 70], dtype=torch.int32), torch.tensor([12, 6], dtype=torch.int32)
+            lse = chunk_prefill_attention_reference(q, k, k, cu, return_lse=True)[1]
+            want = rs.retention_scores_reference(q, k, cu, ql)
+            assert _rel(rs.retention_scores(q, k, cu, ql, lse=lse), want) < tol[dtype], (limit, dtype)
+            print(f"limit {limit} {dtype}: split-S {sel.config.block_m}x{sel.config.block_n}, skinny {cfg}")
+    assert not resources._FAILED  # nothing fell back to a reference
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x, r, w = (torch.randn(3, 256, generator=gen).to(dtype) for _ in range(3))
+        w = w[0]
+        assert _rel(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)) < tol[dtype]
+        q, k, cos, sin = rope_inputs(gen, 1, 8, 2, 5, 32, dtype)
+        for got, want in zip(apply_rope(q, k, cos, sin), apply_rope_reference(q, k, cos, sin)):
+            assert _rel(got, want) < tol[dtype]
+        gu = torch.randn(3, 2 * 768, generator=gen).to(dtype)
+        assert _rel(silu_mul_fused(gu), silu_mul_fused_reference(gu)) < tol[dtype]
+    print("elementwise fp32/fp16/bf16 ok")
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1")

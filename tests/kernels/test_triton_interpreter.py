@@ -12,7 +12,16 @@ CASES = Path(__file__).with_name("interpreter_cases.py")
 
 
 @pytest.mark.parametrize(
-    "case", ["split_s", "split_s_configs", "split_s_tuner", "retention", "elementwise", "skinny_gemm"]
+    "case",
+    [
+        "split_s",
+        "split_s_configs",
+        "split_s_tuner",
+        "retention",
+        "elementwise",
+        "skinny_gemm",
+        "fitted_configs",
+    ],
 )
 def test_kernel_under_interpreter(case: str) -> None:
     run_under_interpreter(CASES, case, timeout_s=300)
