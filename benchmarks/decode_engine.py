@@ -970,14 +970,25 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
         host.disable()
         text = io.StringIO()
         pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(30)
+        t = time.perf_counter()
+        for _ in range(4):
+            decode_round(eager, active)
+        sync(bench.device)
+        eager_ms = (time.perf_counter() - t) / 4 * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as graphed_prof:
+            for _ in range(4):
+                decode_round(st.forward, active)
+            sync(bench.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
                 decode_round(eager, active)
             sync(bench.device)
         rows = sum(len(s.query) + 1 for s in active)  # a rough label: cached steps forward the block (+1)
-        out.append(f"## batch {n}: graphed cached round {graphed_ms:.2f} ms; eager profile of 4 rounds "
-                   f"(~{rows} sessions' rows)\n")  # fmt: skip
+        out.append(f"## batch {n}: cached round graphed {graphed_ms:.2f} ms, eager {eager_ms:.2f} ms; eager profile "
+                   f"of 4 rounds (~{rows} sessions' rows)\n")  # fmt: skip
         out.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        out.append(f"### batch {n}: graphed profile of 4 rounds\n")
+        out.append(graphed_prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         out.append(f"### batch {n}: cProfile of 8 graphed rounds (host)\n{text.getvalue()}")
         for s in active:
             st.pool.release(s.pages)
