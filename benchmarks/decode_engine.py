@@ -942,54 +942,53 @@ def case_rounds(bench: Bench) -> None:
 
 
 def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
-    """``--profile``: the CUDA kernels of four cached dual-cache rounds of pdllm sessions, eager (op by op, so
-    every kernel is named) at each batch of ``--batches``, the graphed round's time at the same state and a
-    cProfile of eight graphed rounds (where the host's time goes); written to ``<name>_profile.txt``."""
+    """``--profile``: cached dual-cache rounds of pdllm sessions at each batch of ``--batches``: the wall time
+    per round graphed, through the graph buckets' padded buffers run eagerly, and eager (op by op; both warm),
+    the CUDA kernels of the two eager forms, and a cProfile of eight graphed rounds (where the host's time
+    goes); written to ``<name>_profile.txt``."""
     if not bench.run.cuda:
         return
     from torch.profiler import ProfilerActivity, profile
 
     st, model = rounds_state(bench), bench.model
-    eager = EagerRoundForward(model, st.pool, "triton")
+    forms = {
+        "graphed": st.forward,
+        "padded": GraphedRoundForward(model, st.pool, "triton", capture=False),
+        "eager": EagerRoundForward(model, st.pool, "triton"),
+    }
     out = []
     for n in bench.args.batches:
         active = sessions(model, st.pool, prompt, gen, "dual-cache", n)
-        for _ in range(3):  # the block's refresh, then cached steps (their graph buckets captured)
-            decode_round(st.forward, active)
-        sync(bench.device)
-        t = time.perf_counter()
-        for _ in range(4):
-            decode_round(st.forward, active)
-        sync(bench.device)
-        graphed_ms = (time.perf_counter() - t) / 4 * 1e3
-        host = cProfile.Profile()  # the host's share: what the rounds loop spends its wall time in
+        decode_round(st.forward, active)  # the block's refresh; later rounds are cached steps
+        wall, tables = {}, {}
+        for name, forward in forms.items():
+            for _ in range(3):  # warm: graph buckets captured, kernels compiled
+                decode_round(forward, active)
+            sync(bench.device)
+            t = time.perf_counter()
+            for _ in range(3):
+                decode_round(forward, active)
+            sync(bench.device)
+            wall[name] = (time.perf_counter() - t) / 3 * 1e3
+            if name != "graphed":
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(2):
+                        decode_round(forward, active)
+                    sync(bench.device)
+                tables[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        host = cProfile.Profile()  # the host's share of graphed rounds
         host.enable()
-        for _ in range(8):
+        for _ in range(4):
             decode_round(st.forward, active)
         sync(bench.device)
         host.disable()
         text = io.StringIO()
-        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(30)
-        t = time.perf_counter()
-        for _ in range(4):
-            decode_round(eager, active)
-        sync(bench.device)
-        eager_ms = (time.perf_counter() - t) / 4 * 1e3
-        with profile(activities=[ProfilerActivity.CUDA]) as graphed_prof:
-            for _ in range(4):
-                decode_round(st.forward, active)
-            sync(bench.device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(4):
-                decode_round(eager, active)
-            sync(bench.device)
-        rows = sum(len(s.query) + 1 for s in active)  # a rough label: cached steps forward the block (+1)
-        out.append(f"## batch {n}: cached round graphed {graphed_ms:.2f} ms, eager {eager_ms:.2f} ms; eager profile "
-                   f"of 4 rounds (~{rows} sessions' rows)\n")  # fmt: skip
-        out.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-        out.append(f"### batch {n}: graphed profile of 4 rounds\n")
-        out.append(graphed_prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-        out.append(f"### batch {n}: cProfile of 8 graphed rounds (host)\n{text.getvalue()}")
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(20)
+        times = ", ".join(f"{k} {v:.2f} ms" for k, v in wall.items())
+        out.append(f"## batch {n}: cached round wall time: {times}\n")
+        for name, table in tables.items():
+            out.append(f"### batch {n}: {name} forward, CUDA kernels of 2 rounds\n{table}")
+        out.append(f"### batch {n}: cProfile of 4 graphed rounds (host)\n{text.getvalue()}")
         for s in active:
             st.pool.release(s.pages)
     path = bench.args.out / f"{bench.args.name}_profile.txt"
