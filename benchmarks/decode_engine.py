@@ -986,8 +986,8 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
         pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(20)
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in wall.items())
         out.append(f"## batch {n}: cached round wall time: {times}\n")
-        for name, table in tables.items():
-            out.append(f"### batch {n}: {name} forward, CUDA kernels of 2 rounds\n{table}")
+        for name, kernels in tables.items():
+            out.append(f"### batch {n}: {name} forward, CUDA kernels of 2 rounds\n{kernels}")
         out.append(f"### batch {n}: cProfile of 4 graphed rounds (host)\n{text.getvalue()}")
         for s in active:
             st.pool.release(s.pages)
