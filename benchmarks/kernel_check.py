@@ -20,9 +20,10 @@ Every row names the config that ran, the estimate and the compiled kernels' shar
 metadata), and whether a reference ran instead. Writes kernel_check.{json,md} (after every section).
 
 The cli part runs ``pdllm generate --device cuda`` on the bundled document with no ``--dtype`` (float32)
-and with bfloat16 and float16, ``pdllm demo`` on CUDA (the all-in-one server, float32 by default) and the
-smallest ``pdllm eval``; it records each answer against the planted fact and writes cli_check.{json,md}
-plus one log per run.
+and with bfloat16 and float16, ``pdllm demo`` on CUDA (the all-in-one server; float32 by default, then
+bfloat16 and float16) and the smallest ``pdllm eval`` (float32); it records each answer against the planted
+fact and any kernel fallback warnings, and writes cli_check.{json,md} plus one cli_<run>.log per run.
+``--budget-s`` / ``--cli-budget-s`` bound each part's wall time (later sections / runs are listed as skipped).
 """
 
 from __future__ import annotations
@@ -630,7 +631,8 @@ def _answer(name: str, stdout: str) -> str | None:
     return None
 
 
-def run_cli(out: Path, device: str, timeout_s: int, only: set[str] | None = None) -> int:
+def run_cli(out: Path, device: str, timeout_s: int, budget_s: float, only: set[str] | None = None) -> int:
+    """Each run with ``timeout_s`` at most, and none started or left running past ``budget_s`` in all."""
     out.mkdir(parents=True, exist_ok=True)
     bundled = json.loads((ROOT / "shared/data/demo_question.json").read_text())
     doc, question, expected = ROOT / "shared/data/demo_document.txt", bundled["question"], bundled["answer"]
@@ -651,12 +653,17 @@ def run_cli(out: Path, device: str, timeout_s: int, only: set[str] | None = None
     runs = [r for r in runs if only is None or r[0] in only]
     results: list[CliRun] = []
     info = meta(device if device == "cuda" and torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
     for name, args, env, want in runs:
         t0 = time.perf_counter()
+        limit = min(timeout_s, budget_s - (t0 - start))
+        if limit < 10:
+            results.append(CliRun(name, args, env, None, 0.0, None, want, None, [], "skipped: budget spent"))
+            continue
         print(f"== {name}: {' '.join(args)} {env or ''}", flush=True)
         try:
             proc = subprocess.run([*cli, *args], env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT,
-                                  capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+                                  capture_output=True, text=True, timeout=limit)  # fmt: skip
             rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc = None
@@ -668,26 +675,31 @@ def run_cli(out: Path, device: str, timeout_s: int, only: set[str] | None = None
         warns = [ln for ln in stderr.splitlines() if "torch reference" in ln or "cuBLAS runs" in ln]
         answer = _answer(name, stdout) if rc == 0 else None
         matches = None if want is None or answer is None else answer == want
-        tail = (stdout.strip().splitlines() or [""])[-1][:300] if name.startswith("eval") else stderr[-600:]
+        tail = (
+            (stdout.strip().splitlines() or [""])[-1][:300]
+            if name.startswith("eval")
+            else stderr.replace("\r", "\n")[-600:]
+        )
         if rc != 0:
             tail = stderr.replace("\r", "\n")[-1500:]
         results.append(CliRun(name, args, env, rc, round(secs, 1), answer, want, matches, warns, tail))
         print(
             f"   rc={rc} {secs:.1f}s answer={answer!r} matches={matches} fallbacks={len(warns)}", flush=True
         )
-        (out / "cli_check.json").write_text(json.dumps({"meta": info, "runs": [asdict(r) for r in results]},
-                                                       indent=1))  # fmt: skip
-        lines = [
-            f"# CLI on {info['device']} — {info['date']}",
-            "",
-            "| run | rc | s | answer | expected | matches | fallback warnings |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in results:
-            lines.append(f"| {r.name} | {r.rc} | {r.seconds} | {r.answer!r} | {r.expected!r} | {r.matches} | "
-                         f"{len(r.fallback_warnings)} |")  # fmt: skip
-        (out / "cli_check.md").write_text("\n".join(lines) + "\n")
+        write_cli(out, info, results)
+    write_cli(out, info, results)
     return 0 if all(r.rc == 0 for r in results) else 1
+
+
+def write_cli(out: Path, info: dict, results: list[CliRun]) -> None:
+    data = {"meta": info, "runs": [asdict(r) for r in results]}
+    (out / "cli_check.json").write_text(json.dumps(data, indent=1))
+    lines = [f"# CLI on {info['device']} — {info['date']}", "",
+             "| run | rc | s | answer | expected | matches | fallback warnings |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        lines.append(f"| {r.name} | {r.rc} | {r.seconds} | {r.answer!r} | {r.expected!r} | {r.matches} | "
+                     f"{len(r.fallback_warnings)} |")  # fmt: skip
+    (out / "cli_check.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -697,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     ap.add_argument("--device", default="cuda", help="the cli part's --device")
     ap.add_argument("--cli-timeout-s", type=int, default=150, help="per CLI run")
+    ap.add_argument("--cli-budget-s", type=float, default=1e9, help="all CLI runs together")
     ap.add_argument("--cli-runs", default=None, help="only these cli runs (comma-separated names)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="kernels: start no section after this")
     a = ap.parse_args(argv)
@@ -704,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     if "cli" in parts:
         only = set(a.cli_runs.split(",")) if a.cli_runs else None
-        rc |= run_cli(a.out, a.device, a.cli_timeout_s, only)
+        rc |= run_cli(a.out, a.device, a.cli_timeout_s, a.cli_budget_s, only)
     if "kernels" in parts:
         rc |= run_kernels(a.out, a.smoke, a.budget_s)
     return rc
