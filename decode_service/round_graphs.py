@@ -4,8 +4,10 @@ The graph covers the transformer body (embedding to final norm); the LM head ove
 runs after the replay (two launches), so the number of masked rows, which shrinks every step, is not part
 of the shape. A round's shape is (sessions, packed tokens, longest local sequence, widest page table,
 K/V rows stored into the pool: a decode policy's refresh), each rounded up to a bucket
-(:meth:`RoundShape.of`): sessions and the two per-session maxima to powers of two, tokens and stored rows
-to at most 1/8 above the real count (padded stores repeat the first one). Padding is inert: padded sessions have no query rows and
+(:meth:`RoundShape.of`): sessions and the page table's width to powers of two, the longest session's rows
+to a multiple of 4 or 8 (:func:`query_bucket`), tokens to a multiple of 32 (:func:`token_bucket`), the
+longest KV and anything larger to at most 1/16 above, stored rows to at most 1/8 (padded stores repeat
+the first one): the kernels' work follows the bucket, so it stays close to the real shape. Padding is inert: padded sessions have no query rows and
 no KV, padded tokens belong to no session (the attention kernel never reads or writes for them, and every
 other op is row-wise). So every round whose shape falls in a bucket replays that bucket's graph after
 copying its packed inputs into the graph's buffers: no capture per request or per step, no copy of any
@@ -36,6 +38,30 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def fine(n: int, floor: int = 1) -> int:
+    """Smallest ``m * 2**k >= n`` with ``16 <= m < 32`` (at most 1/16 padding), and at least ``floor``."""
+    if n <= floor:
+        return floor
+    step = 1 << max(0, n.bit_length() - 5)
+    return -(-n // step) * step
+
+
+def query_bucket(n: int) -> int:
+    """A session's longest row count, padded: a multiple of 4 up to 64, of 8 up to 256, then :func:`fine`.
+    The split-S kernel sizes its row blocks (and so its work per KV tile) from it: a power of two would
+    double the work of 33-row dual-cache sessions (measured 2.7x on an H100, decode_engine_profile.txt)."""
+    if n <= 64:
+        return max(4, -(-n // 4) * 4)
+    if n <= 256:
+        return -(-n // 8) * 8
+    return fine(n)
+
+
+def token_bucket(n: int) -> int:
+    """Packed tokens, padded: a multiple of 32 up to 1024 (GEMM row counts), then :func:`fine`."""
+    return max(32, -(-n // 32) * 32) if n <= 1024 else fine(n)
+
+
 def eighths(n: int, floor: int = 16) -> int:
     """Smallest ``m * 2**k >= n`` with ``8 <= m < 16`` (at most 1/8 padding), and at least ``floor``."""
     if n <= floor:
@@ -50,6 +76,7 @@ class RoundShape:
     tokens: int
     q_len: int
     pages: int
+    kv_len: int  # the longest static / cached KV a session reads (the kernel's split plan follows it)
     writes: int = 0  # rows whose K/V the round stores in the pool (a decode policy's refresh)
     drops: bool = False  # some session reads fewer cached slots at some layers (Sparse-dLLM)
 
@@ -57,9 +84,10 @@ class RoundShape:
     def of(cls, packed: PackedRound) -> RoundShape:
         return cls(
             batch=pow2(len(packed.kv_lens)),
-            tokens=eighths(len(packed.ids)),
-            q_len=pow2(packed.max_q_len),
+            tokens=token_bucket(len(packed.ids)),
+            q_len=query_bucket(packed.max_q_len),
             pages=pow2(packed.table_width),
+            kv_len=fine(max(packed.kv_lens), floor=64),
             writes=eighths(len(packed.writes)) if packed.writes else 0,
             drops=any(d is not None for d in packed.drops),
         )
@@ -95,7 +123,7 @@ class CapturedRound:
             self.kv_lens,
             self.q_offsets,
             shape.q_len,
-            shape.pages * pool.page_size,
+            shape.kv_len,
             kernel,
             (self.writes[0], self.writes[1], self.writes[2]) if shape.writes else None,
             drop=self.drop,
@@ -188,7 +216,8 @@ class GraphedRoundForward:
         self.replays = 0
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
-        if packed.stores:  # choices made inside the forward (Sparse-dLLM, Polestar-Cache): not capturable
+        if packed.stores or packed.splits:  # choices made inside the forward (Sparse-dLLM, Polestar-Cache,
+            # FOCUS): not capturable
             return self.eager(packed)
         shape = RoundShape.of(packed)
         graph = self._graphs.get(shape)

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from pdllm.decode_service.device_state import DeviceBatch
-from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape, eighths, pow2
+from pdllm.decode_service.round_graphs import (
+    GraphedRoundForward,
+    RoundShape,
+    eighths,
+    fine,
+    pow2,
+    query_bucket,
+    token_bucket,
+)
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
 from tests.decode.helpers import CASES, alone, pool_for, round_forward, run_rounds, session
 from tests.engine.helpers import model
@@ -55,6 +63,9 @@ def test_shape_buckets_pad_little_and_reuse_graphs() -> None:
     for n in range(1, 5000):
         b = eighths(n)
         assert b >= n and (n <= 16 or b <= n * 1.125 + 1)
+        assert n <= fine(n) <= n * 1.0625 + 1 and n <= token_bucket(n) <= max(32, n + 31, n * 1.0625 + 1)
+        assert n <= query_bucket(n) <= max(n + 3, n * 1.125 + 1)
+    assert [query_bucket(n) for n in (1, 33, 65, 300)] == [4, 36, 72, 304]
     m = model("dream")
     pool = pool_for(m)
     forward = GraphedRoundForward(m, pool, "torch", capture=False)
