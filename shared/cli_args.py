@@ -46,11 +46,13 @@ def known_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def suggestions(flag: str, known: Sequence[str]) -> list[str]:
-    """Flags ``flag`` may have meant: those with its words in them, then close spellings."""
+    """Flags ``flag`` may have meant: those it abbreviates, then those with all its words in them, then
+    close spellings (at most three)."""
     words = [w for w in flag.lstrip("-").split("-") if w]
-    near = [k for k in known if k.startswith("--") and words and all(w in k.split("-") for w in words)]
-    near += [k for k in difflib.get_close_matches(flag, known, n=3, cutoff=0.7) if k not in near]
-    return near[:3]
+    longer = sorted(k for k in known if k.startswith(flag + "-"))
+    with_words = sorted(k for k in known if k.startswith("--") and words and set(words) <= set(k.split("-")))
+    close = difflib.get_close_matches(flag, known, n=3, cutoff=0.7)
+    return list(dict.fromkeys([*longer, *with_words, *close]))[:3]
 
 
 def unknown_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:

@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"planted fact: {bundled['planted_fact'].strip()!r} -> {verdict}")
         print(f"method: {t.method}  prompt tokens: {t.prompt_tokens}  chunks: {t.num_chunks}")
         if t.method == "pdllm":
-            print(f"selected chunks: {list(t.selected_chunk_ids)}  kept context tokens: {t.kept_tokens}")
-            print(f"  ({SCORE_DIRECTION})")
+            print(f"selected chunks: {list(t.selected_chunk_ids)} {SCORE_DIRECTION}")
+            print(f"kept context tokens: {t.kept_tokens}")
         tm = t.timings
         print(
             f"timings: prefill {tm.prefill_s:.2f}s score {tm.score_s:.2f}s select {tm.select_s:.3f}s "

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--k8s-namespace",
         default=_env_default("--k8s-namespace", ""),
-        help="kubernetes discovery: the workers' namespace (default: the pod's own)",
+        help="kubernetes discovery: the workers' namespace (required there; the manifests set the pod's own)",
     )
     r.add_argument(
         "--k8s-prefill-service",

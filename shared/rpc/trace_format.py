@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 
-SCORE_DIRECTION = "lower total score = more relevant; the selected chunks have the lowest totals"
+SCORE_DIRECTION = "by lowest total score (lower = more relevant)"
 
 _INT64 = {
     FieldDescriptor.TYPE_INT64,
@@ -68,8 +68,8 @@ def summary(trace: pb.Trace, extra_timings: dict[str, float] | None = None) -> s
     ]
     if trace.num_chunks:
         lines.append(
-            f"  chunks {trace.num_chunks}, selected {list(trace.selected_chunk_ids)}, "
-            f"kept context tokens {trace.kept_tokens} ({SCORE_DIRECTION})"
+            f"  chunks {trace.num_chunks}, selected {list(trace.selected_chunk_ids)} {SCORE_DIRECTION}; "
+            f"kept context tokens {trace.kept_tokens}"
         )
         ranked = sorted(trace.chunk_scores, key=lambda s: s.total)
         shown = [f"chunk {s.chunk_id} {s.total:.3f}" for s in ranked[: len(trace.selected_chunk_ids)]]

@@ -276,7 +276,7 @@ def train(
     return stats
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog="pdllm train", description="pdllm train: train the small dLLM the project ships.")
     parser.add_argument("--config", type=Path, help="training config JSON (see shared/training/configs/)")
     parser.add_argument(
@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget for training")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the config's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.config is None and not args.smoke:
         parser.error("give --config FILE or --smoke")
