@@ -51,21 +51,22 @@ def suggestions(flag: str, known: Sequence[str]) -> list[str]:
     words = [w for w in flag.lstrip("-").split("-") if w]
     longer = sorted(k for k in known if k.startswith(flag + "-"))
     with_words = sorted(k for k in known if k.startswith("--") and words and set(words) <= set(k.split("-")))
-    close = difflib.get_close_matches(flag, known, n=3, cutoff=0.7)
+    close = difflib.get_close_matches(flag, known, n=3, cutoff=0.8)
     return list(dict.fromkeys([*longer, *with_words, *close]))[:3]
 
 
 def unknown_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
     """The first token of ``argv`` that looks like a flag ``parser`` does not have (None: none). Scanning
-    stops at ``--`` and at a subcommand's name (the subcommand's parser checks the rest)."""
+    stops at ``--`` and, in a parser with subcommands, at the subcommand's name (its parser checks the
+    rest)."""
     known = set(parser._option_string_actions)  # noqa: SLF001
     commands: set[str] = set()
     for action in parser._actions:  # noqa: SLF001
         if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
             commands |= set(action.choices)
     for token in argv:
-        if token == "--" or token in commands:
-            return None
+        if token == "--" or (commands and not token.startswith("-")):
+            return None  # the subcommand (or a name argparse will call an invalid choice)
         if not token.startswith("-") or token == "-" or _NUMBER.match(token):
             continue
         name = token.split("=", 1)[0] if token.startswith("--") else token[:2]

@@ -25,7 +25,7 @@ EXIT_USAGE = 2
 DELEGATED: dict[str, tuple[str, str]] = {
     "serve": (
         "pdllm.shared.app.serve",
-        "run a router, a prefill worker, a decode worker, or all three in one",
+        "run a router, a prefill worker, a decode worker, or all three in one process",
     ),
     "ask": ("pdllm.shared.rpc.ask", "ask a running server a question about a (long) context"),
     "demo": (

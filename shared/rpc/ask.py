@@ -27,7 +27,9 @@ EXIT_USAGE = 2
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="pdllm ask", description="pdllm ask: ask a running server a question about a (long) context."
+        prog="pdllm ask",
+        usage="%(prog)s (--context-file FILE | --context TEXT) --question TEXT [--server HOST:PORT] [FLAG ...]",
+        description="pdllm ask: ask a running server a question about a (long) context.",
     )
     c = p.add_argument_group("server")
     c.add_argument(
