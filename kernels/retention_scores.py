@@ -112,6 +112,7 @@ if triton is not None:
         Q, K, LSE2, CU, QL, OUT, qk_scale,
         s_qt, s_qh, s_kt, s_kh, s_lt, s_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         h = tl.program_id(1)
@@ -138,7 +139,7 @@ if triton is not None:
                     other=0.0,
                 )
                 lse = tl.load(LSE2 + tok * s_lt + head, mask=r_ok, other=float("inf"))
-                s = tl.dot(qq, tl.trans(kc)) * qk_scale
+                s = tl.dot(qq, tl.trans(kc), input_precision=PRECISION) * qk_scale
                 p = tl.exp2(s - lse[:, None])
                 p = tl.where(r_ok[:, None] & j_ok[None, :], p, 0.0)
                 score += tl.sum(p, 0)
@@ -160,7 +161,7 @@ if triton is not None:
                             mask=t_ok[:, None],
                             other=0.0,
                         )
-                        s = tl.dot(qc, tl.trans(kq)) * qk_scale
+                        s = tl.dot(qc, tl.trans(kq), input_precision=PRECISION) * qk_scale
                         p = tl.exp2(s - lse_c[:, None])
                         p = tl.where(j_ok[:, None] & t_ok[None, :], p, 0.0)
                         score += tl.sum(p, 1)
@@ -221,7 +222,10 @@ def retention_scores(
         _retention_kernel[grid](
             q, k, lse2, cu_seqlens, query_lens, part, scale * LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse2.stride(0), part.stride(0),
-            G=hq // hkv, D=d, BLOCK_N=bn, BLOCK_M=bm, CAUSAL=causal, num_warps=4, num_stages=stages,
+            G=hq // hkv, D=d, BLOCK_N=bn, BLOCK_M=bm, CAUSAL=causal,
+            # fp32 inputs get exact fp32 dots (tf32 would cost them ~1e-3 relative), as split-S does
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=4, num_stages=stages,
         )  # fmt: skip
         return part.sum(0)
 
