@@ -3,10 +3,14 @@
 One rendering for every method: vanilla sees ``[BOS] instruction context query``; Prefilling-dLLM
 sees the same instruction and query, with the context split into BOS-prefixed chunks between them.
 The query suffix format is the one the shipped model was trained on.
+
+User text (context, question, instruction) is normalized first (:func:`normalize_text`): the same words
+typed with compatibility forms or invisible format characters give the same tokens.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,13 @@ class PromptIds:
         return head + self.instruction + self.context + self.query
 
 
+def normalize_text(text: str) -> str:
+    """Unicode NFKC, then every format character (category Cf: zero-width space / joiners, word joiner, BOM,
+    soft hyphen, bidi marks) removed: a name pasted with a zero-width space inside it is the same name."""
+    text = unicodedata.normalize("NFKC", text)
+    return "".join(c for c in text if unicodedata.category(c) != "Cf")
+
+
 def encode_prompt(
     tokenizer: Any,
     context: str,
@@ -32,7 +43,10 @@ def encode_prompt(
     instruction: str | None = None,
     query_template: str = QUERY_TEMPLATE,
 ) -> PromptIds:
-    """Tokenize the three parts separately (so chunk boundaries never straddle the query)."""
+    """Tokenize the three parts separately (so chunk boundaries never straddle the query), each normalized
+    (:func:`normalize_text`)."""
+    context, question = normalize_text(context), normalize_text(question)
+    instruction = normalize_text(instruction) if instruction else instruction
     if not context.strip():
         raise ValueError("context is empty")
     if not question.strip():
