@@ -1,139 +1,266 @@
-"""FOCUS requests on the decode worker, batched: one packed FOCUS forward per scheduler iteration for every
-FOCUS request of a group, so that what eviction saves in one request makes room for others (the paper's
-"effective batch grows", §4).
+"""FOCUS (Dream / LLaDA) in the batched rounds: each request's step rides in the round's one forward.
 
-A group is a :class:`~pdllm.decode_service.policies.focus_batch.FocusDecodeBatch` (FOCUS's fast path,
-held token for token to the reference loop by its tests) of requests that share the generation config and
-the FOCUS knobs (Dream/LLaDA: local rows over the method's attention; SDAR: block diffusion over each
-request's exact cache, pdllm's continuing its block-causal prefix) (the packed step runs one schedule and one selection rule); requests with other
-settings form other groups, and a full group (``slots`` requests) starts another. Each request holds a
-:class:`FocusMember` as its session; a member has no step of its own: the scheduler steps each member's
-``group`` once per iteration (``policy_sessions.step_alone``), so every member advances by exactly one
-denoising step per iteration and emits one partial. A member whose request is done or cancelled leaves its
-group at the group's next step (its block-K/V slot is reused).
+A :class:`FocusBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow FOCUS (``policies/
+focus.py``; its reference loop, ``focus_reference.FocusLogits``, is the specification; the selection is
+``focus_fast``'s vectorized one). Its local rows are the plain session's (query or prompt, then the
+response); its pool pages hold its static KV, then ``B`` *region* slots, then ``B`` *store* slots (``B``:
+the block length, :func:`focus_slots`). The store keeps, per layer, the K/V of the block's rows from the
+last step that forwarded them (slot ``B + r`` for block row ``r``), written by the round for every block
+row it forwards. Per step, in a round that may hold any other sessions:
 
-Attention stays each request's own (vanilla: dense over prompt + response; pdllm: its static chunk KV
-through the method's backend; SDAR: its cache of earlier blocks), as in the reference loop: the gRPC
-answer equals the in-process one.
+- **layers 0-1** (the part's rows): every local row but the block's frozen ones; the frozen rows' K/V are
+  copied from the store into the region at each of those layers, and the entry reads ``static + frozen``
+  pool slots besides its own rows, so its keys are the context and every block row, each once;
+- after layer 1, :class:`FocusRound` computes the importance delta of every FOCUS session of the round
+  from the block rows' queries and stored keys of layers 0 and 1 and selects their rows
+  (``focus_fast.importance_batched`` / ``select_batched``, one host read for all); the forward keeps the
+  context and the selected rows (``split_rounds.py``);
+- **layers >= 2**: the block rows ``[0, reach)`` that are not selected are copied into the region at each
+  layer (the entry reads ``static + that many`` slots), the selected ones are forwarded and stored;
+- the LM head runs on the eligible rows only (the others' logits are zeros, as the reference's); the
+  sampler unmasks among the eligible rows (:meth:`FocusBatchSession.apply`) and FOCUS observes it.
+
+Keys are a set (attention is order-free), so each query sees exactly the reference's keys. Such rounds run
+eagerly. SDAR's FOCUS requests still step in packed groups of their own (``focus_groups.py``).
 """
 
 from __future__ import annotations
 
-import threading
-import time
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from pdllm.decode_service.block_diffusion import BlockKVCache
-from pdllm.decode_service.policies.focus import FocusConfig
-from pdllm.decode_service.policies.focus_batch import BatchedRequest, FocusDecodeBatch
+from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
+from pdllm.decode_service.policies.focus_fast import importance_batched, select_batched
+from pdllm.decode_service.request import StaticDecode
+from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
+from pdllm.decode_service.split_rounds import SplitRows
+from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
-from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 
 
-class FocusMember:
-    """One request's place in a :class:`FocusGroup`: the request's session (``state``, ``done``,
-    ``partial``, ``result``, as a ``DenoiseSession``'s; stepped through its ``group``)."""
+def focus_slots(gen: GenerationConfig) -> int:
+    """Pool slots a FOCUS session holds beyond its static KV: the region and the store, a block each."""
+    return 2 * gen.block
 
-    def __init__(self, group: FocusGroup, request: BatchedRequest, cancelled: threading.Event) -> None:
-        self.group, self.request, self.cancelled = group, request, cancelled
-        self.seconds = 0.0  # group steps while a member, in seconds
 
-    @property
-    def state(self) -> DenoiseState:
-        return self.request.state
+@dataclass
+class FocusBatchSession(BatchSession):
+    """A Dream/LLaDA request under FOCUS in the rounds (host sampler). Made by :meth:`begin`."""
 
-    @property
-    def done(self) -> bool:
-        return self.request.state.done
+    focus: FocusConfig = field(default_factory=FocusConfig)
+    page_size: int = 64
+    lead: int = 0  # 1: a row's logits come from the row before it (Dream)
+    deep: int = 0  # layers past the split
+    device: torch.device = torch.device("cpu")
+    memory: FocusMemory = field(default_factory=FocusMemory)
+    stats: FocusStats = field(default_factory=FocusStats)
+    reach: int = 0  # the last step's visible prefix of the block at layers >= 2
+    eligible: torch.Tensor | None = None  # the last step's eligible masked rows (bool, host)
 
-    def partial(self) -> list[int]:
-        """Response slots so far, -1 where still masked."""
-        mask = self.state.mask_id
-        return [-1 if t == mask else t for t in self.state.tokens.tolist()]
+    @classmethod
+    def begin(
+        cls, model: DiffusionLM, built: StaticDecode, pages: list[int], page_size: int
+    ) -> FocusBatchSession:
+        check_model(model, block_diffusion=False)
+        focus, gen = built.cache_policy, built.gen
+        assert isinstance(focus, FocusConfig)
+        need = -(-(built.kv_tokens + focus_slots(gen)) // page_size)
+        if len(pages) < need:
+            raise ValueError(f"a FOCUS session needs {need} pages (static KV + block K/V), got {len(pages)}")
+        c = model.config
+        state = DenoiseState(gen, c.mask_token_id, c.eos_token_id, "cpu")
+        return cls(
+            list(built.query), built.query_start, built.kv_tokens, list(pages), state, focus=focus,
+            page_size=page_size, lead=1 if c.shift_logits else 0, deep=c.num_layers - 2,
+            device=next(model.parameters()).device,
+        )  # fmt: skip
+
+    def slot(self, j: int) -> tuple[int, int]:
+        """(page, slot in page) of pool slot ``j`` after the static KV (region ``j < B``, store after)."""
+        at = self.kv_tokens + j
+        return self.pages[at // self.page_size], at % self.page_size
+
+    def stored(self, r: int) -> tuple[int, int]:
+        """(page, slot in page) of block row ``r``'s stored K/V."""
+        return self.slot(self.state.config.block + r)
+
+    def round_parts(self) -> list[RoundRows]:
+        """Layers 0-1 of the next step: every local row but the block's frozen ones."""
+        state, q = self.state, len(self.query)
+        a, b = state.spans[state.block]
+        if state.block != self.memory.block:
+            masked = (state.tokens[a:b] == state.mask_id).tolist()
+            self.memory.start_block(state.block, masked, self.focus.delayed_cache)
+        lo, hi, n = q + a, q + b, q + state.config.gen_length
+        frozen = self.memory.frozen
+        active = [r for r in range(b - a) if not frozen[r]]
+        rows = (*range(lo), *(lo + r for r in active), *range(hi, n))
+        writes = tuple((lo + r, *self.stored(r)) for r in active)
+        split = FocusSplit(self, lo, hi, active, state.quota())
+        return [RoundRows(0, n, self.kv_tokens + b - a - len(active), writes, rows=rows, split=split)]
+
+    def apply(self, tokens: torch.Tensor, confidence: torch.Tensor) -> None:
+        """The sampler unmasks among the eligible rows; FOCUS observes what it unmasked."""
+        state = self.state
+        assert isinstance(state, DenoiseState) and self.eligible is not None
+        a = state.spans[state.block][0]
+        picked = state.apply(tokens, confidence, self.eligible)
+        self.eligible = None
+        self.memory.observe((picked - a).tolist(), self.reach, self.focus.delayed_cache)
+        self.stats.decoded += len(picked)
 
     def result(self) -> GenerationResult:
-        return self.group.batch.result(self.request, self.seconds)
+        result = super().result()
+        result.cache = {"policy": self.focus.name, **self.stats.as_dict()}
+        return result
 
 
-class FocusGroup:
-    """FOCUS requests of one generation config and one set of knobs, stepped as one packed batch."""
+@dataclass
+class FocusSplit:
+    """One FOCUS session's step in a round: block rows ``[lo, hi)`` (local), the unfrozen block rows
+    ``active`` forwarded through layers 0-1, the fixed schedule's ``quota``."""
 
-    def __init__(self, model: DiffusionLM, gen: GenerationConfig, focus: FocusConfig, slots: int) -> None:
-        self.batch = FocusDecodeBatch(model, gen, focus, slots)
-        self.members: list[FocusMember] = []
+    layers: ClassVar[int] = 2
+    session: FocusBatchSession
+    lo: int
+    hi: int
+    active: list[int]
+    quota: int | None
 
-    def add(self, request: BatchedRequest, cancelled: threading.Event) -> FocusMember:
-        member = FocusMember(self, request, cancelled)
-        self.members.append(member)
-        return member
+    @classmethod
+    def group(cls, members: list[tuple[int, FocusSplit]]) -> FocusRound:  # type: ignore[override]
+        return FocusRound(members)
 
-    def prune(self) -> None:
-        """Members whose request is done or cancelled leave (their slots are free again)."""
-        for member in [m for m in self.members if m.done or m.cancelled.is_set()]:
-            self.batch.remove(member.request)
-            self.members.remove(member)
 
-    def step(self) -> None:
-        """One denoising step of every member, in one packed forward."""
-        self.prune()
-        if not self.members:
+def _copies(
+    pairs: list[tuple[tuple[int, int], tuple[int, int]]], device: torch.device
+) -> torch.Tensor | None:
+    """``[4, n]`` long (source page, source slot, target page, target slot) of pool copies, or None."""
+    if not pairs:
+        return None
+    flat = [x for (src, dst) in pairs for x in (*src, *dst)]
+    return to_device(flat, torch.long, device).view(-1, 4).T
+
+
+class FocusRound:
+    """The FOCUS sessions of one round (:class:`~.split_rounds.SplitGroup`): the region copies at every
+    layer, layers 0-1's queries and block keys, and the selection of all of them after layer 1. Sessions
+    of one block length and knobs form one padded batch of the vectorized selection."""
+
+    def __init__(self, members: list[tuple[int, FocusSplit]]) -> None:
+        self.members = members
+        self.device = members[0][1].session.device
+        batches: dict[tuple[FocusConfig, int], list[int]] = {}
+        for i, (_, split) in enumerate(members):
+            batches.setdefault((split.session.focus, split.hi - split.lo), []).append(i)
+        self.batches = list(batches.items())
+        self.captured: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.batches]
+        self.indices = [self._indices(rows, w) for (_, w), rows in self.batches]
+        frozen = []
+        for _, split in members:
+            s = split.session
+            hidden = [r for r in range(split.hi - split.lo) if r not in set(split.active)]
+            frozen += [(s.stored(r), s.slot(j)) for j, r in enumerate(hidden)]
+        self.copy = _copies(frozen, self.device)  # layers 0-1: the frozen rows into the region
+
+    def _indices(self, which: list[int], width: int) -> tuple[torch.Tensor, ...]:
+        """Packed rows of the forwarded block rows, their padded places, and the block's stored slots."""
+        packed, places, pages, slots = [], [], [], []
+        for i, m in enumerate(which):
+            first, split = self.members[m]
+            packed += [first + split.lo + j for j in range(len(split.active))]
+            places += [i * width + r for r in split.active]
+            stored = [split.session.stored(r) for r in range(width)]
+            pages += [p for p, _ in stored]
+            slots += [o for _, o in stored]
+        flat = to_device([*packed, *places, *pages, *slots], torch.long, self.device)
+        n, m = len(packed), len(pages)
+        return flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + m], flat[2 * n + m :]
+
+    def __call__(
+        self,
+        layer: int,
+        base: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: PagedBatchAttention,
+    ) -> None:
+        kv = attention.kv[layer]  # [2, pages, Hkv, page_size, D]
+        if self.copy is not None:
+            src_p, src_s, dst_p, dst_s = self.copy
+            kv[:, dst_p, :, dst_s] = kv[:, src_p, :, src_s]
+        if layer >= FocusSplit.layers:
             return
-        start = time.perf_counter()
-        self.batch.step()  # synchronous: it reads its selection and the sampler's predictions
-        seconds = time.perf_counter() - start
-        for member in self.members:
-            member.seconds += seconds
+        for b, ((_, width), which) in enumerate(self.batches):
+            packed, places, pages, slots = self.indices[b]
+            r = len(which)
+            qpad = q.new_zeros(r * width, q.shape[1], q.shape[3])
+            qpad.index_copy_(0, places, q[0][:, packed].transpose(0, 1))
+            keys = kv[0][pages, :, slots]  # [r * width, Hkv, D], the block's fresh rows written in
+            self.captured[b][layer] = (
+                qpad.view(r, width, *qpad.shape[1:]).transpose(1, 2),
+                keys.view(r, width, *keys.shape[1:]).transpose(1, 2),
+            )
 
+    def choose(self) -> list[SplitRows]:
+        """Every session's selection (one host read), its rows past layer 1 and its counters."""
+        chosen = []
+        for b, ((focus, width), which) in enumerate(self.batches):
+            memories = [self.members[m][1].session.memory for m in which]
+            splits = [self.members[m][1] for m in which]
 
-class FocusGroups:
-    """The decode worker's FOCUS groups (scheduler thread only)."""
+            def table(values: list[list[bool]]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.bool).to(self.device)
 
-    def __init__(self, model: DiffusionLM, slots: int = 64) -> None:
-        self.model, self.slots = model, slots
-        self.groups: dict[tuple[GenerationConfig, FocusConfig], list[FocusGroup]] = {}
+            masked, frozen = table([m.masked for m in memories]), table([m.frozen for m in memories])
+            valid = torch.ones_like(masked)
+            per = [
+                [m.reach, m.k_hist(focus.alpha), s.quota or 0] for m, s in zip(memories, splits, strict=True)
+            ]
+            reach, k_hist, quota = torch.tensor(per).to(self.device).unbind(1)
+            cap, queries, kernel = self.captured[b], valid & ~frozen, focus.pool_kernel
+            delta = importance_batched(*cap[1], queries, valid, kernel) - importance_batched(
+                *cap[0], queries, valid, kernel
+            )
+            chosen.append(select_batched(delta, masked, frozen, valid, reach, k_hist, quota, focus, width))
+        host = torch.cat([c.flatten() for c in chosen]).cpu()  # the step's one read
+        out: list[SplitRows | None] = [None] * len(self.members)
+        visible, at = [], 0
+        for (_, width), which in self.batches:
+            for m in which:
+                sel = host[at : at + width].nonzero().flatten().tolist()
+                at += width
+                out[m], hidden = self._rows(self.members[m][1], sel)
+                s = self.members[m][1].session
+                visible += [(s.stored(r), s.slot(j)) for j, r in enumerate(hidden)]
+        self.copy = _copies(visible, self.device)  # layers >= 2: the visible rows not forwarded
+        return out  # type: ignore[return-value]
 
-    def join(
-        self,
-        local: torch.Tensor,
-        positions: torch.Tensor,
-        response_start: int,
-        inner: AttentionBackend,
-        gen: GenerationConfig,
-        focus: FocusConfig,
-        cancelled: threading.Event,
-    ) -> FocusMember:
-        """A Dream/LLaDA member for a request with local rows ``local`` ``[N]`` (the response last) at
-        ``positions`` (``[1, N]`` or ``[N]``), attending through ``inner``."""
-        group = self._group(gen, focus)
-        return group.add(group.batch.local(local, positions.reshape(-1), response_start, inner), cancelled)
-
-    def join_block_diffusion(
-        self,
-        prompt: torch.Tensor,
-        gen: GenerationConfig,
-        focus: FocusConfig,
-        cancelled: threading.Event,
-        prefix: BlockKVCache | None = None,
-    ) -> FocusMember:
-        """An SDAR member: block diffusion of ``prompt`` (its prefill runs now), continuing ``prefix`` when
-        given (pdllm's block-causal cache of ``[instruction, chunks]``)."""
-        group = self._group(gen, focus)
-        return group.add(group.batch.block_diffusion(prompt, prefix), cancelled)
-
-    def _group(self, gen: GenerationConfig, focus: FocusConfig) -> FocusGroup:
-        """A group of these settings with a free slot. Groups left empty, of any settings, are dropped here
-        (their block-K/V stores with them)."""
-        for key, kept in list(self.groups.items()):
-            for group in kept:
-                group.prune()
-            kept[:] = [g for g in kept if g.members]
-            if not kept:
-                del self.groups[key]
-        groups = self.groups.setdefault((gen, focus), [])
-        group = next((g for g in groups if not g.batch.full), None)
-        if group is None:
-            group = FocusGroup(self.model, gen, focus, self.slots)
-            groups.append(group)
-        return group
+    @staticmethod
+    def _rows(split: FocusSplit, sel: list[int]) -> tuple[SplitRows, list[int]]:
+        """A session's rows past layer 1 from its selection ``sel`` (block rows), with the visible block
+        rows it does not forward; its counters, as the fast path's."""
+        s, lo, hi = split.session, split.lo, split.hi
+        mem, n = s.memory, len(s.query) + s.state.config.gen_length
+        kept = set(sel)
+        s.reach = max(mem.reach, sel[-1] + 1)
+        hidden = [r for r in range(s.reach) if r not in kept]
+        rows = (*range(lo), *(lo + r for r in sel), *range(hi, n))
+        eligible = {j for j in sel if mem.masked[j] and (s.lead == 0 or j == 0 or j - 1 in kept)}
+        logits = tuple(j in eligible for j, m in enumerate(mem.masked) if m)
+        s.eligible = torch.tensor(logits, dtype=torch.bool)
+        n_kept = sum(1 for r in sel if mem.masked[r])
+        st = s.stats
+        st.forwards += 1
+        st.rows_forwarded += len(rows) * s.deep
+        st.rows_plain += n * s.deep
+        st.rows_prefix += (n - (hi - lo) + len(split.active)) * 2
+        st.focused += n_kept
+        st.evicted += len(logits) - n_kept
+        st.frozen += sum(mem.frozen)
+        writes = tuple((lo + r, *s.stored(r)) for r in sel)
+        return SplitRows(rows, s.kv_tokens + len(hidden), writes, logits), hidden

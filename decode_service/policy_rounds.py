@@ -41,20 +41,27 @@ from pdllm.decode_service.policies import CachePolicy, CacheStats, DualCache, St
 from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
 from pdllm.decode_service.request import BlockDecode, RoundsStart
 from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
+from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
 BATCHED_POLICIES = ("prefix-cache", "dual-cache", "sparse-dllm", "polestar")
-"""The decode policies whose sessions join the batched rounds (:func:`batch_session` picks the kind)."""
+"""The caching decode policies whose sessions join the batched rounds (:func:`batch_session` picks the
+kind; FOCUS's sessions are ``focus_rounds.py``'s)."""
 
 
 def cache_slots(
-    query_tokens: int, gen: GenerationConfig, policy: CachePolicy | None = None, protected: int = 0
+    query_tokens: int,
+    gen: GenerationConfig,
+    policy: CachePolicy | FocusConfig | None = None,
+    protected: int = 0,
 ) -> int:
     """Pool slots a policy session reserves for its cache, beyond its static KV: one per local row, except
     under Sparse-dLLM, whose cache holds only the rows it keeps (:func:`kept_count`, ``protected``: the
-    question's rows, always kept)."""
+    question's rows, always kept), and under FOCUS (two blocks: ``focus_rounds.focus_slots``)."""
+    if isinstance(policy, FocusConfig):
+        return 2 * gen.block
     rows = query_tokens + gen.gen_length
     if isinstance(policy, SparseDLLM):
         return kept_count(rows, SaliencyKeep(0, gen.block, policy.retention, policy.pool_kernel, protected))
@@ -209,11 +216,15 @@ def batch_session(
     device_sampler: bool = True,
 ) -> BatchSession:
     """A built request's session in the rounds: block diffusion, or under its batched decode policy, if it
-    has one."""
+    has one (FOCUS: ``focus_rounds.py``)."""
     if isinstance(built, BlockDecode):
         from pdllm.decode_service.block_rounds import BlockBatchSession  # it builds on rounds.py only
 
         return BlockBatchSession.begin(model, built, pages, page_size)
+    if isinstance(built.cache_policy, FocusConfig):
+        from pdllm.decode_service.focus_rounds import FocusBatchSession  # it builds on rounds.py only
+
+        return FocusBatchSession.begin(model, built, pages, page_size)
     args = (model, built.query, built.query_start, built.kv_tokens, pages, built.gen)
     if built.cache_policy is None:
         return BatchSession.start(*args, device_sampler)

@@ -1,7 +1,7 @@
 """Decode-policy sessions outside the batched rounds, and the reference loops over a static KV.
 
 DyLLM requests (vanilla or pdllm) run the policy's own loop (``policies/compute_skip.py``), one denoising
-step per scheduler iteration (:func:`step_alone`, which also steps FOCUS groups and SDAR sessions). A pdllm
+step per scheduler iteration (:func:`step_alone`, which also steps SDAR's FOCUS groups). A pdllm
 one reads its static KV through the reference attention backends (:func:`static_local_rows`; a KV landed
 by a handoff is read out of its pool pages once, :func:`pooled_static`), so its answer equals
 ``engine.generate(..., decode_policy=...)`` token for token. :func:`static_policy_logits` is a caching
@@ -73,8 +73,7 @@ def static_local_rows(
     decode_attention: str,
     static_policy: DecodePolicy | None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
-    """The local rows, their positions and the static-KV backend a decode policy's loop runs around (and
-    a FOCUS request's place in its batched group, ``focus_rounds.py``)."""
+    """The local rows, their positions and the static-KV backend a decode policy's loop runs around."""
     if static_policy is not None and not static_policy.step_invariant:
         raise ValueError("a decode policy composes with step-invariant static-KV policies only")
     local, positions = local_inputs(model, query, static, gen)
@@ -95,8 +94,8 @@ def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: w
 def step_alone(
     reqs: Sequence[DecodeRequest], stopping: Callable[[], bool], observe: Callable[[float], None]
 ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
-    """One step of each session outside the rounds (DyLLM's loop, SDAR block diffusion), and one step of each
-    group of sessions stepped together (a FOCUS group: its members' ``group``), whatever number of its
+    """One step of each session outside the rounds (DyLLM's loop), and one step of each group of sessions
+    stepped together (an SDAR FOCUS group: its members' ``group``), whatever number of its
     members ``reqs`` holds: (stepped, failed). A failed request has its exception queued for its caller.
     None runs once the scheduler is ``stopping`` or after its request was cancelled: such a step is long,
     and nobody would wait for it."""

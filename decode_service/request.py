@@ -14,9 +14,10 @@ from typing import Protocol
 import torch
 
 from pdllm.decode_service.device_state import DeviceDenoiseState
-from pdllm.decode_service.focus_rounds import FocusMember
+from pdllm.decode_service.focus_groups import FocusMember
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy
+from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV
@@ -49,8 +50,9 @@ class StaticDecode:
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
-    # A batched decode policy (policy_rounds.BATCHED_POLICIES): the session joins the rounds under it.
-    cache_policy: CachePolicy | None = None
+    # The decode policy its session runs under in the rounds: a caching one (``policy_rounds.py``) or
+    # FOCUS's knobs (``focus_rounds.py``); None: plain steps.
+    cache_policy: CachePolicy | FocusConfig | None = None
 
     @property
     def query_start(self) -> int:
@@ -85,7 +87,7 @@ AloneSession = DenoiseSession
 
 class Session(Protocol):
     """What the scheduler reads of a running request's session, whatever runs it (a session in the rounds,
-    one stepped alone, a FOCUS group member): its denoising state (steps taken, block), whether it is done,
+    one stepped alone, an SDAR FOCUS group member): its denoising state (steps taken, block), whether it is done,
     its partial output and its result."""
 
     @property
@@ -99,8 +101,8 @@ class Session(Protocol):
     def result(self) -> GenerationResult: ...
 
 
-# What a request's ``start`` returns: a session for the rounds or one stepped alone (a FOCUS group member
-# included).
+# What a request's ``start`` returns: a session for the rounds or one stepped alone (an SDAR FOCUS group
+# member included).
 Started = StaticDecode | BlockDecode | AloneSession | FocusMember
 
 

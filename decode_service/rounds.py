@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
 from pdllm.shared.model.attention import sdpa
 from pdllm.shared.model.transformer import DiffusionLM
+
+if TYPE_CHECKING:
+    from pdllm.decode_service.split_rounds import RowSplit
 
 ROUND_ATTENTIONS = ("torch", "triton")
 
@@ -100,6 +104,11 @@ class BatchSession:
         (one part: :meth:`round_rows`; block diffusion splits its rows at model-block boundaries)."""
         return [self.round_rows()]
 
+    def apply(self, tokens: torch.Tensor, confidence: torch.Tensor) -> None:
+        """A host session's predictions for its masked rows (``predict_many``'s), applied after the round."""
+        assert isinstance(self.state, DenoiseState)
+        self.state.apply(tokens, confidence)
+
 
 @dataclass(frozen=True)
 class RoundRows:
@@ -118,6 +127,11 @@ class RoundRows:
     # ``[layers]`` int32 on the device: per layer, cached slots this session's queries do not read (the
     # last ones; Sparse-dLLM's kept row that the step forwards fresh). None: none.
     drop: torch.Tensor | None = None
+    # Only these local rows of ``[lo, hi)`` (ascending) are forwarded; None: all. A part with ``rows``
+    # has no ``store`` and no device state.
+    rows: tuple[int, ...] | None = None
+    # The part's rows change between layers (``split_rounds.py``: FOCUS); such a round runs eagerly.
+    split: RowSplit | None = None
 
 
 LayerStore = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, "PagedBatchAttention"], None]
@@ -250,42 +264,60 @@ class PackedRound:
     writes: list[tuple[int, int, int]] = field(default_factory=list)  # (packed row, page, slot)
     stores: list[tuple[int, LayerStore]] = field(default_factory=list)  # (first packed row, store)
     drops: list[torch.Tensor | None] = field(default_factory=list)  # per session
+    # (first packed row, session index, part) of every attention entry, in order
+    entries: list[tuple[int, int, RoundRows]] = field(default_factory=list)
+    splits: bool = False  # some part's rows change between layers
     device_ids: torch.Tensor | None = None
     device_rows: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, sessions: list[BatchSession]) -> PackedRound:
         out = cls([], [], [], [], [0], [], [])
-        for s in sessions:
+        for i, s in enumerate(sessions):
             parts = s.round_parts()
             lo, hi = parts[0].lo, parts[-1].hi
             base = out.q_offsets[-1]
             q = len(s.query)
             start = base + q - lo
             state = s.state
+            picked = parts[0].rows
             if isinstance(state, DeviceDenoiseState):
+                assert picked is None, "a part with chosen rows steps on the host"
                 response = [state.mask_id] * state.config.gen_length
                 rows = [-1] * state.masked
             else:
                 masked = state.positions()
                 response = state.tokens.tolist()
-                rows = (masked + start).tolist()
+                if picked is None:
+                    rows = (masked + start).tolist()
+                else:  # every masked row is among the chosen ones
+                    where = {r: j for j, r in enumerate(picked)}
+                    rows = [base + where[q + p] for p in masked.tolist()]
             # Slices, not query + response: a vanilla session's query is its whole prompt.
             r0, r1 = max(0, lo - q), max(0, hi - q)
-            out.ids += s.query[lo:hi] + response[r0:r1]
-            out.positions += range(s.query_start + lo, s.query_start + hi)
+            if picked is None:
+                out.ids += s.query[lo:hi] + response[r0:r1]
+                out.positions += range(s.query_start + lo, s.query_start + hi)
+            else:
+                assert len(parts) == 1 and parts[0].store is None
+                out.ids += [s.query[r] if r < q else response[r - q] for r in picked]
+                out.positions += [s.query_start + r for r in picked]
             out.rows += rows
             out.counts.append(len(rows))
             out.starts.append(start)
             out.responses.append((r0, r1))
             for part in parts:  # one attention entry each, over the same page table
-                out.q_offsets.append(out.q_offsets[-1] + part.hi - part.lo)
+                first = out.q_offsets[-1]
+                local = part.hi - part.lo if part.rows is None else len(part.rows)
+                out.q_offsets.append(first + local)
                 out.page_table.append(s.pages)
                 out.kv_lens.append(part.kv_len)
-                out.writes += [(base + row - lo, page, slot) for row, page, slot in part.writes]
+                out.writes += part_writes(first, part, part.writes, part.rows)
                 if part.store is not None:
-                    out.stores.append((base - lo, part.store))
+                    out.stores.append((first - part.lo, part.store))
                 out.drops.append(part.drop)
+                out.entries.append((first, i, part))
+                out.splits |= part.split is not None
         return out
 
     def table(self, sessions: int, width: int) -> torch.Tensor:
@@ -317,15 +349,51 @@ class PackedRound:
         return max(hi - lo for lo, hi in zip(self.q_offsets, self.q_offsets[1:]))
 
 
+def part_writes(
+    first: int, part: RoundRows, writes: tuple[tuple[int, int, int], ...], rows: tuple[int, ...] | None
+) -> list[tuple[int, int, int]]:
+    """``writes`` (local row, page, slot) of an entry whose packed rows start at ``first``, over the
+    part's local rows ``rows`` (None: all of ``[lo, hi)``), as (packed row, page, slot)."""
+    if rows is None:
+        return [(first + row - part.lo, page, slot) for row, page, slot in writes]
+    where = {r: j for j, r in enumerate(rows)}
+    return [(first + where[row], page, slot) for row, page, slot in writes]
+
+
 class EagerRoundForward:
-    """A round's forward run op by op: packed tokens in, logits of the packed ``rows`` out."""
+    """A round's forward run op by op: packed tokens in, logits of the packed ``rows`` out (a round whose
+    rows change between layers: ``split_rounds.split_forward``)."""
 
     def __init__(self, model: DiffusionLM, pool: DecodeKVPool, kernel: str) -> None:
         self.model, self.pool, self.kernel = model, pool, kernel
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
+        if packed.splits:
+            from pdllm.decode_service.split_rounds import split_forward  # it builds on this module
+
+            return split_forward(self, packed)
+        ids, positions, rows = self.inputs(packed)
+        with ExitStack() as stack:
+            for _, store in packed.stores:
+                attach = getattr(store, "attach", None)
+                if attach is not None:
+                    stack.enter_context(attach(self.model))
+            hidden = self.model.hidden_states(ids[None], positions[None], self.attention(packed))
+        return self.model.logits_from_hidden(hidden, rows[None])[0]
+
+    def inputs(self, packed: PackedRound) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's ``ids``, ``positions`` and ``rows`` on the device."""
+        t = len(packed.ids)
+        longs = to_device([*packed.ids, *packed.positions, *packed.rows], torch.long, self.pool.kv.device)
+        ids, positions, rows = longs[:t], longs[t : 2 * t], longs[2 * t :]
+        ids = ids if packed.device_ids is None else packed.device_ids
+        rows = rows if packed.device_rows is None else packed.device_rows
+        return ids, positions, rows
+
+    def attention(self, packed: PackedRound) -> PagedBatchAttention:
+        """The round's attention over the pool (its metadata copied to the device)."""
         device = self.pool.kv.device
-        b, t = len(packed.kv_lens), len(packed.ids)
+        b = len(packed.kv_lens)
         width = packed.table_width
         table = packed.table(b, width).flatten()
         ints = torch.cat([torch.tensor(packed.q_offsets + packed.kv_lens, dtype=torch.int32), table])
@@ -335,16 +403,12 @@ class EagerRoundForward:
             ints[b + 1 : 2 * b + 1],
             ints[2 * b + 1 :].view(b, width),
         )
-        longs = to_device([*packed.ids, *packed.positions, *packed.rows], torch.long, device)
-        ids, positions, rows = longs[:t], longs[t : 2 * t], longs[2 * t :]
-        ids = ids if packed.device_ids is None else packed.device_ids
-        rows = rows if packed.device_rows is None else packed.device_rows
         writes = None
         if packed.writes:
             w_rows, w_pages, w_slots = zip(*packed.writes, strict=True)
             w = to_device([*w_rows, *w_pages, *w_slots], torch.long, device).view(3, -1)
             writes = (w[0], w[1], w[2])
-        attention = PagedBatchAttention(
+        return PagedBatchAttention(
             self.pool.kv,
             page_table,
             kv_lens,
@@ -356,13 +420,6 @@ class EagerRoundForward:
             packed.stores,
             packed.drop_table(self.model.config.num_layers, b, device),
         )
-        with ExitStack() as stack:
-            for _, store in packed.stores:
-                attach = getattr(store, "attach", None)
-                if attach is not None:
-                    stack.enter_context(attach(self.model))
-            hidden = self.model.hidden_states(ids[None], positions[None], attention)
-        return self.model.logits_from_hidden(hidden, rows[None])[0]
 
 
 RoundForward = Callable[[PackedRound], torch.Tensor]
@@ -396,8 +453,8 @@ def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> None:
         own = logits if not on_device else logits.index_select(0, _rows_of(on_host, spans, logits))
         host_states = [s.state for s in sessions if isinstance(s.state, DenoiseState)]
         predictions = predict_many(own, host_states, [packed.counts[i] for i in on_host])
-        for state, p in zip(host_states, predictions, strict=True):
-            state.apply(*p)
+        for i, p in zip(on_host, predictions, strict=True):
+            sessions[i].apply(*p)
     elapsed = time.perf_counter() - start
     for s in sessions:
         s.seconds += elapsed

@@ -26,8 +26,9 @@ The decode must be exact block diffusion over the selected prompt ``[instruction
   :class:`~.policies.focus_reference.FocusBlockSession` over the same prefix (:func:`block_session`), so the
   result equals vanilla FOCUS on the selected prompt (``generate_vanilla`` with the policy), its counters in
   the result's ``cache`` (the decode worker batches such requests through FOCUS's fast path instead,
-  ``decode_service/focus_rounds.py``, continuing the same prefix). The prefix itself is no FOCUS business: FOCUS only skips rows of each block's
-  window, and every finished block is still recorded from its final tokens.
+  ``decode_service/focus_groups.py``, continuing the same prefix). The prefix itself is no FOCUS business:
+  FOCUS only skips rows of each block's window, and every finished block is still recorded from its final
+  tokens.
 
 The prefix is always rebuilt from token ids, never taken from K/V another phase made: the prefill worker's
 step-3 chunk KV (chunk-local positions, causal or bidirectional inside a chunk) and the decode KV it can

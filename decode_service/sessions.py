@@ -3,13 +3,13 @@
 One place decides it for the decode server and the in-process engine alike (no proto here), from the
 model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES`):
 
-- Dream / LLaDA, no policy or a caching one (prefix / dual cache, Sparse-dLLM, Polestar-Cache): a
+- Dream / LLaDA, no policy, a caching one (prefix / dual cache, Sparse-dLLM, Polestar-Cache) or FOCUS: a
   :class:`~.request.StaticDecode` that joins the rounds (pdllm over its static KV; vanilla with its whole
-  prompt as local rows), a caching policy's cache in pool pages after the static KV (:meth:`pool_slots`);
+  prompt as local rows), a policy's cache in pool pages after the static KV (:meth:`pool_slots`; FOCUS:
+  its block K/V, ``focus_rounds.py``);
 - DyLLM: its own loop, stepped alone (``policy_sessions.py``);
-- FOCUS: a member of the worker's packed FOCUS groups (``focus_rounds.py``);
 - SDAR (block diffusion), any method: exact block diffusion in the rounds (``block_rounds.py``, its cache in
-  pool pages), or a FOCUS group member.
+  pool pages), or under FOCUS a member of the worker's packed SDAR FOCUS groups (``focus_groups.py``).
 """
 
 from __future__ import annotations
@@ -21,18 +21,17 @@ from dataclasses import dataclass
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
-from pdllm.decode_service.focus_rounds import FocusGroups
+from pdllm.decode_service.focus_groups import FocusGroups
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
-from pdllm.decode_service.policies.base import vanilla_local_rows
 from pdllm.decode_service.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.decode_service.policy_rounds import cache_slots
-from pdllm.decode_service.policy_sessions import static_compute_skip_logits, static_local_rows
+from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.request import Started, StaticDecode
+from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.plain import prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import Request, decode_layout
-from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 
@@ -40,7 +39,7 @@ from pdllm.shared.static_kv import StaticKV
 @dataclass(frozen=True)
 class PolicyRuntime:
     """How the decode worker runs a decode policy: ``rounds``: its Dream/LLaDA sessions join the batched
-    rounds; ``caches``: it keeps the local rows' K/V in pool pages; ``groups``: its requests step in packed
+    rounds; ``caches``: it keeps local rows' K/V in pool pages; ``groups``: its SDAR requests step in packed
     groups of their own (FOCUS)."""
 
     rounds: bool
@@ -55,7 +54,7 @@ POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
     "sparse-dllm": PolicyRuntime(rounds=True, caches=True),
     "polestar": PolicyRuntime(rounds=True, caches=True),
     "dyllm": PolicyRuntime(rounds=False),
-    "focus": PolicyRuntime(rounds=False, groups=True),
+    "focus": PolicyRuntime(rounds=True, caches=True, groups=True),
 }
 
 
@@ -63,17 +62,20 @@ def runtime(policy: DecodePolicyConfig | None) -> PolicyRuntime:
     return POLICY_RUNTIMES["none" if policy is None else policy.name]
 
 
-def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | None:
-    """The caching policy a request's session in the rounds runs under (None: plain steps, or a policy
-    whose sessions are stepped outside the rounds)."""
+def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | FocusConfig | None:
+    """The policy a Dream/LLaDA request's session in the rounds runs under: a caching one, FOCUS's knobs
+    (None: plain steps, or a policy whose sessions are stepped outside the rounds)."""
     if policy is None or not runtime(policy).rounds:
         return None
+    if policy.name == "focus":
+        return policy.focus_config()
     return make_policy(policy)
 
 
 class SessionMaker:
-    """Starts requests for one scheduler (its thread only: the FOCUS groups are its own). ``attention`` and
-    ``cuda_graph``: the static-KV backend and graph replay of the sessions stepped alone (DyLLM, FOCUS)."""
+    """Starts requests for one scheduler (its thread only: the SDAR FOCUS groups are its own).
+    ``attention`` and ``cuda_graph``: the static-KV backend and graph replay of the sessions stepped alone
+    (DyLLM)."""
 
     def __init__(self, model: DiffusionLM, attention: str, cuda_graph: bool) -> None:
         self.model, self.attention, self.cuda_graph = model, attention, cuda_graph
@@ -89,7 +91,7 @@ class SessionMaker:
         """Pool slots a request reserves beyond its static KV: a caching policy's cache (``cache_slots``;
         ``local_rows``: the rows before the response, protected from eviction under pdllm (``static``)). On
         SDAR (``local_rows``: the whole prompt) one per position of prompt and answer, in the rounds; none
-        for a FOCUS group member (its own cache)."""
+        for an SDAR FOCUS group member (its own cache)."""
         if self.block_diffusion:
             return 0 if runtime(policy).groups else block_slots(local_rows, gen)
         if not runtime(policy).caches:
@@ -116,12 +118,6 @@ class SessionMaker:
         if runtime(policy).rounds:
             return StaticDecode(list(prompt), None, gen, cache_policy=rounds_policy(policy))
         assert policy is not None
-        if runtime(policy).groups:
-            local, positions = vanilla_local_rows(model.config.mask_token_id, tensor, gen)
-            focus = policy.focus_config()
-            return self.focus_groups.join(
-                local, positions, tensor.numel(), DenseAttention(), gen, focus, cancelled
-            )
         logits = vanilla_compute_skip_logits(model, tensor, gen, policy, self.cuda_graph)
         return compute_skip_session(logits)
 
@@ -143,10 +139,6 @@ class SessionMaker:
             static = unpool(static)
         assert isinstance(static, StaticKV)
         model, query, gen = self.model, built.query, built.gen
-        if runtime(policy).groups:
-            local, positions, inner = static_local_rows(model, query, static, gen, self.attention, None)
-            focus = policy.focus_config()
-            return self.focus_groups.join(local, positions, len(query), inner, gen, focus, cancelled)
         logits = static_compute_skip_logits(
             model, query, static, gen, policy, self.attention, cuda_graph=self.cuda_graph
         )

@@ -1,140 +1,279 @@
-"""The decode worker's batched FOCUS (``decode_service/focus_rounds.py``), driven as the scheduler drives
-sessions stepped alone: every member advances by exactly one denoising step per iteration whatever the
-order of its members' ``step()`` calls, joins mid-way, leaves when done or cancelled (its slot reused),
-and ends with the reference loop's tokens and counters."""
+"""FOCUS (Dream / LLaDA) in the batched rounds (``decode_service/focus_rounds.py``): FOCUS sessions share
+each round's one forward with plain, dual-cache, Sparse-dLLM and Polestar sessions (pdllm and vanilla,
+arriving mid-block), in process and through the servicer, and end with their reference loop's tokens and
+every FOCUS counter.
+
+Planted by hand (failures here: mixed rounds / scheduler / servicer tests, of 4 / 1 / 2; and in
+``tests/oracles/test_focus.py``, vanilla in the rounds / pdllm, of 24 / 4):
+- a block row both forwarded and in the key region at layers >= 2 (every row below ``reach`` copied in):
+  4 / 1 / 2, 18 / 4;
+- the region one slot short at layers >= 2 (``kv_len`` - 1): 4 / 1 / 0, 13 / 1; one slot long: 4 / 1 / 2,
+  16 / 1;
+- frozen rows forwarded at layers 0-1 (``active``: every block row): 4 / 1 / 2, 17 / 4;
+- the frozen rows not copied into the region at layers 0-1: 4 / 1 / 2, 17 / 4;
+- the LM head over every masked row (evicted ones' dropped rows read): 2 / 0 / 1, 12 / 1."""
 
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
-import torch
 
-from pdllm.decode_service.focus_rounds import FocusGroups, FocusMember
-from pdllm.decode_service.policies.focus import FocusConfig
+from pdllm.decode_service.focus_rounds import FocusBatchSession, focus_slots
+from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.policies import DecodePolicyConfig
+from pdllm.decode_service.policies.compute_skip import run_compute_skip
+from pdllm.decode_service.policy_rounds import batch_session, cache_slots
+from pdllm.decode_service.policy_sessions import static_compute_skip_logits
+from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
+from pdllm.decode_service.rounds import BatchSession, decode_round
+from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.decode_service.sessions import rounds_policy
 from pdllm.decode_service.vanilla import generate_vanilla
-from pdllm.shared.decode_policy import DecodePolicyConfig
-from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
-from pdllm.shared.model.attention import DenseAttention
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
+from tests.decode.helpers import (
+    CASES,
+    POLICY_CASES,
+    Case,
+    alone,
+    policy_session,
+    pool_for,
+    prefill,
+    reference,
+    round_forward,
+    session,
+    static_decode,
+)
+from tests.model.helpers import tiny_model
 
-from ..model.helpers import tiny_model
-
-PROMPTS = [[1, 17, 33, 8, 61, 5, 40, 22, 9, 70], [1, 5, 6, 7, 8, 9, 10], [4, 44, 55, 66, 3, 12, 13, 14, 15]]
-GEN = GenerationConfig(gen_length=16, steps=16, block_length=8, stop_at_eos=False)  # 16 steps each
-PAPER = FocusConfig()
-
-
-def _reference(model: DiffusionLM, prompt: list[int], gen: GenerationConfig) -> GenerationResult:
-    return generate_vanilla(model, prompt, gen, policy=DecodePolicyConfig("focus"))  # the paper's knobs
-
-
-def _join(groups: FocusGroups, model: DiffusionLM, prompt: list[int], gen: GenerationConfig) -> FocusMember:
-    local = torch.tensor(prompt + [model.config.mask_token_id] * gen.gen_length)
-    positions = torch.arange(local.numel())[None]
-    return groups.join(local, positions, len(prompt), DenseAttention(), gen, PAPER, threading.Event())
+FOCUS_KNOBS = [
+    {},  # the paper's
+    {"focus_budget": 2},
+    {"focus_alpha": 1.2, "focus_pool_kernel": 5, "focus_delayed_cache": "off"},
+]
+PROMPTS = [[1, 17, 33, 8, 61, 5, 40, 22, 9, 70], [1, 5, 6, 7, 8, 9, 10]]
+VANILLA_GENS = [
+    GenerationConfig(gen_length=16, steps=16, block_length=8, stop_at_eos=False),
+    GenerationConfig(gen_length=12, steps=12, block_length=4, threshold=0.15, stop_at_eos=False),
+]
 
 
-def _iteration(members: list[FocusMember]) -> None:
-    """One scheduler iteration: each live member's group stepped once, then the retiring of finished ones."""
-    stepped: list[object] = []
-    for m in members:
-        if not any(m.group is g for g in stepped):
-            m.group.step()
-            stepped.append(m.group)
-    members[:] = [m for m in members if not m.done]
+def _focus(knobs: dict) -> DecodePolicyConfig:
+    return DecodePolicyConfig("focus", focus=knobs)
+
+
+def focus_reference(m: DiffusionLM, case: Case, seed: int, knobs: dict) -> tuple[list[int], dict]:
+    """A pdllm request's FOCUS reference loop over its static KV (segmented attention, no scheduler)."""
+    engine, sel = prefill(m, case, seed)
+    static = engine.build(sel, case.gen)
+    logits = static_compute_skip_logits(m, sel.request.query, static, case.gen, _focus(knobs), "segments")
+    result = run_compute_skip(logits)
+    return result.raw_tokens, dict(result.cache)
+
+
+def vanilla_reference(m: DiffusionLM, prompt: list[int], gen: GenerationConfig, knobs: dict) -> tuple:
+    result = generate_vanilla(m, prompt, gen, policy=_focus(knobs))
+    return result.raw_tokens, dict(result.cache)
+
+
+def focus_built(m: DiffusionLM, case: Case, seed: int, knobs: dict) -> StaticDecode:
+    return replace(static_decode(m, case, seed), cache_policy=rounds_policy(_focus(knobs)))
+
+
+def focus_session(pool: DecodeKVPool, m: DiffusionLM, built: StaticDecode) -> BatchSession:
+    pages = pool.reserve(built.kv_tokens + focus_slots(built.gen))
+    assert pages is not None
+    if built.static is not None:
+        pool.write(pages, built.static.tensor())
+    s = batch_session(m, built, pages, pool.page_size)
+    assert isinstance(s, FocusBatchSession)
+    return s
+
+
+class Forwards:
+    """Counts the model's forwards (its embedding's calls)."""
+
+    def __init__(self, m: DiffusionLM) -> None:
+        self.n = 0
+        m.model.embed_tokens.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
 
 
 @pytest.mark.parametrize("family", ["dream", "llada"])
-def test_members_advance_once_per_iteration_and_match_the_reference(family: str) -> None:
-    model = tiny_model(family, seed=2, num_layers=4)
-    groups = FocusGroups(model, slots=4)
-    a, b = _join(groups, model, PROMPTS[0], GEN), _join(groups, model, PROMPTS[1], GEN)
-    live, done = [a, b], [a, b]
-    _iteration(live)
-    assert a.state.steps_taken == b.state.steps_taken == 1
-    c = _join(groups, model, PROMPTS[2], GEN)  # joins the running group mid-way
-    assert c.group is a.group
-    live.insert(0, c)
-    done.append(c)
-    for n in range(2, 5):
-        _iteration(live if n % 2 else live[::-1])
-        assert (a.state.steps_taken, b.state.steps_taken, c.state.steps_taken) == (n, n, n - 1)
-    while live:
-        _iteration(live)
-    for member, prompt in zip(done, PROMPTS, strict=True):
-        ref, got = _reference(model, prompt, GEN), member.result()
-        assert got.raw_tokens == ref.raw_tokens and got.steps == ref.steps
-        assert got.cache == ref.cache
+@pytest.mark.parametrize("kind", ["eager", "padded"])
+def test_focus_sessions_share_mixed_rounds_and_equal_their_references(family: str, kind: str) -> None:
+    m = tiny_model(family, seed=0, num_layers=4)
+    pool = pool_for(m, pages=256)
+    forward = round_forward(kind, m, pool)
+    focus_cases = [(POLICY_CASES[0], 0, FOCUS_KNOBS[0]), (POLICY_CASES[2], 2, FOCUS_KNOBS[1])]
+    focus_cases.append((POLICY_CASES[3], 3, FOCUS_KNOBS[2]))
+    want = [focus_reference(m, case, seed, knobs) for case, seed, knobs in focus_cases]
+    want += [
+        vanilla_reference(m, p, g, FOCUS_KNOBS[i]) for i, (p, g) in enumerate(zip(PROMPTS, VANILLA_GENS))
+    ]
+    focus = [focus_session(pool, m, focus_built(m, c, seed, knobs)) for c, seed, knobs in focus_cases]
+    for i, (p, g) in enumerate(zip(PROMPTS, VANILLA_GENS, strict=True)):
+        built = StaticDecode(list(p), None, g, cache_policy=rounds_policy(_focus(FOCUS_KNOBS[i])))
+        focus.append(focus_session(pool, m, built))
+    # Others in the same rounds: plain (device sampler), dual cache, Sparse-dLLM, Polestar-Cache.
+    plain = session(m, pool, CASES[1], 7)
+    policies = [DecodePolicyConfig(n) for n in ("dual-cache", "sparse-dllm", "polestar")]
+    others = [policy_session(m, pool, POLICY_CASES[4], 4, p) for p in policies]
+    order = [focus[0], plain, others[0], focus[1], focus[3], others[1], focus[2], others[2], focus[4]]
+    forwards, active, mixed = Forwards(m), [], 0
+    while order or active:
+        if order:  # one arrival per round: sessions join in the middle of others' blocks
+            active.append(order.pop(0))
+        before = forwards.n
+        decode_round(forward, active)
+        assert forwards.n == before + 1  # one model forward per round
+        mixed += any(isinstance(s, FocusBatchSession) for s in active) and len(active) > 1
+        active = [s for s in active if not s.done]
+    assert mixed > 10
+    for s, (tokens, cache) in zip(focus, want, strict=True):
+        result = s.result()
+        assert result.raw_tokens == tokens and result.steps == s.state.steps_taken
+        assert result.cache == cache  # every FOCUS counter
+    assert sum(cache["rows_plain"] - cache["rows_forwarded"] for _, cache in want) > 0  # rows evicted
+    assert plain.state.tokens.tolist() == alone(m, CASES[1], 7)
+    for s, p in zip(others, policies, strict=True):
+        assert s.result().raw_tokens == reference(m, POLICY_CASES[4], 4, p)[0]
 
 
-def test_cancelled_and_finished_members_free_their_slots() -> None:
-    model = tiny_model("dream", seed=1, num_layers=4)
-    groups = FocusGroups(model, slots=2)
-    a, b = _join(groups, model, PROMPTS[0], GEN), _join(groups, model, PROMPTS[1], GEN)
-    c = _join(groups, model, PROMPTS[2], GEN)
-    assert c.group is not a.group and a.group is b.group  # the first group was full
-    b.group.step()  # a's block K/V fill its slot
-    a.cancelled.set()
-    b.group.step()
-    assert a.state.steps_taken == 1 and b.state.steps_taken == 2  # a left at the group's step
-    d = _join(groups, model, PROMPTS[2], GEN)
-    assert d.group is b.group and d.request.slot == a.request.slot
-    other = GenerationConfig(gen_length=8, steps=8, block_length=4, stop_at_eos=False)
-    e = _join(groups, model, PROMPTS[0], other)
-    assert e.group not in (b.group, c.group)  # another schedule: another group
-    e.group.step()
-    e.group.step()
-    assert e.state.steps_taken == 2  # alone in its group, it advances at each of its group's steps
-    live = [b, c, d, e]
-    while live:
-        _iteration(live)
-    ref, got = _reference(model, PROMPTS[2], GEN), d.result()
-    assert got.raw_tokens == ref.raw_tokens and got.cache == ref.cache
-    assert e.result().raw_tokens == _reference(model, PROMPTS[0], other).raw_tokens
+def test_the_scheduler_steps_focus_requests_in_its_one_forward_per_iteration() -> None:
+    """Requests under FOCUS, none and the dual cache, arriving while others decode, all advance in one
+    model forward per iteration (``rounds`` counts them) and answer as their references."""
+    m = tiny_model("dream", seed=2, num_layers=4)
+    pool = pool_for(m, pages=128)
+    sched = DecodeScheduler(m, pool, round_forward("eager", m, pool), start_thread=False)
+    gen = VANILLA_GENS[0]
+    dual = DecodePolicyConfig("dual-cache")
 
+    def job(name: str, built: StaticDecode, slots: int) -> DecodeRequest:
+        return DecodeRequest(
+            name, lambda: built, threading.Event(), False, built.kv_tokens, cache_tokens=slots
+        )
 
-def test_groups_left_empty_are_dropped_at_the_next_join() -> None:
-    model = tiny_model("llada", seed=3, num_layers=4)
-    groups = FocusGroups(model, slots=2)
-    other = GenerationConfig(gen_length=8, steps=8, block_length=4, stop_at_eos=False)
-    a = _join(groups, model, PROMPTS[0], other)
-    while not a.done:
-        a.group.step()
-    _join(groups, model, PROMPTS[1], GEN)
-    assert list(groups.groups) == [(GEN, PAPER)]  # the finished request's group is gone
-
-
-def test_the_scheduler_steps_each_focus_group_once_per_iteration() -> None:
-    """Requests of one FOCUS group through the scheduler advance one step per iteration, together, and
-    answer as the reference loop. Planted: ``step_alone`` stepping a group once per member -> each member
-    advances three steps in the first iteration; fails."""
-    from pdllm.decode_service.request import DecodeRequest, Final
-    from pdllm.decode_service.rounds import EagerRoundForward
-    from pdllm.decode_service.scheduler import DecodeScheduler
-    from pdllm.decode_service.sessions import SessionMaker
-    from tests.decode.helpers import pool_for
-
-    model = tiny_model("dream", seed=2, num_layers=4)
-    pool = pool_for(model, pages=8)
-    sched = DecodeScheduler(model, pool, EagerRoundForward(model, pool, "torch"), start_thread=False)
-    maker = SessionMaker(model, "segments", False)
-    policy = DecodePolicyConfig("focus")
-    reqs = []
-    for i, prompt in enumerate(PROMPTS):
-        cancelled = threading.Event()
-        start = lambda p=prompt, c=cancelled: maker.vanilla(p, GEN, policy, c)  # noqa: E731
-        reqs.append(sched.submit(DecodeRequest(f"f{i}", start, cancelled, False)))
-    sched.run_once()
-    sessions = [r.session for r in reqs]
-    assert all(isinstance(s, FocusMember) and s.group is sessions[0].group for s in sessions)
-    assert [s.state.steps_taken for s in sessions] == [1, 1, 1]  # type: ignore[union-attr]
-    for _ in range(100):
-        if not sched.active:
-            break
+    dual_built = replace(static_decode(m, POLICY_CASES[0], 0), cache_policy=rounds_policy(dual))
+    jobs = [
+        job("focus-pdllm", focus_built(m, POLICY_CASES[1], 1, {}), focus_slots(POLICY_CASES[1].gen)),
+        job("vanilla", StaticDecode(PROMPTS[0], None, gen, cache_policy=rounds_policy(_focus({}))), 16),
+        job("plain", static_decode(m, CASES[3], 3), 0),
+        job("dual", dual_built, cache_slots(len(dual_built.query), POLICY_CASES[0].gen)),
+        job(
+            "focus-late", focus_built(m, POLICY_CASES[3], 3, FOCUS_KNOBS[1]), focus_slots(POLICY_CASES[3].gen)
+        ),
+    ]
+    arrivals = dict(zip((0, 2, 3, 5, 7), jobs, strict=True))  # in the middle of the others' blocks
+    forwards, iteration = Forwards(m), 0
+    while iteration <= max(arrivals) or sched.depth:
+        if iteration in arrivals:
+            sched.submit(arrivals[iteration])
+        before, rounds = forwards.n, sched.rounds
         sched.run_once()
-    for req, prompt in zip(reqs, PROMPTS, strict=True):
-        final = req.events.get_nowait()
-        assert isinstance(final, Final)
-        ref = _reference(model, prompt, GEN)
-        assert final.result.raw_tokens == ref.raw_tokens and final.result.cache == ref.cache
+        iteration += 1
+        assert forwards.n - before == sched.rounds - rounds == 1
+    want = [
+        focus_reference(m, POLICY_CASES[1], 1, {}),
+        vanilla_reference(m, PROMPTS[0], gen, {}),
+        (alone(m, CASES[3], 3), {}),
+        reference(m, POLICY_CASES[0], 0, dual),
+        focus_reference(m, POLICY_CASES[3], 3, FOCUS_KNOBS[1]),
+    ]
+    for j, (tokens, cache) in zip(jobs, want, strict=True):
+        final = j.events.get_nowait()
+        assert isinstance(final, Final), j.request_id
+        assert final.result.raw_tokens == tokens, j.request_id
+        if cache.get("policy") == "focus":
+            assert final.result.cache == cache, j.request_id
+    assert pool.num_free == pool.num_pages  # the FOCUS sessions' block K/V pages went back too
+
+
+def test_short_page_lists_are_refused() -> None:
+    m = tiny_model("llada", num_layers=4)
+    pool = pool_for(m, pages=8, page_size=4)
+    built = StaticDecode(PROMPTS[1], None, VANILLA_GENS[0], cache_policy=rounds_policy(_focus({})))
+    with pytest.raises(ValueError, match="needs 4 pages"):
+        FocusBatchSession.begin(m, built, pool.reserve(8), pool.page_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_focus_requests_over_grpc_share_rounds_and_equal_their_references(family: str) -> None:
+    """Through the servicer (``DecodeServicer.Decode``, its scheduler thread): pdllm and vanilla FOCUS
+    requests decoded concurrently with a plain and a dual-cache one share rounds (FOCUS's rows with the
+    others' in one forward), and each answers as its reference loop, FOCUS's counters in the trace."""
+    from pdllm.decode_service.policy_sessions import static_compute_skip_logits as focus_logits
+    from pdllm.decode_service.rounds import EagerRoundForward
+    from pdllm.decode_service.server import DecodeServicer
+    from pdllm.decode_service.worker import DecodeWorker
+    from pdllm.shared.layout import Request
+    from tests.decode.test_sdar_decode_worker import _decode, _generation, _pdllm_request
+    from tests.engine.helpers import tokens
+
+    m = tiny_model(family, seed=3, num_layers=4)
+    pool = pool_for(m, pages=64)
+    eager = EagerRoundForward(m, pool, "torch")
+    rounds: list[tuple[int, bool]] = []  # (sessions, some FOCUS) per round
+
+    def forward(packed):  # type: ignore[no-untyped-def]
+        rounds.append((len(packed.counts), packed.splits))
+        return eager(packed)
+
+    scheduler = DecodeScheduler(m, pool, forward, start_thread=False)
+    worker = DecodeWorker(m)
+    servicer = DecodeServicer(worker, scheduler)
+    instruction, query = tokens(3, 1), tokens(5, 2)
+    chunks = [tokens(12, 3), tokens(9, 4)]
+    context = tokens(20, 5)
+    gens = [VANILLA_GENS[0], GenerationConfig(gen_length=12, steps=6, block_length=6, stop_at_eos=False)]
+    knobs = [{}, FOCUS_KNOBS[2], {}, {}]
+    asks = []
+    for i, name in enumerate(["focus", "focus", "none", "dual-cache"]):
+        gen = gens[i % 2]
+        if i == 1:
+            request = _generation(gen)
+            request.method.method = "vanilla"
+            request.instruction_ids.extend(instruction)
+            request.context_ids.extend(context)
+            request.question_ids.extend(query)
+        else:
+            request = _pdllm_request(instruction, chunks, query, gen)
+        request.request_id = f"r{i}"
+        request.decode_policy.decode_policy = name
+        for key, value in knobs[i].items():
+            setattr(request.decode_policy, key, value)
+        asks.append(request)
+    with ThreadPoolExecutor(len(asks)) as threads:
+        calls = [threads.submit(_decode, servicer, r) for r in asks]
+        deadline = time.monotonic() + 30
+        while scheduler.depth < len(asks) and time.monotonic() < deadline:  # every request submitted
+            time.sleep(0.01)
+        while scheduler.depth:  # this thread drives the scheduler: the rounds do not depend on timing
+            scheduler.run_once()
+        finals = [c.result(timeout=30)[0] for c in calls]
+    assert rounds[0] == (4, True) and len(rounds) == 16  # all four in one forward per iteration
+    request = Request(instruction=instruction, chunks=chunks, query=query)
+    static = worker.build_selected(request, [0, 1], gens[0])
+    want = run_compute_skip(focus_logits(m, query, static, gens[0], _focus({}), "segments"))
+    assert list(finals[0].token_ids) == want.token_ids
+    assert _trace(finals[0]) == _nonzero(want.cache)
+    prompt = [m.config.bos_token_id, *instruction, *context, *query]
+    vanilla = generate_vanilla(m, prompt, gens[1], policy=_focus(FOCUS_KNOBS[2]))
+    assert list(finals[1].token_ids) == vanilla.token_ids
+    assert _trace(finals[1]) == _nonzero(vanilla.cache)
+    plain = worker.decode(query, worker.build_selected(request, [0, 1], gens[0]), gens[0])
+    assert list(finals[2].token_ids) == plain.token_ids
+
+
+def _nonzero(cache: dict) -> dict:
+    return {k: v for k, v in cache.items() if v}
+
+
+def _trace(final) -> dict:  # type: ignore[no-untyped-def]
+    """A result's ``decode_policy`` trace as one dict like ``GenerationResult.cache`` (nonzero values)."""
+    p = final.decode_policy
+    named = {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "counters"}
+    return _nonzero({**named, **dict(p.counters)})

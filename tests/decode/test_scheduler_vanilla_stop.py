@@ -1,5 +1,5 @@
-"""Sessions stepped alone (DyLLM's loop, FOCUS groups, SDAR block diffusion; a plain denoising loop stands in
-for them here) start no step that nobody waits for: not for a request cancelled while another session
+"""Sessions stepped alone (DyLLM's loop, SDAR's FOCUS groups; a plain denoising loop stands in for them
+here) start no step that nobody waits for: not for a request cancelled while another session
 stepped, nor once the scheduler is closing (a SIGTERM drain waits for the step in progress, so every
 further step would delay the exit)."""
 

@@ -1,7 +1,8 @@
 """FOCUS on Dream / LLaDA against the from-scratch oracle (``focus.py``): the reference request loop through
 ``generate_vanilla``, the batched fast path through ``generate_focus_batched`` (several prompts in one packed
-forward), and pdllm through the in-process engine; tokens and every counter (forwards, rows through layers
->= 2 and through layers 0-1, focused, evicted, frozen, decoded) must be equal."""
+forward), and the decode worker's rounds in process (vanilla through ``DecodeWorker.vanilla``, pdllm through
+the engine); tokens and every counter (forwards, rows through layers >= 2 and through layers 0-1, focused,
+evicted, frozen, decoded) must be equal."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from pdllm.decode_service.policies.focus import FocusConfig
 from pdllm.decode_service.policies.focus_batch import generate_focus_batched
+from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.decode_policy import DecodePolicyConfig
 
 from .cases import PROMPT, QUESTION, case_id, counters, gen, model, pdllm, pdllm_oracle_case, vanilla
@@ -46,6 +48,20 @@ def test_vanilla_focus_matches_oracle(family: str, knobs: tuple, schedule: tuple
 
 
 @pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("knobs", KNOBS, ids=case_id)
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=case_id)
+def test_vanilla_focus_in_the_rounds_matches_oracle(family: str, knobs: tuple, schedule: tuple) -> None:
+    """The decode worker's rounds (``focus_rounds.py``, in process). Planted: a block row both forwarded and
+    in the key region at layers >= 2 -> 18 of 24 fail; the region one slot short -> 13 fail; frozen rows
+    forwarded at layers 0-1 -> 17 fail; the frozen rows not copied into the region -> 17 fail."""
+    m, g = model(family, layers=4), gen(*schedule)
+    result = DecodeWorker(m).vanilla(PROMPT, g, _policy(*knobs))
+    tokens, expected, _ = focus_decode(m, PROMPT, g.gen_length, g.block, g.steps, g.threshold, *knobs)
+    assert result.raw_tokens == tokens
+    assert counters(result, expected) == expected
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
 @pytest.mark.parametrize("knobs", KNOBS[:2], ids=case_id)
 @pytest.mark.parametrize("schedule", SCHEDULES[1:], ids=case_id)
 def test_batched_fast_path_matches_oracle(family: str, knobs: tuple, schedule: tuple) -> None:
@@ -68,8 +84,8 @@ def test_batched_fast_path_matches_oracle(family: str, knobs: tuple, schedule: t
 @pytest.mark.parametrize("family", ["dream", "llada"])
 @pytest.mark.parametrize("threshold", [None, 0.12])
 def test_pdllm_focus_matches_oracle(family: str, threshold: float | None) -> None:
-    """Planted: the mean tokens unmasked per step off by one (``sum / (steps + 1)``) -> fails (LLaDA).
-    Planted: no AR-context preservation -> fails (fixed schedule); the block's last row never stable ->
+    """The engine decodes through the decode worker's rounds (``focus_rounds.py``). Planted: the mean tokens
+    unmasked per step off by one (``sum / (steps + 1)``) -> fails (LLaDA). Planted: no AR-context preservation -> fails (fixed schedule); the block's last row never stable ->
     fails; the pseudo-label draft ignoring ``pseudo_label_rounds`` -> fails."""
     knobs = (1.5, 3, None, True)
     m, g = model(family, layers=4), gen(16, 16, 8, threshold)

@@ -1,7 +1,8 @@
 """DyLLM and FOCUS (the compute-skipping decode policies, ``policies/compute_skip.py``) over gRPC
-(`serve --role all` in process): a request naming one is stepped alone on the decode worker and its answer
-equals the in-process engine's / ``generate_vanilla``'s token for token; the trace names the policy and
-carries its counters (``DecodePolicyTrace.counters``); bad knobs are INVALID_ARGUMENT naming the field."""
+(`serve --role all` in process): a request naming one is stepped alone (DyLLM) or rides in the batched
+rounds (FOCUS) on the decode worker, and its answer equals the in-process engine's / ``generate_vanilla``'s
+token for token; the trace names the policy and carries its counters (``DecodePolicyTrace.counters``); bad
+knobs are INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
 
@@ -110,9 +111,9 @@ def test_bad_knobs_are_invalid_argument(deployment, values: dict, message: str) 
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.message
 
 
-def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_step_sizes) -> None:  # noqa: F811
-    """FOCUS requests in flight together are stepped as one packed batch (``decode_service/focus_rounds.py``)
-    and each still answers as the engine's reference loop does."""
+def test_concurrent_focus_requests_share_rounds(deployment, loaded, focus_round_sizes) -> None:  # noqa: F811
+    """FOCUS requests in flight together ride in the same batched rounds (``decode_service/focus_rounds.py``)
+    and each still answers as the engine does (pdllm) and as the reference loop does (vanilla)."""
 
     asks = [{**METHOD, "kv_mode": "full-mask"}, {"method": "vanilla"}, {**METHOD, "kv_mode": "full-mask"}]
     with ThreadPoolExecutor(len(asks)) as pool:
@@ -122,4 +123,4 @@ def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_
     prompt = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION).vanilla(loaded.config.bos_token_id)
     vanilla = generate_vanilla(loaded.model, prompt, GenerationConfig(**GEN), policy=policy).token_ids
     assert [list(r.token_ids) for r in responses] == [pdllm, vanilla, pdllm]
-    assert max(focus_step_sizes) >= 2  # some step advanced several requests at once
+    assert max(focus_round_sizes) >= 2  # some round advanced several FOCUS requests at once

@@ -198,7 +198,7 @@ def test_pdllm_focus_equals_the_engine(deployment, loaded, wire: dict, knobs: di
 
 def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_step_sizes) -> None:
     """SDAR FOCUS requests in flight together (vanilla and pdllm) advance in one packed FOCUS step per
-    scheduler iteration (``decode_service/focus_rounds.py``) and each answers as in process."""
+    scheduler iteration (``decode_service/focus_groups.py``) and each answers as in process."""
 
     gen = {"gen_length": 12, "steps": 12, "block_length": 4}
     method = {"chunk_size": 16, "top_k": 2, "kv_mode": "chunk-query"}

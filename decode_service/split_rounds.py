@@ -1,0 +1,170 @@
+"""Rounds whose rows change between layers: the forward keeps fewer rows of some parts past a layer.
+
+A part of a round may carry a :class:`RowSplit` (FOCUS: ``focus_rounds.py``). Such a round
+(:func:`split_forward`) runs layers ``[0, layers)`` over every packed row, as any round; then each kind of
+split chooses, for all its parts at once (:meth:`SplitGroup.choose`), the rows each keeps, its ``kv_len``
+and the K/V it stores from there on (:class:`SplitRows`). The forward compacts the hidden states and RoPE
+tables to the kept rows, rebuilds the attention metadata (every other part keeps all its rows, its stores
+and writes moved to its new packed rows) and runs the remaining layers and the LM head over the rows whose
+logits are needed (a split part's others get zero logits, which its sampler never picks). Rounds without a
+split never come here; a round with one runs eagerly (its choice is made inside the forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pdllm.decode_service.policies.focus_layers import embed
+from pdllm.decode_service.rounds import PackedRound, PagedBatchAttention, part_writes
+from pdllm.shared.generation.device_sampler import to_device
+
+if TYPE_CHECKING:
+    from pdllm.decode_service.rounds import EagerRoundForward
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """What a split part forwards past the split: local ``rows`` (ascending, among its own), the pool
+    slots ``kv_len`` its queries read, ``writes`` (local row, page, slot) stored at every later layer, and
+    ``logits``: per masked row of its session (the round's rows, in order), whether its logits are needed
+    (None: all)."""
+
+    rows: tuple[int, ...]
+    kv_len: int
+    writes: tuple[tuple[int, int, int], ...] = ()
+    logits: tuple[bool, ...] | None = None
+
+
+class SplitGroup(Protocol):
+    """The parts of one kind of split in a round. Called at every layer as a round's
+    :data:`~.rounds.LayerStore` (with base 0: it knows its parts' packed rows), before the attention."""
+
+    def __call__(
+        self,
+        layer: int,
+        base: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: PagedBatchAttention,
+    ) -> None: ...
+
+    def choose(self) -> list[SplitRows]:
+        """After layer ``layers - 1``: each part's rows from here on, in the order of its members."""
+        ...
+
+
+class RowSplit(Protocol):
+    """A part's split: ``layers`` run over its packed rows, :meth:`group` gathers a round's splits of one
+    kind, as (first packed row of the part, split), packed order."""
+
+    layers: int
+
+    @classmethod
+    def group(cls, members: list[tuple[int, RowSplit]]) -> SplitGroup: ...
+
+
+@dataclass
+class AfterSplit:
+    """The packed rows kept (``keep``, ascending), each packed row's index among them (``index``, -1:
+    dropped), the metadata of the rest of the round (``packed``: attention entries only) and the
+    positions in the round's ``rows`` whose logits are computed (None: all)."""
+
+    keep: list[int]
+    index: list[int]
+    packed: PackedRound
+    needed: list[int] | None
+
+
+def after_split(packed: PackedRound, chosen: dict[int, SplitRows]) -> AfterSplit:
+    """The round past the split: ``chosen`` (first packed row -> rows) for the split parts."""
+    new = PackedRound([], [], [], list(packed.counts), [0], [], [])
+    index, keep = [-1] * len(packed.ids), []
+    logits: dict[int, tuple[bool, ...]] = {}  # session -> rows whose logits are needed
+    for e, (first, session, part) in enumerate(packed.entries):
+        got = chosen.get(first) if part.split is not None else None
+        if got is None:
+            kept = list(range(first, packed.q_offsets[e + 1]))
+            kv_len, writes, rows = part.kv_len, part.writes, part.rows
+        else:
+            local = range(part.lo, part.hi) if part.rows is None else part.rows
+            where = {r: j for j, r in enumerate(local)}
+            kept = [first + where[r] for r in got.rows]
+            kv_len, writes, rows = got.kv_len, got.writes, got.rows
+            if got.logits is not None:
+                logits[session] = got.logits
+        at = len(keep)
+        for j, p in enumerate(kept):
+            index[p] = at + j
+        keep += kept
+        new.q_offsets.append(len(keep))
+        new.page_table.append(packed.page_table[e])
+        new.kv_lens.append(kv_len)
+        new.writes += part_writes(at, part, writes, rows)
+        if part.store is not None:
+            new.stores.append((at - part.lo, part.store))
+        new.drops.append(packed.drops[e])
+        new.entries.append((at, session, part))
+    needed = None
+    if logits:
+        needed, start = [], 0
+        for session, n in enumerate(packed.counts):
+            wanted = logits.get(session)
+            needed += [start + j for j in range(n) if wanted is None or wanted[j]]
+            start += n
+    return AfterSplit(keep, index, new, needed)
+
+
+def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tensor:
+    """A round with splits, op by op: logits of the packed ``rows`` (zeros where not needed)."""
+    model, device = forward.model, forward.pool.kv.device
+    kinds: dict[type, list[tuple[int, RowSplit]]] = {}
+    for first, _, part in packed.entries:
+        if part.split is not None:
+            kinds.setdefault(type(part.split), []).append((first, part.split))
+    depth = {split.layers for members in kinds.values() for _, split in members}
+    if len(depth) != 1:
+        raise ValueError(f"the splits of a round must keep rows after one layer, got {sorted(depth)}")
+    at = depth.pop()
+    groups = [kind.group(members) for kind, members in kinds.items()]
+    hooks: list = [(0, g) for g in groups]
+    ids, positions, rows = forward.inputs(packed)
+    attention = forward.attention(packed)
+    attention.stores = [*attention.stores, *hooks]
+    layers = model.model.layers
+    with ExitStack() as stack:
+        for _, store in packed.stores:
+            attach = getattr(store, "attach", None)
+            if attach is not None:
+                stack.enter_context(attach(model))
+        x, cos, sin = embed(model, ids, positions)
+        for layer in layers[:at]:
+            x = layer(x, cos, sin, attention)
+        chosen: dict[int, SplitRows] = {}
+        for group, members in zip(groups, kinds.values(), strict=True):
+            choices = group.choose()
+            chosen.update((first, c) for (first, _), c in zip(members, choices, strict=True))
+        after = after_split(packed, chosen)
+        keep = to_device(after.keep, torch.long, device)
+        x, cos, sin = x[:, keep], cos[:, keep], sin[:, keep]
+        rest = forward.attention(after.packed)
+        rest.stores = [*rest.stores, *hooks]
+        for layer in layers[at:]:
+            x = layer(x, cos, sin, rest)
+        hidden = model.model.norm(x)
+    rows = to_device(after.index, torch.long, device).index_select(0, rows)
+    if after.needed is None:
+        return model.logits_from_hidden(hidden, rows[None])[0]
+    return _some_logits(model, hidden, rows, after.needed)
+
+
+def _some_logits(model, hidden: torch.Tensor, rows: torch.Tensor, needed: Sequence[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Logits of ``rows`` at positions ``needed``, zeros elsewhere."""
+    at = to_device(list(needed), torch.long, rows.device)
+    part = model.logits_from_hidden(hidden, rows.index_select(0, at)[None])[0]
+    return part.new_zeros(rows.numel(), part.shape[-1]).index_copy_(0, at, part)
