@@ -32,7 +32,14 @@ Layouts (processes started once per layout, reused for all its cells, killed at 
 2-GPU layouts are skipped (meta.skipped) when fewer than 2 GPUs are visible, unless ``--share-gpu`` puts
 every process on GPU 0 (on CPU: every process on the CPU).
 
-Cells: for each layout, each ``--context-tokens`` and each ``--concurrency`` c. Every request streams
+Workloads (``--workloads``): ``unique``, every request its own document (no chunk KV shared within a server);
+``reuse``, ``--documents`` D distinct documents (64) and requests drawn Zipf(``--zipf``, 1.0) over their
+ranks, each with its own question (chunks repeat, queries never do): the first reuse cell's warm-up reads
+every document twice (the default ``--kv-write-policy second-sight`` stores a document whole from its second
+request on), each cell then measures ``--reuse-requests`` (max(4 c, 32)) requests. Every row has
+``workload`` and ``hit_rate`` (chunks whose KV came from a tier / chunks looked up, from the traces).
+
+Cells: for each layout, each ``--context-tokens``, each workload and each ``--concurrency`` c. Every request streams
 (GenerateStream, gen_length = steps). Per (layout, context): one warm-up request, then one request alone
 (``unloaded_step_ms``). Per cell: a warm-up burst of ``--warm-burst`` (default c) simultaneous streams on
 their own documents (CUDA-graph bucket captures and Triton compiles stay out of the numbers), then
@@ -73,6 +80,7 @@ import datetime
 import gc
 import json
 import math
+import random
 import shlex
 import shutil
 import statistics
@@ -105,15 +113,17 @@ LAYOUT_GPUS = {
     "1p1d-auto": 2,
 }
 BUILD_ON = {"1p1d-build-on-prefill": "prefill", "1p1d-auto": "auto"}  # others: the decode worker builds
-ROW_KEYS = ("layout", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
+ROW_KEYS = ("layout", "workload", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
             "gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms", "step_p99_ms", "unloaded_step_ms",
-            "peak_gib")  # fmt: skip
+            "peak_gib", "hit_rate")  # fmt: skip
+ROW_DEFAULTS = {"workload": "unique", "hit_rate": "—"}  # rows merged from runs before these keys existed
 # Per-row diagnostics kept in the JSON, not in the table (rows merged from older runs lack them): where
 # each request's decode KV came from (``trace.kv_source``) and its median handoff and build seconds; the
 # decode workers' own step; request latency; answers against the all-in-one's.
 DIAG_KEYS = ("kv_sources", "handoff_s_p50", "build_s_p50", "decode_step_ms_worker", "latency_p50_s",
              "latency_max_s", "answers_equal_all_in_one")  # fmt: skip
 MIN_REQUESTS = 4
+WORKLOADS = ("unique", "reuse")
 SHIPPED = ROOT / "shared" / "checkpoints" / "pdllm-needle"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TARGET_SPLIT_RATIO = 1.7  # split prefill/decode (two GPUs) vs the all-in-one, requests/s
@@ -165,6 +175,15 @@ def documents(tokenizer, tokens: int, count: int, seed: int = 0) -> list[tuple[s
         s = factory.make_sample("needle", tokens, round((i * 37 % 100) / 100, 2), seed + i)
         docs.append((s.context, s.question))
     return docs
+
+
+def reuse_requests(docs: list[tuple[str, str]], n: int, exponent: float, seed: int) -> list[tuple[str, str]]:
+    """``n`` requests over ``docs``, document of rank k drawn with probability ~ 1 / k**exponent (seeded),
+    each with its own question (the document's question, numbered): chunks repeat, queries never do."""
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** exponent for k in range(len(docs))]
+    picks = rng.choices(range(len(docs)), weights=weights, k=n)
+    return [(docs[d][0], f"{docs[d][1]} ({i + 1})") for i, d in enumerate(picks)]
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -296,6 +315,7 @@ def stream_one(address: str, doc: tuple[str, str], gen: int, timeout_s: float) -
         return {"ok": True, "start": start, "end": stamps[-1], "ttft_s": stamps[0] - start,
                 "gaps_s": [b - a for a, b in zip(partials, partials[1:], strict=False)],
                 "peak_bytes": final.trace.peak_memory_bytes, "cache_hits": final.trace.cache_hits,
+                "cache_misses": final.trace.cache_misses,
                 "kv_source": final.trace.kv_source, "handoff_s": final.trace.timings.handoff_s,
                 "build_s": final.trace.timings.build_s, "answer": list(final.token_ids)}  # fmt: skip
     except Exception as exc:  # every failure is a finding: counted, reported in meta.errors
@@ -320,9 +340,11 @@ def burst(address: str, docs: list[tuple[str, str]], gen: int, in_flight: int, c
 
 
 def cell_row(layout: str, gpus: int, conc: int, ctx: int, gen: int, b: dict, unloaded_ms: float,
-             worker_step_ms: float = float("nan"), reference: list | None = None) -> dict:  # fmt: skip
+             worker_step_ms: float = float("nan"), reference: list | None = None,
+             workload: str = "unique") -> dict:  # fmt: skip
     """The cell's row; ``reference``: the all-in-one's answers to the same documents (None: not compared)."""
     ok, n = b["ok"], len(b["results"])
+    looked_up = sum(r.get("cache_hits", 0) + r.get("cache_misses", 0) for r in ok)
     gaps = [g for r in ok for g in r["gaps_s"]]
     ttft = [r["ttft_s"] for r in ok]
     latency = [r["end"] - r["start"] for r in ok]
@@ -331,12 +353,14 @@ def cell_row(layout: str, gpus: int, conc: int, ctx: int, gen: int, b: dict, unl
     if reference is not None:
         agree = sum(a is not None and a == r for a, r in zip(answers, reference, strict=True))
         same = f"{agree}/{len(reference)}"
-    return {"layout": layout, "gpus": gpus, "concurrency": conc, "context_tokens": ctx, "requests": n,
+    return {"layout": layout, "workload": workload, "gpus": gpus, "concurrency": conc, "context_tokens": ctx,
+            "requests": n,
             "failed": n - len(ok), "requests_per_s": len(ok) / b["wall_s"],
             "gen_tokens_per_s": gen * len(ok) / b["wall_s"], "ttft_p50_s": pct(ttft, 0.5),
             "ttft_p99_s": pct(ttft, 0.99), "step_p50_ms": pct(gaps, 0.5) * 1e3,
             "step_p99_ms": pct(gaps, 0.99) * 1e3, "unloaded_step_ms": unloaded_ms,
             "peak_gib": max((r["peak_bytes"] for r in ok), default=float("nan")) / 2**30,
+            "hit_rate": sum(r.get("cache_hits", 0) for r in ok) / looked_up if looked_up else 0.0,
             # where each request's decode KV came from (built on decode, pulled, a failed pull rebuilt)
             "kv_sources": dict(collections.Counter(r.get("kv_source", "") for r in ok)),
             "handoff_s_p50": pct([r.get("handoff_s", 0.0) for r in ok], 0.5),
@@ -391,6 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         "and the handoff over CUDA IPC, not a two-GPU measurement)",
     )
     ap.add_argument("--warm-burst", type=int, default=None, help="warm-up streams per cell (default: its c)")
+    ap.add_argument("--workloads", default="unique",
+                    help="comma list: unique (every request its own document), reuse (--documents documents, "
+                    "requests drawn Zipf(--zipf) over them, each with its own question)")  # fmt: skip
+    ap.add_argument(
+        "--documents", type=int, default=None, help="reuse: distinct documents (default 64; smoke 6)"
+    )
+    ap.add_argument("--zipf", type=float, default=1.0, help="reuse: Zipf exponent over the documents' ranks")
+    ap.add_argument("--reuse-requests", type=int, default=None,
+                    help="reuse: measured requests per cell (default max(4 c, 32); smoke max(2 c, 8))")  # fmt: skip
     ap.add_argument(
         "--single-repeats",
         type=int,
@@ -405,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.single_repeats and "all-in-one" not in layouts:
         ap.error("--single-repeats compares the in-process engine with the all-in-one layout: add it")
     concs = [int(x) for x in (args.concurrency or ("1,4" if smoke else "1,4,16,64")).split(",")]
+    workloads = [x.strip() for x in args.workloads.split(",") if x.strip()]
+    if unknown := [x for x in workloads if x not in WORKLOADS]:
+        ap.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    reuse_n = lambda c: args.reuse_requests or (max(2 * c, 8) if smoke else max(4 * c, 32))  # noqa: E731
     ctxs = [int(x) for x in (args.context_tokens or ("2048" if smoke else "16384,32768")).split(",")]
     gen = args.gen_length or (8 if smoke else 32)
     clock = Clock(args.budget_s or (120.0 if smoke else 3000.0))
@@ -432,7 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_cell": f"max(concurrency, {MIN_REQUESTS}), at most concurrency in flight",
             "replicas_note": "2x(--role prefill + --role decode), pair i on GPU i, one router: --role all "
                              "does not expose its internal workers' addresses",
-            "skipped": [], "errors": [], "cells": [], "documents_tokens": {},
+            "skipped": [], "errors": [], "cells": [], "documents_tokens": {}, "workloads": workloads,
+            "reuse": {"documents": args.documents or (6 if smoke else 64), "zipf": args.zipf,
+                      "requests": "--reuse-requests" if args.reuse_requests else
+                      ("max(2 c, 8)" if smoke else "max(4 c, 32)"),
+                      "warm_up": "every document twice, before the first reuse cell"},
             "shared_gpu": bool(args.share_gpu and gpus < 2), "single_repeats": args.single_repeats}  # fmt: skip
     report = {"device": torch.cuda.get_device_name(0) if gpus else "cpu",
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -455,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     pools = {ctx: documents(tokenizer, ctx, per_ctx, seed=1000 * i) for i, ctx in enumerate(ctxs)}
     for ctx, pool in pools.items():
         meta["documents_tokens"][str(ctx)] = len(tokenizer.encode(pool[0][0], add_special_tokens=False))
+    n_docs = args.documents or (6 if smoke else 64)
+    reuse_pools = {
+        ctx: documents(tokenizer, ctx, n_docs, seed=500_000 + 1000 * i) if "reuse" in workloads else []
+        for i, ctx in enumerate(ctxs)
+    }
     # the service-overhead requests: their own documents, at the first context
     single_docs = (
         documents(tokenizer, ctxs[0], 1 + args.single_repeats, seed=99_000) if args.single_repeats else []
@@ -466,10 +512,40 @@ def main(argv: list[str] | None = None) -> int:
     if single_docs:  # before any server: the in-process engine has the device to itself
         base = in_process(ckpt, device, dtype, single_docs[1:], single_docs[0], gen, serve_flags)
         print(f"in-process single: {base['median_s']:.3f}s (model load {base['load_s']:.1f}s)", flush=True)
-    reference: dict[tuple[int, int], list] = {}  # the all-in-one's answers per (context, concurrency)
+    reference: dict[tuple[str, int, int], list] = {}  # the all-in-one's answers per (workload, context, c)
     model_args = ["--model", str(ckpt), "--device", device, "--dtype", dtype, "--port", "0", "--metrics-port",
                   "0", *serve_flags]  # fmt: skip
     router_args = ["--model", str(ckpt), "--port", "0", "--metrics-port", "0", *serve_flags]
+
+    def cell(layout: str, need: int, address: str, procs: list, ctx: int, c: int, warm: list, measured: list,
+             workload: str, single_s: float, unloaded_ms: float) -> None:  # fmt: skip
+        """One cell: the warm-up burst, then the measured requests at most ``c`` in flight; its row."""
+        where = {"layout": layout, "workload": workload, "context_tokens": ctx, "concurrency": c}
+        est = (len(warm) + len(measured)) * single_s + 2.0
+        if not clock.fits(est):
+            meta["skipped"].append(
+                {**where, "reason": f"budget: estimated {est:.0f}s, {clock.left():.0f}s left"}
+            )
+            return
+        w = burst(address, warm, gen, max(min(len(warm), max(c, 1)), 1), clock) if warm else None
+        s0, n0 = decode_steps(procs)
+        b = burst(address, measured, gen, c, clock)
+        s1, n1 = decode_steps(procs)
+        worker_ms = (s1 - s0) / (n1 - n0) * 1e3 if n1 > n0 else float("nan")
+        if layout == "all-in-one":
+            reference[workload, ctx, c] = [r.get("answer") for r in b["results"]]
+        ref = None if layout == "all-in-one" else reference.get((workload, ctx, c))
+        row = cell_row(layout, need if gpus else 0, c, ctx, gen, b, unloaded_ms, worker_ms, ref, workload)
+        report["rows"].append(row)
+        meta["cells"].append({**where, "wall_s": b["wall_s"], "estimate_s": est,
+                              "warm_s": w["wall_s"] if w else 0.0, "warm_failed": len(w["errors"]) if w else 0,
+                              "cache_hits": sum(r["cache_hits"] for r in b["ok"])})  # fmt: skip
+        meta["errors"] += [
+            f"{layout}/{workload}/{ctx}/c{c}: {e}" for e in b["errors"] + (w["errors"] if w else [])
+        ]
+        print(json.dumps(row), flush=True)
+        save()
+
     for layout in layouts:
         need = LAYOUT_GPUS[layout]
         if need > 1 and gpus < need and not args.share_gpu:
@@ -496,33 +572,31 @@ def main(argv: list[str] | None = None) -> int:
                 single_s = min(single_s, alone["end"] - alone["start"])
                 unloaded_ms = pct(alone["gaps_s"], 0.5) * 1e3
                 print(f"{layout} ctx {ctx}: alone {single_s:.2f}s, step {unloaded_ms:.1f} ms", flush=True)
-                for c in concs:
+                for c in concs if "unique" in workloads else []:
                     warm = [next(docs) for _ in range(warm_n(c))]
                     measured = [next(docs) for _ in range(max(c, MIN_REQUESTS))]
-                    est = (len(warm) + len(measured)) * single_s + 2.0
-                    if not clock.fits(est):
-                        meta["skipped"].append({"layout": layout, "context_tokens": ctx, "concurrency": c,
-                                                "reason": f"budget: estimated {est:.0f}s, {clock.left():.0f}s left"})  # fmt: skip
-                        continue
-                    w = burst(address, warm, gen, max(len(warm), 1), clock) if warm else None
-                    s0, n0 = decode_steps(procs)
-                    b = burst(address, measured, gen, c, clock)
-                    s1, n1 = decode_steps(procs)
-                    worker_ms = (s1 - s0) / (n1 - n0) * 1e3 if n1 > n0 else float("nan")
-                    if layout == "all-in-one":
-                        reference[ctx, c] = [r.get("answer") for r in b["results"]]
-                    ref = None if layout == "all-in-one" else reference.get((ctx, c))
-                    row = cell_row(layout, need if gpus else 0, c, ctx, gen, b, unloaded_ms, worker_ms, ref)
-                    report["rows"].append(row)
-                    meta["cells"].append({"layout": layout, "context_tokens": ctx, "concurrency": c,
-                                          "wall_s": b["wall_s"], "estimate_s": est,
-                                          "warm_s": w["wall_s"] if w else 0.0, "warm_failed": len(w["errors"]) if w else 0,
-                                          "cache_hits": sum(r["cache_hits"] for r in b["ok"])})  # fmt: skip
-                    meta["errors"] += [
-                        f"{layout}/{ctx}/c{c}: {e}" for e in b["errors"] + (w["errors"] if w else [])
-                    ]
-                    print(json.dumps(row), flush=True)
-                    save()
+                    cell(
+                        layout, need, address, procs, ctx, c, warm, measured, "unique", single_s, unloaded_ms
+                    )
+                if "reuse" in workloads:
+                    for i, c in enumerate(concs):
+                        measured = reuse_requests(reuse_pools[ctx], reuse_n(c), args.zipf, seed=7 + c)
+                        # twice: under the default write policy (second-sight) a document's first request stores
+                        # its top-K chunks, the second one the rest
+                        warm = reuse_pools[ctx] * 2 if i == 0 else []
+                        cell(
+                            layout,
+                            need,
+                            address,
+                            procs,
+                            ctx,
+                            c,
+                            warm,
+                            measured,
+                            "reuse",
+                            single_s,
+                            unloaded_ms,
+                        )
         except Exception as exc:  # a layout that fails to start or answer is reported, the others still run
             meta["errors"].append(f"{layout}: {type(exc).__name__}: {exc}"[:2000])
             print(f"{layout} failed: {exc}", flush=True)
@@ -546,16 +620,21 @@ def overhead(base: dict, served: dict, context: int) -> dict:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Each layout's requests/s over the all-in-one's at the same context and concurrency (same run)."""
-    alone = {(r["context_tokens"], r["concurrency"]): r for r in rows if r["layout"] == "all-in-one"}
+
+    def key(r: dict) -> tuple:
+        return r.get("workload", "unique"), r["context_tokens"], r["concurrency"]
+
+    alone = {key(r): r for r in rows if r["layout"] == "all-in-one"}
     out = []
     for r in rows:
-        base = alone.get((r["context_tokens"], r["concurrency"]))
+        base = alone.get(key(r))
         if r["layout"] == "all-in-one" or base is None or not base["requests_per_s"]:
             continue
         value = r["requests_per_s"] / base["requests_per_s"]
         answered = r["failed"] == 0 and base["failed"] == 0
         split = r["layout"].startswith("1p1d")
-        out.append({"layout": r["layout"], "context_tokens": r["context_tokens"], "concurrency": r["concurrency"],
+        out.append({"layout": r["layout"], "workload": key(r)[0], "context_tokens": r["context_tokens"],
+                    "concurrency": r["concurrency"],
                     "vs_all_in_one": value, "target_min": TARGET_SPLIT_RATIO if split else None,
                     "met": (answered and value >= TARGET_SPLIT_RATIO) if split else None,
                     "every_request_answered": answered})  # fmt: skip
@@ -579,7 +658,9 @@ def write(out: Path, name: str, report: dict) -> None:
              f"warm-up burst: {meta['warm_burst']}; requests per cell: {meta['requests_per_cell']}. GPUs visible: "
              f"{meta['gpus_visible']}. Runtime {meta.get('runtime_s', 0):.0f} s of a {meta['budget_s']:.0f} s budget.",
              "", "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]  # fmt: skip
-    lines += ["| " + " | ".join(_f(r[k]) for k in ROW_KEYS) + " |" for r in report["rows"]]
+    lines += [
+        "| " + " | ".join(_f(r.get(k, ROW_DEFAULTS.get(k))) for k in ROW_KEYS) + " |" for r in report["rows"]
+    ]
     notes: dict[str, list[str]] = {}  # rows merged from other runs say how they differ (e.g. a shared GPU)
     for r in report["rows"]:
         if r.get("note"):
@@ -612,13 +693,17 @@ def ratio_lines(report: dict, meta: dict) -> list[str]:
     if report.get("ratios"):
         where = " (every process on one GPU: not the two-GPU claim)" if meta.get("shared_gpu") else ""
         lines += ["", f"Requests/s against the all-in-one at the same context and concurrency, same run{where}:", "",
-                  "| layout | context | concurrency | vs all-in-one | target | met | answers equal all-in-one |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        rows = {(r["layout"], r["context_tokens"], r["concurrency"]): r for r in report["rows"]}
+                  "| layout | workload | context | concurrency | vs all-in-one | target | met | answers equal all-in-one |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        rows = {(r["layout"], r.get("workload", "unique"), r["context_tokens"], r["concurrency"]): r
+                for r in report["rows"]}  # fmt: skip
         for x in report["ratios"]:
-            row = rows.get((x["layout"], x["context_tokens"], x["concurrency"]), {})
+            row = rows.get(
+                (x["layout"], x.get("workload", "unique"), x["context_tokens"], x["concurrency"]), {}
+            )
             target = f">= {x['target_min']}x" if x["target_min"] else "—"
-            lines.append(f"| {x['layout']} | {x['context_tokens']} | {x['concurrency']} | {x['vs_all_in_one']:.2f}x "
+            lines.append(f"| {x['layout']} | {x.get('workload', 'unique')} | {x['context_tokens']} | {x['concurrency']} "
+                         f"| {x['vs_all_in_one']:.2f}x "
                          f"| {target} | {_f(x['met'])} | {row.get('answers_equal_all_in_one') or '—'} |")  # fmt: skip
     o = report.get("overhead")
     if o:

@@ -54,10 +54,25 @@ def test_serving_smoke_sweep_writes_schema_and_skips_two_gpu_layouts(tmp_path) -
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["step_p50_ms"] <= r["step_p99_ms"]
         assert math.isfinite(r["peak_gib"]) and r["peak_gib"] >= 0  # CPU: an RSS delta, may be 0
         assert r["decode_step_ms_worker"] > 0 and r["answers_equal_all_in_one"] is None
+        assert r["workload"] == "unique" and r["hit_rate"] == 0.0  # every request its own document
     assert data["ratios"] == [] and data["overhead"] is None
     md = (tmp_path / "serving.md").read_text()
-    assert "CPU SMOKE" in md and "| all-in-one | 0 | 4 | 2048 |" in md and "round_ms" in md
+    assert "CPU SMOKE" in md and "| all-in-one | unique | 0 | 4 | 2048 |" in md and "round_ms" in md
     assert (tmp_path / "serving.png").stat().st_size > 0
+
+
+def test_reuse_workload_serves_returning_documents_from_the_chunk_tier(tmp_path) -> None:
+    """Three documents, requests Zipf over them after a warm-up that reads each twice (the default write
+    policy stores a document whole from its second request on): every chunk a hit."""
+    argv = ["--smoke", "--out", str(tmp_path), "--ckpt-dir", str(tmp_path / "ckpt"), "--budget-s", "60",
+            "--workloads", "reuse", "--documents", "3", "--reuse-requests", "6", "--concurrency", "2"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "serving.json").read_text())
+    assert data["meta"]["errors"] == [], data["meta"]["errors"]
+    (row,) = data["rows"]
+    assert (row["workload"], row["concurrency"], row["requests"], row["failed"]) == ("reuse", 2, 6, 0)
+    assert row["hit_rate"] == 1.0
+    assert "| all-in-one | reuse | 0 | 2 | 2048 |" in (tmp_path / "serving.md").read_text()
 
 
 def test_replicas_layout_routes_on_cpu(tmp_path) -> None:
@@ -115,4 +130,4 @@ def test_split_against_all_in_one_and_service_overhead(tmp_path) -> None:
     assert o["requests"] == 3 and len(o["in_process"]["seconds"]) == len(o["served"]["seconds"]) == 3
     assert o["answers_equal_in_process"] is True and math.isfinite(o["service_overhead"])
     md = (tmp_path / "split.md").read_text()
-    assert "vs all-in-one" in md and "service overhead" in md and "| 1p1d-build-on-decode | 2048 | 4 |" in md
+    assert "vs all-in-one" in md and "service overhead" in md and "| 1p1d-build-on-decode | unique | 2048 | 4 |" in md
