@@ -12,6 +12,7 @@ from typing import Any
 from pdllm.shared import settings
 from pdllm.shared.app.handoff import add_handoff_arguments
 from pdllm.shared.cli_args import Parser
+from pdllm.shared.host_memory import AUTO_SHARE, parse_bytes
 from pdllm.shared.kv_write_policy import DEFAULT_KV_WRITE_POLICY, KV_WRITE_POLICIES, check_kv_write_policy
 from pdllm.shared.rpc.options import add_server_arguments, env_value
 
@@ -34,6 +35,13 @@ def piece_tokens(args: argparse.Namespace, role: str) -> int | None:
     """The chunk tokens per prefill forward for ``role`` ("all" or "prefill"); None: whole batches."""
     piece = args.prefill_piece_tokens
     return (PIECE_TOKENS[role] if piece is None else piece) or None
+
+
+def _bytes(raw: str) -> int:
+    try:
+        return parse_bytes(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _env_bool(raw: str) -> bool:
@@ -201,9 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--kv-cpu-bytes",
-        type=int,
-        default=_env_default("--kv-cpu-bytes", 2 << 30, int),
-        help="in-process CPU tier of chunk KV, in front of Redis (0: none)",
+        type=_bytes,
+        default=_env_default("--kv-cpu-bytes", "auto"),
+        help="in-process CPU tier of chunk KV, in front of Redis: bytes (suffixes K/M/G/T), 'auto' = "
+        f"{AUTO_SHARE:.0%}% of the host's available memory at startup, 0: none",
     )
     k.add_argument(
         "--kv-write-queue-bytes",
