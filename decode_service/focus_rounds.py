@@ -34,7 +34,8 @@ import torch
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
 from pdllm.decode_service.policies.focus_fast import importance_batched, select_batched
 from pdllm.decode_service.request import StaticDecode
-from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
+from pdllm.decode_service.round_attention import PagedBatchAttention
+from pdllm.decode_service.rounds import BatchSession, RoundRows
 from pdllm.decode_service.split_rounds import SplitRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
@@ -161,8 +162,8 @@ class FocusRound:
         self.indices = [self._indices(rows, w) for (_, w), rows in self.batches]
         frozen = []
         for _, split in members:
-            s = split.session
-            hidden = [r for r in range(split.hi - split.lo) if r not in set(split.active)]
+            s, active = split.session, set(split.active)
+            hidden = [r for r in range(split.hi - split.lo) if r not in active]
             frozen += [(s.stored(r), s.slot(j)) for j, r in enumerate(hidden)]
         self.copy = _copies(frozen, self.device)  # layers 0-1: the frozen rows into the region
 

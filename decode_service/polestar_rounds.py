@@ -36,7 +36,8 @@ import torch
 from pdllm.decode_service.policies import StepContext, StepPlan
 from pdllm.decode_service.policies.polestar import Polestar, PolestarState, layer_inputs
 from pdllm.decode_service.policy_rounds import PolicyBatchSession
-from pdllm.decode_service.rounds import PagedBatchAttention, RoundRows
+from pdllm.decode_service.round_attention import PagedBatchAttention
+from pdllm.decode_service.rounds import RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationResult
 
@@ -90,7 +91,7 @@ class PolestarBatchSession(PolicyBatchSession):
 
 @dataclass
 class PolestarRecord:
-    """A refresh round's :data:`~.rounds.LayerStore`: per layer, cluster and offload the inputs of the
+    """A refresh round's :data:`~.round_attention.LayerStore`: per layer, cluster and offload the inputs of the
     session's cached rows (``PolestarState.record``) and keep their drift proxy over every local row."""
 
     session: PolestarBatchSession
@@ -121,7 +122,7 @@ class PolestarRecord:
 
 @dataclass
 class PolestarUpdate:
-    """An update step's :data:`~.rounds.LayerStore`: per layer, recompute the session's drifting cached
+    """An update step's :data:`~.round_attention.LayerStore`: per layer, recompute the session's drifting cached
     rows (``PolestarState.drifting`` / ``project`` / ``finish``) over its pool pages."""
 
     session: PolestarBatchSession

@@ -40,7 +40,8 @@ from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
 from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
 from pdllm.decode_service.request import BlockDecode, RoundsStart
-from pdllm.decode_service.rounds import BatchSession, PagedBatchAttention, RoundRows
+from pdllm.decode_service.round_attention import PagedBatchAttention
+from pdllm.decode_service.rounds import BatchSession, RoundRows
 from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
@@ -243,7 +244,7 @@ def session_kind(policy: str) -> type[PolicyBatchSession]:
 
 @dataclass
 class SalientStore:
-    """A :data:`~.rounds.LayerStore` for Sparse-dLLM's caching step: per layer, the session's selection
+    """A :data:`~.round_attention.LayerStore` for Sparse-dLLM's caching step: per layer, the session's selection
     (``keep``, from that layer's queries and keys of its ``rows`` local rows) stored into cache slots
     ``(pages[j], offsets[j])`` in row order, except ``lead`` (the row before the block, forwarded fresh by
     the cached steps), which goes last and is marked in ``drop[layer]``."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, PagedBatchAttention
+from pdllm.decode_service.round_attention import PagedBatchAttention
+from pdllm.decode_service.rounds import EagerRoundForward, PackedRound
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.transformer import DiffusionLM
 

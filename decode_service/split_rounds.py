@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdllm.decode_service.policies.focus_layers import embed
-from pdllm.decode_service.rounds import PackedRound, PagedBatchAttention, part_writes
+from pdllm.decode_service.round_attention import PagedBatchAttention
+from pdllm.decode_service.rounds import PackedRound, part_writes
 from pdllm.shared.generation.device_sampler import to_device
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class SplitRows:
 
 class SplitGroup(Protocol):
     """The parts of one kind of split in a round. Called at every layer as a round's
-    :data:`~.rounds.LayerStore` (with base 0: it knows its parts' packed rows), before the attention."""
+    :data:`~.round_attention.LayerStore` (with base 0: it knows its parts' packed rows), before the attention."""
 
     def __call__(
         self,

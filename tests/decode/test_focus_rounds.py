@@ -84,6 +84,10 @@ def focus_built(m: DiffusionLM, case: Case, seed: int, knobs: dict) -> StaticDec
     return replace(static_decode(m, case, seed), cache_policy=rounds_policy(_focus(knobs)))
 
 
+def vanilla_built(prompt: list[int], gen: GenerationConfig, knobs: dict) -> StaticDecode:
+    return StaticDecode(list(prompt), None, gen, cache_policy=rounds_policy(_focus(knobs)))
+
+
 def focus_session(pool: DecodeKVPool, m: DiffusionLM, built: StaticDecode) -> BatchSession:
     pages = pool.reserve(built.kv_tokens + focus_slots(built.gen))
     assert pages is not None
@@ -116,8 +120,7 @@ def test_focus_sessions_share_mixed_rounds_and_equal_their_references(family: st
     ]
     focus = [focus_session(pool, m, focus_built(m, c, seed, knobs)) for c, seed, knobs in focus_cases]
     for i, (p, g) in enumerate(zip(PROMPTS, VANILLA_GENS, strict=True)):
-        built = StaticDecode(list(p), None, g, cache_policy=rounds_policy(_focus(FOCUS_KNOBS[i])))
-        focus.append(focus_session(pool, m, built))
+        focus.append(focus_session(pool, m, vanilla_built(p, g, FOCUS_KNOBS[i])))
     # Others in the same rounds: plain (device sampler), dual cache, Sparse-dLLM, Polestar-Cache.
     plain = session(m, pool, CASES[1], 7)
     policies = [DecodePolicyConfig(n) for n in ("dual-cache", "sparse-dllm", "polestar")]

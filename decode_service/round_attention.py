@@ -1,0 +1,121 @@
+"""The rounds' attention: every entry's queries over its own pool pages and its own fresh rows.
+
+:class:`PagedBatchAttention` is the backend a round's forward passes to every layer: it stores the K/V a
+round writes into the pool (``writes``, then the per-layer ``stores``), then runs one split-S call over all
+entries (the Triton kernel, or :func:`gathered_attention` off the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdllm.kernels.split_s_reference import gather_request
+from pdllm.shared.model.attention import sdpa
+
+ROUND_ATTENTIONS = ("torch", "triton")
+
+LayerStore = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, "PagedBatchAttention"], None]
+"""``(layer, first packed row, q [1, Hq, T, D], k [T, Hkv, D], v [T, Hkv, D], the round's attention)``,
+called before the layer's attention; it may store into ``attention.kv`` (the pool's K/V) and attend with
+``attention.paged``. A store with an ``attach(model)`` context manager has it entered around the forward
+(to read layer inputs: Polestar-Cache's)."""
+
+
+class PagedBatchAttention:
+    """Every session's queries attend to its own static KV (pool pages) and to its own local tokens.
+
+    ``kernel``: "triton" (the split-S kernel, CUDA or the Triton interpreter) or "torch" (gathered KV and
+    SDPA per session, :func:`gathered_attention`, for CPU). All sizes are fixed on the host, so no call reads the device.
+
+    ``writes`` (optional, three long tensors ``[W]``: packed row, pool page, slot in page): rows whose
+    fresh K/V each layer also stores in the pool, where later rounds read them as paged KV (a decode
+    policy's cache of local rows). Each layer stores before it attends, so an entry may read slots another
+    entry of the same round stores (block diffusion: a finished block's record, earlier model blocks).
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_offsets: torch.Tensor,
+        max_q_len: int,
+        max_kv_len: int,
+        kernel: str,
+        writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        stores: list[tuple[int, LayerStore]] | None = None,
+        drop: torch.Tensor | None = None,
+    ) -> None:
+        if kernel not in ROUND_ATTENTIONS:
+            raise ValueError(f"round attention must be one of {ROUND_ATTENTIONS}, got {kernel!r}")
+        self.kv, self.page_table, self.kv_lens, self.q_offsets = kv, page_table, kv_lens, q_offsets
+        self.max_q_len, self.max_kv_len, self.kernel = max_q_len, max_kv_len, kernel
+        self.writes, self.stores, self.drop = writes, stores or [], drop  # drop: [layers, sessions]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qt = q[0].transpose(0, 1)
+        kl = k[0].transpose(0, 1)  # strided views: the kernel takes row strides, no copy
+        vl = v[0].transpose(0, 1)
+        if self.writes is not None:
+            rows, pages, slots = self.writes
+            self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)
+            self.kv[layer, 1][pages, :, slots] = vl.index_select(0, rows)
+        for base, store in self.stores:
+            store(layer, base, q, kl, vl, self)
+        kv_lens = self.kv_lens if self.drop is None else self.kv_lens - self.drop[layer]
+        out = self.paged(
+            layer, qt, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len, kl, vl
+        )
+        return out.transpose(0, 1)[None]
+
+    def paged(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_offsets: torch.Tensor,
+        max_q_len: int,
+        max_kv_len: int,
+        k_local: torch.Tensor | None = None,
+        v_local: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Split-S attention ``[T, Hq, D]`` of packed queries ``q`` ``[T, Hq, D]`` over layer ``layer``'s
+        pool pages (and local K/V, if given), in this round's kernel."""
+        args = (q, self.kv[layer, 0], self.kv[layer, 1], page_table, kv_lens, q_offsets)
+        if self.kernel == "triton":
+            from pdllm.kernels.split_s_attention import split_s_attention
+
+            return split_s_attention(
+                *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len
+            )
+        return gathered_attention(q, *args[1:], k_local=k_local, v_local=v_local)
+
+
+def gathered_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None = None,
+    v_local: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rounds' attention off the GPU: per session, its pages gathered and its local K/V appended, one
+    SDPA call (memory-efficient, unlike the split-S kernel's torch reference, whose ``[T, S]`` scores a
+    vanilla session's thousands of rows would make gigabytes). Same signature as the kernel."""
+    out = torch.empty_like(q)
+    offs, lens = q_offsets.tolist(), kv_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        q0, q1 = offs[b], offs[b + 1]
+        if q1 == q0:
+            continue
+        k, v, _ = gather_request(b, k_pages, v_pages, page_table, kv_len, None)  # every slot valid
+        if k_local is not None and v_local is not None:
+            k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
+            v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
+        out[q0:q1] = sdpa(q[q0:q1].transpose(0, 1)[None], k[None], v[None])[0].transpose(0, 1)
+    return out
