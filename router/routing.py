@@ -1,7 +1,9 @@
 """Which worker gets a request: document affinity for prefill, least load for decode.
 
 A prefill worker that already prefilled a document holds its chunk KV in its in-process tier, so the
-same document (content hash of its context ids) goes back to it while it is healthy; otherwise the
+same document (content hash of its context ids) goes back to it while it is healthy and not far busier than
+the least loaded worker (its queue beyond the least loaded one's within ``affinity_slack`` times the
+request's own tokens: a hit saves about one prefill of the request, a long queue costs more); otherwise the
 worker with the fewest outstanding prompt tokens wins. Decode goes to the worker with the fewest
 requests in flight. Ties break by address so routing is deterministic in tests.
 
@@ -45,24 +47,35 @@ class LoadTracker:
     """Outstanding work per worker address (tokens for prefill, requests for decode)."""
 
     affinity_capacity: int = 4096
+    # an owner whose queue exceeds the least loaded worker's by more than this many times the request's
+    # tokens loses the request to that worker (which then holds the document too)
+    affinity_slack: float = 4.0
     _load: dict[str, int] = field(default_factory=dict)
     _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def choose(
-        self, candidates: Sequence[str], doc: str | None = None, exclude: set[str] | None = None
+        self,
+        candidates: Sequence[str],
+        doc: str | None = None,
+        exclude: set[str] | None = None,
+        tokens: int = 0,
     ) -> str:
-        """Pick a worker among ``candidates`` (minus ``exclude``); raises LookupError if none is left."""
+        """Pick a worker among ``candidates`` (minus ``exclude``) for a request of ``tokens`` (its document
+        ``doc``); raises LookupError if none is left."""
         pool = sorted(set(candidates) - (exclude or set()))
         if not pool:
             raise LookupError("no healthy worker")
         with self._lock:
+            least = min(pool, key=lambda a: (self._load.get(a, 0), a))
             if doc is not None:
                 owner = self._affinity.get(doc)
                 if owner in pool:
                     self._affinity.move_to_end(doc)
-                    return owner
-            return min(pool, key=lambda a: (self._load.get(a, 0), a))
+                    excess = self._load.get(owner, 0) - self._load.get(least, 0)
+                    if excess <= self.affinity_slack * tokens:
+                        return owner
+            return least
 
     def remember(self, doc: str, address: str) -> None:
         with self._lock:

@@ -230,7 +230,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 response.handoff.sender = address
             return response, address
 
-        return self._with_retries("prefill", self.prefill_load, call, doc)
+        return self._with_retries("prefill", self.prefill_load, call, doc, tokens)
 
     def _decode(
         self, req: wpb.DecodeRequest, deadline: float, context
@@ -265,10 +265,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 stream.cancel()
         raise tries.give_up()
 
-    def _with_retries(self, role: str, tracker: LoadTracker, call, doc: str | None):
+    def _with_retries(self, role: str, tracker: LoadTracker, call, doc: str | None, tokens: int = 0):
         tries = _Tries(role)
         for _ in range(self.config.attempts):
-            address = self._choose(role, tracker, tries, doc)
+            address = self._choose(role, tracker, tries, doc, tokens)
             try:
                 return call(address)
             except grpc.RpcError as err:
@@ -286,9 +286,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             self.pools.report_failure(tries.role, address)
             _log.warning(f"{tries.role} worker unavailable; retrying", extra={"worker": address})
 
-    def _choose(self, role: str, tracker: LoadTracker, tries: _Tries, doc: str | None = None) -> str:
+    def _choose(
+        self, role: str, tracker: LoadTracker, tries: _Tries, doc: str | None = None, tokens: int = 0
+    ) -> str:
         try:
-            return tracker.choose(self.pools.healthy(role), doc, exclude=tries.tried)
+            return tracker.choose(self.pools.healthy(role), doc, exclude=tries.tried, tokens=tokens)
         except LookupError:
             if tries.tried:  # every worker was tried: report why they failed
                 raise tries.give_up() from None
