@@ -130,4 +130,8 @@ def test_split_against_all_in_one_and_service_overhead(tmp_path) -> None:
     assert o["requests"] == 3 and len(o["in_process"]["seconds"]) == len(o["served"]["seconds"]) == 3
     assert o["answers_equal_in_process"] is True and math.isfinite(o["service_overhead"])
     md = (tmp_path / "split.md").read_text()
-    assert "vs all-in-one" in md and "service overhead" in md and "| 1p1d-build-on-decode | unique | 2048 | 4 |" in md
+    assert (
+        "vs all-in-one" in md
+        and "service overhead" in md
+        and "| 1p1d-build-on-decode | unique | 2048 | 4 |" in md
+    )
