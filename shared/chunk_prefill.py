@@ -142,7 +142,9 @@ def chunk_prefill_steps(
             if value is None or tuple(value.shape) != expected:
                 todo.append(i)
                 continue
-            bank.kv[:, :, i, :, : bank.lens[i]] = value.to(device=device, dtype=bank.kv.dtype)
+            # Straight into the bank, asynchronously from pinned memory (the CPU tier pins on CUDA hosts; the
+            # host allocator keeps a block alive until its copy ran): a hit costs no device sync.
+            bank.kv[:, :, i, :, : bank.lens[i]].copy_(value, non_blocking=True)
             stats.hit_rows.append(i)
     # Longest first, so equal-length chunks batch together (fixed boundaries: only the last is shorter).
     todo.sort(key=lambda i: -bank.lens[i])
