@@ -8,8 +8,14 @@ service's overhead over the in-process engine.
     # all-in-one vs split prefill/decode processes and the single-request service overhead, one call:
     python benchmarks/serving.py --layouts all-in-one,1p1d-build-on-decode --share-gpu --context-tokens 16384 \\
         --concurrency 16 --warm-burst 2 --single-repeats 3 --out $OUT
+    # four GPUs (nvidia-h100-x4 / nvidia-h200-x4): one-GPU baseline, 4 replica pairs, the simulator's 3:1 and
+    # an even split, 64 x 16K (the issue-30 targets: best >= 3.6x the all-in-one, the best split within 10%
+    # of replicas4 with step p99 <= 2x unloaded, sim_req_s within 10% of each split row):
+    python benchmarks/serving.py --layouts all-in-one,replicas4,3p1d,2p2d --context-tokens 16384 \\
+        --concurrency 64 --budget-s 540 --out $OUT --name serving_x4
     # CPU smoke (tiny random model, 1 thread per process; says nothing about GPUs):
     python benchmarks/serving.py --smoke --out /tmp/serving
+    python benchmarks/serving.py --smoke --layouts 2p1d --share-gpu --concurrency 4 --out /tmp/serving
 
 Model: Dream-7B shapes (``benchmarks.shapes.dream7b``) with random weights, written once as a checkpoint
 (``--ckpt-dir``, default under /tmp; reused when its marker matches) with the shipped tokenizer (ids < 4096 <
@@ -18,19 +24,32 @@ C=256, K=3). Prompts: seeded needle documents of ``--context-tokens`` tokens fro
 (``shared/eval/tasks.py``) and their question; every request has its own document, so no chunk KV is shared
 within a server.
 
-Layouts (processes started once per layout, reused for all its cells, killed at the end or on error):
+Layouts (``--layouts``; processes started once per layout, reused for all its cells, killed at the end or on
+error; ``parse_layout``):
   all-in-one            one ``serve --role all`` on GPU 0 (gpus=1).
-  replicas              ``--role all`` keeps its prefill/decode workers on private loopback ports that it
-                        never prints, so a router cannot reach them: replicas are two ``--role prefill`` +
-                        two ``--role decode`` processes (prefill_i and decode_i share GPU i) behind one
-                        ``--role router`` (gpus=2).
-  1p1d-build-on-decode  router + one ``--role prefill`` on GPU 0 + one ``--role decode`` on GPU 1; the
-                        prefill worker sends chunk handles, the decode worker builds their KV (gpus=2).
-  1p1d-build-on-prefill the same processes; the prefill worker builds the decode KV and hands it off
-                        (NCCL, GPU 0 -> GPU 1), the decode worker only decodes (gpus=2).
-  1p1d-auto             the same; the router picks the side per request (``--build-on auto``).
-2-GPU layouts are skipped (meta.skipped) when fewer than 2 GPUs are visible, unless ``--share-gpu`` puts
-every process on GPU 0 (on CPU: every process on the CPU).
+  replicasN             ``--role all`` keeps its prefill/decode workers on private loopback ports that it
+                        never prints, so a router cannot reach them: N replicas are N ``--role prefill`` + N
+                        ``--role decode`` processes (prefill_i and decode_i share GPU i) behind one ``--role
+                        router`` (gpus=N). ``replicas`` is replicas2 (the name of the committed two-GPU rows).
+  NpMd                  router + N ``--role prefill`` workers on GPUs 0..N-1 + M ``--role decode`` workers on
+                        GPUs N..N+M-1 (gpus=N+M; e.g. 3p1d: prefill on 0,1,2, decode on 3; ``assign_gpus``).
+                        The decode KV is built where the suffix says (the router's ``--build-on``):
+    NpMd, NpMd-build-on-decode   the prefill workers send chunk handles, the decode worker builds their KV;
+    NpMd-build-on-prefill        the prefill worker builds the decode KV and hands it off (NCCL between GPUs);
+    NpMd-auto                    the router picks the side per request.
+  (1p1d-build-on-decode, 1p1d-build-on-prefill and 1p1d-auto are the committed two-GPU names.)
+A layout that needs more GPUs than are visible is skipped (meta.skipped), unless ``--share-gpu`` puts every
+process of it on GPU 0 (on CPU: every process on the CPU; meta.shared_gpu lists those layouts). A row's
+``gpus`` is the number of distinct GPUs its processes ran on (1 when squeezed onto GPU 0, 0 on the CPU);
+meta.placement gives each layout's CUDA_VISIBLE_DEVICES per worker.
+
+Router simulator (``sim_req_s``, JSON per row, and a table in the Markdown): ``router_sim.py`` with the
+committed per-request costs ``prefill_decode_ratio.py`` reads (one request alone on an H100), the cell's
+requests with at most c in flight, steps = gen length. Only for NpMd rows built on one side, at contexts
+those files measured (16K, 32K); None for the all-in-one, replicasN, -auto and other contexts (the
+simulator does not model prefill and decode sharing a GPU). meta.simulator.recommended: the analytic best
+NpMd for each GPU count the run's split layouts use (``prefill_decode_ratio.capacities``; the 8-GPU
+recommendation of prefill_decode_ratio.py, for this run's GPUs).
 
 Workloads (``--workloads``): ``unique``, every request its own document (no chunk KV shared within a server);
 ``reuse``, ``--documents`` D distinct documents (64) and requests drawn Zipf(``--zipf``, 1.0) over their
@@ -58,9 +77,11 @@ Per-row diagnostics (JSON only): ``kv_sources``, ``handoff_s_p50``, ``build_s_p5
 decode KV came from), ``decode_step_ms_worker`` (the decode workers' own mean step over the cell, from their
 ``pdllm_decode_step_seconds`` metric), ``latency_p50_s`` / ``latency_max_s`` (send -> final event), and
 ``answers_equal_all_in_one`` (how many answers equal the all-in-one's for the same documents, same run; with
-batched bf16 rounds a request's logits depend on its round-mates, so random weights may flip tokens).
+batched bf16 rounds a request's logits depend on its round-mates, so random weights may flip tokens),
+``shared_gpu`` (the layout squeezed onto GPU 0 by ``--share-gpu``) and ``sim_req_s`` (above).
 ``ratios``: each layout's requests/s over the all-in-one's at the same context and concurrency, same run
-(target >= 1.7x for the 1p1d layouts, a two-GPU claim).
+(target >= 1.7x for the 1p1d layouts, a two-GPU claim; the four-GPU targets of issue 30 are read from the
+rows: the best layout >= 3.6x, the best NpMd within 10% of replicas4).
 
 Service overhead (``--single-repeats N``; needs the all-in-one layout): before any server starts, the engine
 ``pdllm serve`` builds, called in process (same store and settings, tokenization included, decoding with a
@@ -81,6 +102,7 @@ import gc
 import json
 import math
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -88,6 +110,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -105,14 +128,76 @@ from pdllm.shared.prompt import encode_prompt  # noqa: E402
 from pdllm.shared.rpc.client import PdllmClient  # noqa: E402
 from tests.services.cluster import ServeProcess  # noqa: E402
 
-LAYOUT_GPUS = {
+LAYOUT_GPUS = {  # the named layouts (any NpMd[-build-on-SIDE|-auto] and replicasN parse too: parse_layout)
     "all-in-one": 1,
     "replicas": 2,
     "1p1d-build-on-decode": 2,
     "1p1d-build-on-prefill": 2,
     "1p1d-auto": 2,
 }
-BUILD_ON = {"1p1d-build-on-prefill": "prefill", "1p1d-auto": "auto"}  # others: the decode worker builds
+_SPLIT = re.compile(r"(?P<p>[1-9]\d*)p(?P<d>[1-9]\d*)d(?:-build-on-(?P<on>decode|prefill)|(?P<auto>-auto))?")
+_REPLICAS = re.compile(r"replicas(?P<n>[1-9]\d*)?")
+LAYOUT_SYNTAX = ("all-in-one; replicasN (N pairs of prefill + decode workers, pair i on GPU i, one router; "
+                 "replicas = replicas2); NpMd (N prefill workers on GPUs 0..N-1, M decode workers on GPUs "
+                 "N..N+M-1, one router), optionally -build-on-decode (the default), -build-on-prefill or -auto; "
+                 "e.g. 3p1d, 2p2d-build-on-prefill")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A served layout: ``prefill`` + ``decode`` worker processes behind one router (none for the
+    all-in-one); ``replicas``: worker pairs sharing a GPU each; ``build_on``: the router's ``--build-on``."""
+
+    name: str
+    prefill: int = 0
+    decode: int = 0
+    build_on: str = "decode"
+    replicas: bool = False
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the layout is meant for: one per worker, one per replica pair, one for the all-in-one."""
+        if not self.prefill:
+            return 1
+        return self.prefill if self.replicas else self.prefill + self.decode
+
+    @property
+    def split(self) -> bool:
+        """Prefill and decode on GPUs of their own (the KV or chunk handles cross between them)."""
+        return bool(self.prefill) and not self.replicas
+
+
+def parse_layout(name: str) -> Layout:
+    """``all-in-one``, ``replicas``/``replicasN`` or ``NpMd[-build-on-decode|-build-on-prefill|-auto]``;
+    ValueError (saying what is accepted) otherwise."""
+    name = name.strip()
+    if name == "all-in-one":
+        return Layout(name)
+    if m := _REPLICAS.fullmatch(name):
+        n = int(m["n"] or 2)
+        return Layout(name, n, n, "decode", True)
+    if m := _SPLIT.fullmatch(name):
+        return Layout(name, int(m["p"]), int(m["d"]), "auto" if m["auto"] else m["on"] or "decode")
+    raise ValueError(f"unknown layout {name!r}: expected {LAYOUT_SYNTAX}")
+
+
+def assign_gpus(layout: Layout, visible: int, share: bool = False) -> dict[str, list[str]]:
+    """CUDA_VISIBLE_DEVICES of each worker: {"all": [...]} for the all-in-one, else {"prefill": [...],
+    "decode": [...]}. Prefill worker i on GPU i; decode worker j on GPU P + j (replicas: on GPU j, beside
+    prefill worker j). ``share`` with fewer than ``layout.gpus`` visible: every worker on GPU 0 (on the CPU,
+    where ``visible`` is 0, the value is not used). ValueError if the layout does not fit and not ``share``."""
+    need = layout.gpus
+    if visible < need and not share:
+        raise ValueError(f"{layout.name} needs {need} GPUs, {visible} visible (--share-gpu puts it on GPU 0)")
+    squeeze = visible < need
+    gpu = lambda i: "0" if squeeze else str(i)  # noqa: E731
+    if not layout.prefill:
+        return {"all": [gpu(0)]}
+    first_decode = 0 if layout.replicas else layout.prefill
+    return {"prefill": [gpu(i) for i in range(layout.prefill)],
+            "decode": [gpu(first_decode + j) for j in range(layout.decode)]}  # fmt: skip
+
+
 ROW_KEYS = ("layout", "workload", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
             "gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms", "step_p99_ms", "unloaded_step_ms",
             "peak_gib", "hit_rate")  # fmt: skip
@@ -121,7 +206,7 @@ ROW_DEFAULTS = {"workload": "unique", "hit_rate": "—"}  # rows merged from run
 # each request's decode KV came from (``trace.kv_source``) and its median handoff and build seconds; the
 # decode workers' own step; request latency; answers against the all-in-one's.
 DIAG_KEYS = ("kv_sources", "handoff_s_p50", "build_s_p50", "decode_step_ms_worker", "latency_p50_s",
-             "latency_max_s", "answers_equal_all_in_one")  # fmt: skip
+             "latency_max_s", "answers_equal_all_in_one", "shared_gpu", "sim_req_s")  # fmt: skip
 MIN_REQUESTS = 4
 WORKLOADS = ("unique", "reuse")
 SHIPPED = ROOT / "shared" / "checkpoints" / "pdllm-needle"
@@ -184,6 +269,57 @@ def reuse_requests(docs: list[tuple[str, str]], n: int, exponent: float, seed: i
     weights = [1.0 / (k + 1) ** exponent for k in range(len(docs))]
     picks = rng.choices(range(len(docs)), weights=weights, k=n)
     return [(docs[d][0], f"{docs[d][1]} ({i + 1})") for i, d in enumerate(picks)]
+
+
+# ---------------------------------------------------------------------------------------- simulator
+SIM_NOTE = ("router_sim.py driven by the committed per-request costs prefill_decode_ratio.py reads (H100, one "
+            "request alone: prefill + scoring, decode-KV build, K=4 handoff over CUDA IPC, the batched round "
+            "curve), steps = gen length, closed loop: the cell's requests with at most c in flight, no warm-up. "
+            "Only NpMd layouts with the build on one side, at the contexts those files measured; None otherwise "
+            "(the all-in-one and replicas share a GPU between prefill and decode, which the simulator does not "
+            "model; -auto picks a side per request). The costs are not this run's: a row on another GPU or "
+            "after engine changes compares against stale costs")  # fmt: skip
+
+
+def simulator_costs(results: Path | None = None) -> tuple[dict, dict]:
+    """The simulator's per-context costs (``prefill_decode_ratio.load_inputs`` over the committed results)
+    and where they came from; ({}, {"error": ...}) when the files are missing."""
+    from benchmarks.prefill_decode_ratio import RESULTS, load_inputs
+
+    try:
+        costs, sources = load_inputs(results or RESULTS)
+    except (OSError, KeyError, IndexError, ValueError) as exc:
+        return {}, {"note": SIM_NOTE, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return costs, {"note": SIM_NOTE, "contexts": sorted(costs), "inputs": sources}
+
+
+def recommended_splits(costs: dict, gpus: int) -> dict[str, dict[str, str]]:
+    """Per context and build side, the NpMd with N + M = ``gpus`` of the most analytic capacity
+    (``prefill_decode_ratio.capacities``: min(N x prefill req/s per GPU, M x decode req/s per GPU)), the
+    recommendation prefill_decode_ratio.py makes for 8 GPUs, for the run's GPU count."""
+    from benchmarks.prefill_decode_ratio import capacities
+
+    out: dict[str, dict[str, str]] = {}
+    for ctx, c in sorted(costs.items()):
+        for side in ("decode", "prefill"):
+            mu_p, mu_d, _ = capacities(c, side)
+            p = max(range(1, gpus), key=lambda p: (min(p * mu_p, (gpus - p) * mu_d), gpus - p))
+            out.setdefault(str(ctx), {})[side] = f"{p}p{gpus - p}d-build-on-{side}"
+    return out
+
+
+def simulated_req_s(layout: Layout, ctx: int, conc: int, requests: int, gen: int, costs: dict,
+                    max_active: int = 64) -> float | None:  # fmt: skip
+    """The router simulator's requests/s for ``requests`` streams, at most ``conc`` in flight, on ``layout``
+    (one GPU per worker); None where it has nothing to say (see SIM_NOTE)."""
+    from benchmarks.router_sim import SimConfig, simulate
+
+    c = costs.get(ctx)
+    if c is None or not layout.split or layout.build_on not in ("decode", "prefill"):
+        return None
+    cfg = SimConfig(layout.prefill, layout.decode, c.prefill_s, c.build_s, c.handoff_s, gen, c.rounds,
+                    layout.build_on, concurrency=conc, requests=requests, warmup=0, max_active=max_active)  # fmt: skip
+    return simulate(cfg)["throughput_req_s"]
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -341,8 +477,10 @@ def burst(address: str, docs: list[tuple[str, str]], gen: int, in_flight: int, c
 
 def cell_row(layout: str, gpus: int, conc: int, ctx: int, gen: int, b: dict, unloaded_ms: float,
              worker_step_ms: float = float("nan"), reference: list | None = None,
-             workload: str = "unique") -> dict:  # fmt: skip
-    """The cell's row; ``reference``: the all-in-one's answers to the same documents (None: not compared)."""
+             workload: str = "unique", shared: bool = False, sim_req_s: float | None = None) -> dict:  # fmt: skip
+    """The cell's row; ``reference``: the all-in-one's answers to the same documents (None: not compared);
+    ``shared``: the layout squeezed onto one GPU (--share-gpu); ``sim_req_s``: the router simulator's
+    requests/s for the layout and cell (None: not simulated, see ``simulated_req_s``)."""
     ok, n = b["ok"], len(b["results"])
     looked_up = sum(r.get("cache_hits", 0) + r.get("cache_misses", 0) for r in ok)
     gaps = [g for r in ok for g in r["gaps_s"]]
@@ -366,26 +504,35 @@ def cell_row(layout: str, gpus: int, conc: int, ctx: int, gen: int, b: dict, unl
             "handoff_s_p50": pct([r.get("handoff_s", 0.0) for r in ok], 0.5),
             "build_s_p50": pct([r.get("build_s", 0.0) for r in ok], 0.5), "decode_step_ms_worker": worker_step_ms,
             "latency_p50_s": pct(latency, 0.5), "latency_max_s": max(latency, default=float("nan")),
-            "answers_equal_all_in_one": same}  # fmt: skip
+            "answers_equal_all_in_one": same, "shared_gpu": shared, "sim_req_s": sim_req_s}  # fmt: skip
 
 
 def start_layout(
-    layout: str, model_args: list[str], router_args: list[str], env, procs: list, clock: Clock
-) -> str:  # type: ignore[no-untyped-def]
-    """Start ``layout``'s processes (appended to ``procs`` first, so the caller kills them); its address."""
+    layout: str | Layout,
+    model_args: list[str],
+    router_args: list[str],
+    env,  # type: ignore[no-untyped-def]
+    procs: list,
+    clock: Clock,
+    placement: dict[str, list[str]] | None = None,
+) -> str:
+    """Start ``layout``'s processes (appended to ``procs`` first, so the caller kills them); its address.
+    ``placement``: ``assign_gpus``'s (default: the layout on its own GPUs); ``env(gpu)``: a process's extra
+    environment (``env("")`` for the router)."""
+    lay = parse_layout(layout) if isinstance(layout, str) else layout
+    gpus = placement or assign_gpus(lay, lay.gpus)
     limit = min(max(clock.left(), 10.0), 600.0)
-    if layout == "all-in-one":
-        procs.append(ServeProcess("all", model_args, env=env("0")))
+    if not lay.prefill:
+        procs.append(ServeProcess("all", model_args, env=env(gpus["all"][0])))
         start_all(procs[-1:], limit)
         return procs[-1].address
-    gpus = ("0", "1") if layout == "replicas" else ("0",)  # replicas: no handoff (a pair may share a GPU)
-    pre = [ServeProcess("prefill", model_args, env=env(g)) for g in gpus]
-    dec = [ServeProcess("decode", model_args, env=env(g)) for g in (gpus if layout == "replicas" else ("1",))]
+    pre = [ServeProcess("prefill", model_args, env=env(g)) for g in gpus["prefill"]]
+    dec = [ServeProcess("decode", model_args, env=env(g)) for g in gpus["decode"]]
     procs += pre + dec
     start_all(pre + dec, limit)
     addrs = lambda ps: ",".join(p.address for p in ps)  # noqa: E731
     router = ServeProcess("router", [*router_args, "--prefill-workers", addrs(pre), "--decode-workers",
-                                     addrs(dec), "--build-on", BUILD_ON.get(layout, "decode")], env=env(""))  # fmt: skip
+                                     addrs(dec), "--build-on", lay.build_on], env=env(""))  # fmt: skip
     procs.append(router)
     start_all([router], min(limit, 120.0))
     return router.address
@@ -393,7 +540,7 @@ def start_layout(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layouts", default="all-in-one", help="comma list of " + ", ".join(LAYOUT_GPUS))
+    ap.add_argument("--layouts", default="all-in-one", help="comma list of: " + LAYOUT_SYNTAX)
     ap.add_argument("--concurrency", default=None, help="comma list; default 1,4,16,64 (smoke 1,4)")
     ap.add_argument("--context-tokens", default=None, help="comma list; default 16384,32768 (smoke 2048)")
     ap.add_argument("--gen-length", type=int, default=None, help="= steps; default 32 (smoke 8)")
@@ -411,8 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--share-gpu",
         action="store_true",
-        help="with one GPU, run 2-GPU layouts with every process on GPU 0 (meta.shared_gpu; correctness, "
-        "and the handoff over CUDA IPC, not a two-GPU measurement)",
+        help="run a layout that needs more GPUs than are visible with every process on GPU 0 (on the CPU "
+        "with --smoke) instead of skipping it (meta.shared_gpu lists them; correctness, and the handoff "
+        "over CUDA IPC, not a multi-GPU measurement)",
     )
     ap.add_argument("--warm-burst", type=int, default=None, help="warm-up streams per cell (default: its c)")
     ap.add_argument("--workloads", default="unique",
@@ -433,8 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     smoke = args.smoke
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    if unknown := [x for x in layouts if x not in LAYOUT_GPUS]:
-        ap.error(f"unknown layouts {unknown}; choose from {list(LAYOUT_GPUS)}")
+    try:
+        parsed = {x: parse_layout(x) for x in layouts}
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.single_repeats and "all-in-one" not in layouts:
         ap.error("--single-repeats compares the in-process engine with the all-in-one layout: add it")
     concs = [int(x) for x in (args.concurrency or ("1,4" if smoke else "1,4,16,64")).split(",")]
@@ -453,28 +603,43 @@ def main(argv: list[str] | None = None) -> int:
     if smoke:  # one thread per process: OpenMP threads of several processes on few cores spin each other
         torch.set_num_threads(1)
         env = lambda g: {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # noqa: E731
-    else:
-        one = args.share_gpu and gpus < 2
-        env = lambda g: {"CUDA_VISIBLE_DEVICES": "0" if one and g else g}  # noqa: E731
+    else:  # the router gets "": no GPU
+        env = lambda g: {"CUDA_VISIBLE_DEVICES": g}  # noqa: E731
+    # a layout wider than the GPUs visible (on the CPU: one) is skipped, or with --share-gpu put on GPU 0
+    # (on the CPU: every process on the CPU); placements[x] is None for a skipped layout
+    room = max(gpus, 1)
+    placements = {x: assign_gpus(lay, room, share=True) if lay.gpus <= room or args.share_gpu else None
+                  for x, lay in parsed.items()}  # fmt: skip
     mcfg = smoke_config() if smoke else dream7b()
     engine = {"chunk_size": 256, "top_k": 3} if smoke else {"chunk_size": 1024, "top_k": 4}
     ckpt = args.ckpt_dir or Path(tempfile.gettempdir()) / "pdllm_serving" / f"{mcfg.model_id}-{dtype}"
     decode_round = (
         json.loads(args.decode_round_json.read_text())["decode_round"] if args.decode_round_json else []
     )
+    sim_costs, sim_meta = simulator_costs() if any(lay.split for lay in parsed.values()) else ({}, None)
+    if sim_meta and sim_costs:  # the analytic best split for each GPU count the run's split layouts use
+        sim_meta["recommended"] = {
+            str(n): recommended_splits(sim_costs, n)
+            for n in sorted({x.gpus for x in parsed.values() if x.split})
+        }
+    max_active = (
+        int(serve_flags[serve_flags.index("--max-active") + 1]) if "--max-active" in serve_flags else 64
+    )
     meta = {"smoke": smoke, "gpus_visible": gpus, "torch": torch.__version__, "dtype": dtype, "layouts": layouts,
             "concurrency": concs, "context_tokens": ctxs, "gen_length": gen, "steps": gen, "engine": engine,
             "model": mcfg.to_hf_dict(), "serve_flags": serve_flags, "budget_s": clock.budget_s,
             "warm_burst": args.warm_burst if args.warm_burst is not None else "concurrency of each cell",
             "requests_per_cell": f"max(concurrency, {MIN_REQUESTS}), at most concurrency in flight",
-            "replicas_note": "2x(--role prefill + --role decode), pair i on GPU i, one router: --role all "
-                             "does not expose its internal workers' addresses",
+            "replicas_note": "replicasN: N x (--role prefill + --role decode), pair i on GPU i, one router: "
+                             "--role all does not expose its internal workers' addresses",
+            "placement": ({x: p for x, p in placements.items() if p} if gpus else "every process on the CPU"),
             "skipped": [], "errors": [], "cells": [], "documents_tokens": {}, "workloads": workloads,
             "reuse": {"documents": args.documents or (6 if smoke else 64), "zipf": args.zipf,
                       "requests": "--reuse-requests" if args.reuse_requests else
                       ("max(2 c, 8)" if smoke else "max(4 c, 32)"),
                       "warm_up": "every document twice, before the first reuse cell"},
-            "shared_gpu": bool(args.share_gpu and gpus < 2), "single_repeats": args.single_repeats}  # fmt: skip
+            "shared_gpu": [x for x, p in placements.items() if p and parsed[x].gpus > room],
+            "simulator": sim_meta, "single_repeats": args.single_repeats}  # fmt: skip
     report = {"device": torch.cuda.get_device_name(0) if gpus else "cpu",
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": "python benchmarks/serving.py " + shlex.join(sys.argv[1:] if argv is None else argv),
@@ -517,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                   "0", *serve_flags]  # fmt: skip
     router_args = ["--model", str(ckpt), "--port", "0", "--metrics-port", "0", *serve_flags]
 
-    def cell(layout: str, need: int, address: str, procs: list, ctx: int, c: int, warm: list, measured: list,
+    def cell(layout: str, used: int, address: str, procs: list, ctx: int, c: int, warm: list, measured: list,
              workload: str, single_s: float, unloaded_ms: float) -> None:  # fmt: skip
         """One cell: the warm-up burst, then the measured requests at most ``c`` in flight; its row."""
         where = {"layout": layout, "workload": workload, "context_tokens": ctx, "concurrency": c}
@@ -535,7 +700,10 @@ def main(argv: list[str] | None = None) -> int:
         if layout == "all-in-one":
             reference[workload, ctx, c] = [r.get("answer") for r in b["results"]]
         ref = None if layout == "all-in-one" else reference.get((workload, ctx, c))
-        row = cell_row(layout, need if gpus else 0, c, ctx, gen, b, unloaded_ms, worker_ms, ref, workload)
+        lay = parsed[layout]
+        sim = simulated_req_s(lay, ctx, c, len(measured), gen, sim_costs, max_active)
+        row = cell_row(layout, used, c, ctx, gen, b, unloaded_ms, worker_ms, ref, workload,
+                       shared=lay.gpus > room, sim_req_s=sim)  # fmt: skip
         report["rows"].append(row)
         meta["cells"].append({**where, "wall_s": b["wall_s"], "estimate_s": est,
                               "warm_s": w["wall_s"] if w else 0.0, "warm_failed": len(w["errors"]) if w else 0,
@@ -547,14 +715,17 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     for layout in layouts:
-        need = LAYOUT_GPUS[layout]
-        if need > 1 and gpus < need and not args.share_gpu:
-            meta["skipped"].append({"layout": layout, "reason": f"needs {need} GPUs, {gpus} visible"})
+        placement = placements[layout]
+        if placement is None:
+            meta["skipped"].append({"layout": layout, "reason": f"needs {parsed[layout].gpus} GPUs, {gpus} "
+                                    "visible (--share-gpu runs it on GPU 0)"})  # fmt: skip
             continue
+        # the row's gpus: distinct GPUs its processes ran on (0: the CPU)
+        used = len({g for gs in placement.values() for g in gs}) if gpus else 0
         procs: list[ServeProcess] = []
         try:
             t = time.perf_counter()
-            address = start_layout(layout, model_args, router_args, env, procs, clock)
+            address = start_layout(parsed[layout], model_args, router_args, env, procs, clock, placement)
             meta.setdefault("start_s", {})[layout] = time.perf_counter() - t
             if layout == "all-in-one" and base is not None:
                 wait_routable(address, single_docs[0], gen, clock, min(clock.left(), 300))
@@ -576,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                     warm = [next(docs) for _ in range(warm_n(c))]
                     measured = [next(docs) for _ in range(max(c, MIN_REQUESTS))]
                     cell(
-                        layout, need, address, procs, ctx, c, warm, measured, "unique", single_s, unloaded_ms
+                        layout, used, address, procs, ctx, c, warm, measured, "unique", single_s, unloaded_ms
                     )
                 if "reuse" in workloads:
                     for i, c in enumerate(concs):
@@ -586,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                         warm = reuse_pools[ctx] * 2 if i == 0 else []
                         cell(
                             layout,
-                            need,
+                            used,
                             address,
                             procs,
                             ctx,
@@ -691,7 +862,7 @@ def ratio_lines(report: dict, meta: dict) -> list[str]:
     """The layouts against the all-in-one, and the single-request service overhead (when measured)."""
     lines: list[str] = []
     if report.get("ratios"):
-        where = " (every process on one GPU: not the two-GPU claim)" if meta.get("shared_gpu") else ""
+        where = " (some layouts on one GPU: not a multi-GPU claim)" if meta.get("shared_gpu") else ""
         lines += ["", f"Requests/s against the all-in-one at the same context and concurrency, same run{where}:", "",
                   "| layout | workload | context | concurrency | vs all-in-one | target | met | answers equal all-in-one |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -705,6 +876,15 @@ def ratio_lines(report: dict, meta: dict) -> list[str]:
             lines.append(f"| {x['layout']} | {x.get('workload', 'unique')} | {x['context_tokens']} | {x['concurrency']} "
                          f"| {x['vs_all_in_one']:.2f}x "
                          f"| {target} | {_f(x['met'])} | {row.get('answers_equal_all_in_one') or '—'} |")  # fmt: skip
+    sims = [r for r in report["rows"] if r.get("sim_req_s") is not None]
+    if sims:
+        lines += ["", "Router simulator (router_sim.py on the committed H100 costs, see meta.simulator) against "
+                  "the measured rows:", "", "| layout | workload | context | concurrency | measured req/s | "
+                  "simulated | simulated / measured |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['layout']} | {r.get('workload', 'unique')} | {r['context_tokens']} | {r['concurrency']} "
+                  f"| {r['requests_per_s']:.3g} | {r['sim_req_s']:.3g} | "
+                  + (f"{r['sim_req_s'] / r['requests_per_s']:.2f} |" if r["requests_per_s"] else "— |")
+                  for r in sims]  # fmt: skip
     o = report.get("overhead")
     if o:
         lines += ["", f"Single-request service overhead ({o['requests']} requests of {o['context_tokens']} tokens, "
@@ -730,7 +910,7 @@ def plot(path: Path, report: dict) -> None:
         rows = sorted(rows, key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
         for ax, key in zip(axes, ("requests_per_s", "step_p99_ms"), strict=True):
-            shared = " (both on 1 GPU)" if rows[0].get("shared_gpu") else ""
+            shared = " (on 1 GPU)" if rows[0].get("shared_gpu") else ""
             ax.plot(xs, [r[key] for r in rows], marker="o", label=f"{layout}, {ctx} tok{shared}")
     for ax, title in zip(axes, ("requests / s", "step gap p99 (ms)"), strict=True):
         ax.set_xscale("log", base=2)
