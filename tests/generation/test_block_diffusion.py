@@ -178,8 +178,8 @@ def test_cli_generate_vanilla_on_sdar(sdar_dir: Path, capsys: pytest.CaptureFixt
     assert loaded.config.family == "sdar"
     prompt = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION).vanilla(loaded.config.bos_token_id)
     expected = generate_vanilla(loaded.model, prompt, GenerationConfig(gen_length=8, steps=8, block_length=4))
-    assert out["answer"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
-    assert out["timings"]["prefill"] > 0 and out["timings"]["decode"] > 0
+    assert out["text"] == loaded.tokenizer.decode(expected.token_ids, skip_special_tokens=True).strip()
+    assert out["trace"]["timings"]["prefill_s"] > 0 and out["trace"]["timings"]["decode_s"] > 0
 
     rc = main([*args, "--method", "vanilla", "--gen-length", "12", "--block-length", "6"])
     assert rc == 2 and "multiple of 4" in capsys.readouterr().err

@@ -89,9 +89,9 @@ def test_pdllm_answer_equals_generate_in_process(deployment, sdar_dir, loaded, c
     assert list(response.trace.selected_chunk_ids) == trace.selected and len(trace.selected) == case["top_k"]
     # ... and the command itself (its answer text and selection).
     out = json.loads(_run_cli(sdar_dir, case, "pdllm", capsys))
-    assert out["trace"]["selected"] == trace.selected
+    assert out["trace"]["selected_chunk_ids"] == trace.selected
     assert (
-        out["answer"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
+        out["text"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
     )
 
 
@@ -117,7 +117,7 @@ def test_vanilla_answer_equals_generate_vanilla(deployment, sdar_dir, loaded, ca
     assert list(response.token_ids) == expected.token_ids and response.trace.steps == expected.steps
     out = json.loads(_run_cli(sdar_dir, case, "vanilla", capsys))
     assert (
-        out["answer"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
+        out["text"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
     )
 
 
