@@ -213,6 +213,10 @@ SHIPPED = ROOT / "shared" / "checkpoints" / "pdllm-needle"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TARGET_SPLIT_RATIO = 1.7  # split prefill/decode (two GPUs) vs the all-in-one, requests/s
 TARGET_OVERHEAD = 0.10  # served vs in-process engine, one request
+# issue 30, four GPUs at the same context and concurrency, same run: the best layout vs the one-GPU all-in-one;
+# the best NpMd vs replicas4, its step p99 vs its unloaded step; the simulator vs each NpMd row
+TARGET_X4 = {"best_vs_all_in_one": 3.6, "split_vs_replicas": 0.9, "split_step_p99_over_unloaded": 2.0,
+             "sim_error": 0.10}  # fmt: skip
 
 
 def smoke_config() -> ModelConfig:
@@ -648,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         meta["runtime_s"] = clock.elapsed()
         report["ratios"] = ratios(report["rows"])
+        meta["targets_x4"] = targets_x4(report["rows"])
         write(args.out, args.name, report)
 
     meta["checkpoint"] = {
@@ -789,6 +794,48 @@ def overhead(base: dict, served: dict, context: int) -> dict:
             "met": value <= TARGET_OVERHEAD, "answers_equal_in_process": served["answers"] == base["answers"]}  # fmt: skip
 
 
+def targets_x4(rows: list[dict]) -> list[dict]:
+    """Issue 30's four-GPU targets per (workload, context, concurrency) that has rows on 4 GPUs of their own
+    (not squeezed) and a one-GPU all-in-one row, same run (``TARGET_X4``); None where a row is missing."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r.get("workload", "unique"), r["context_tokens"], r["concurrency"])
+        groups.setdefault(key, {})[r["layout"]] = r
+    out = []
+    for (workload, ctx, conc), by in groups.items():
+        four = {x: r for x, r in by.items() if r["gpus"] == 4 and not r.get("shared_gpu")}
+        aio = by.get("all-in-one")
+        if not four or aio is None or not aio["requests_per_s"]:
+            continue
+        best = max(four.values(), key=lambda r: r["requests_per_s"])
+        splits = [r for x, r in four.items() if parse_layout(x).split]
+        split = max(splits, key=lambda r: r["requests_per_s"]) if splits else None
+        rep = next((r for x, r in four.items() if parse_layout(x).replicas), None)
+        vs_rep = (
+            split["requests_per_s"] / rep["requests_per_s"]
+            if split and rep and rep["requests_per_s"]
+            else None
+        )
+        p99 = (
+            split["step_p99_ms"] / split["unloaded_step_ms"] if split and split["unloaded_step_ms"] else None
+        )
+        sims = {r["layout"]: r["sim_req_s"] / r["requests_per_s"] - 1 for r in splits
+                if r.get("sim_req_s") is not None and r["requests_per_s"]}  # fmt: skip
+        met = lambda v, ok: None if v is None else bool(ok(v))  # noqa: E731
+        out.append({"workload": workload, "context_tokens": ctx, "concurrency": conc, "best": best["layout"],
+                    "best_vs_all_in_one": best["requests_per_s"] / aio["requests_per_s"],
+                    "best_met": best["requests_per_s"] / aio["requests_per_s"] >= TARGET_X4["best_vs_all_in_one"],
+                    "best_split": split["layout"] if split else None, "split_vs_replicas": vs_rep,
+                    "split_vs_replicas_met": met(vs_rep, lambda v: v >= TARGET_X4["split_vs_replicas"]),
+                    "split_step_p99_over_unloaded": p99,
+                    "split_step_met": met(p99, lambda v: v <= TARGET_X4["split_step_p99_over_unloaded"]),
+                    "sim_error": sims, "sim_met": met(sims or None, lambda v: max(map(abs, v.values()))
+                                                      <= TARGET_X4["sim_error"]),
+                    "every_request_answered": all(r["failed"] == 0 for r in [aio, *four.values()]),
+                    "targets": TARGET_X4})  # fmt: skip
+    return out
+
+
 def ratios(rows: list[dict]) -> list[dict]:
     """Each layout's requests/s over the all-in-one's at the same context and concurrency (same run)."""
 
@@ -885,6 +932,19 @@ def ratio_lines(report: dict, meta: dict) -> list[str]:
                   f"| {r['requests_per_s']:.3g} | {r['sim_req_s']:.3g} | "
                   + (f"{r['sim_req_s'] / r['requests_per_s']:.2f} |" if r["requests_per_s"] else "— |")
                   for r in sims]  # fmt: skip
+    if meta.get("targets_x4"):
+        f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+        lines += ["", "Four-GPU targets (issue 30; same context and concurrency, same run):", "",
+                  "| workload | context | concurrency | best / all-in-one (>= 3.6x) | best split / replicas4 (>= 0.9) "
+                  "| its step p99 / unloaded (<= 2) | simulated / measured - 1 (within 10%) |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for t in meta["targets_x4"]:
+            sims = ", ".join(f"{x} {v:+.0%}" for x, v in t["sim_error"].items()) or "—"
+            lines.append(f"| {t['workload']} | {t['context_tokens']} | {t['concurrency']} | {t['best']} "
+                         f"{t['best_vs_all_in_one']:.2f}x ({t['best_met']}) | {t['best_split'] or '—'} "
+                         f"{f(t['split_vs_replicas'], '.2f')} ({t['split_vs_replicas_met']}) | "
+                         f"{f(t['split_step_p99_over_unloaded'], '.2f')} ({t['split_step_met']}) | {sims} "
+                         f"({t['sim_met']}) |")  # fmt: skip
     o = report.get("overhead")
     if o:
         lines += ["", f"Single-request service overhead ({o['requests']} requests of {o['context_tokens']} tokens, "

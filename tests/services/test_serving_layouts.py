@@ -17,6 +17,7 @@ from benchmarks.serving import (
     recommended_splits,
     simulated_req_s,
     simulator_costs,
+    targets_x4,
 )
 
 
@@ -105,3 +106,22 @@ def test_two_prefill_one_decode_smoke_answers_every_request(tmp_path) -> None:
     assert row["sim_req_s"] is None  # 2048 tokens: no committed costs at that length
     assert meta["simulator"]["recommended"]["3"]  # the analytic best 3-GPU split, per context
     assert "| 2p1d | unique | 0 | 4 | 2048 |" in (tmp_path / "x.md").read_text()
+
+
+def _row(layout: str, gpus: int, rps: float, p99: float = 10.0, sim: float | None = None) -> dict:
+    return {"layout": layout, "workload": "unique", "gpus": gpus, "concurrency": 64, "context_tokens": 16384,
+            "failed": 0, "requests_per_s": rps, "step_p99_ms": p99, "unloaded_step_ms": 8.0,
+            "shared_gpu": False, "sim_req_s": sim}  # fmt: skip
+
+
+def test_four_gpu_targets_are_read_from_the_rows() -> None:
+    rows = [_row("all-in-one", 1, 1.0), _row("replicas4", 4, 4.0, 400.0), _row("3p1d", 4, 3.7, 15.0, 4.0),
+            _row("2p2d", 4, 3.0, 30.0, 3.0), _row("1p1d", 2, 1.5)]  # fmt: skip
+    (t,) = targets_x4(rows)
+    assert (t["best"], t["best_met"], t["best_split"]) == ("replicas4", True, "3p1d")
+    assert abs(t["split_vs_replicas"] - 0.925) < 1e-9 and t["split_vs_replicas_met"] is True
+    assert abs(t["split_step_p99_over_unloaded"] - 15 / 8) < 1e-9 and t["split_step_met"] is True
+    assert set(t["sim_error"]) == {"3p1d", "2p2d"} and t["sim_met"] is True  # +8%, 0%
+    assert targets_x4(rows[:1] + rows[-1:]) == []  # no 4-GPU rows: nothing to say
+    (t,) = targets_x4([_row("all-in-one", 1, 1.0), _row("3p1d", 4, 3.0)])  # no replicas4, no simulation
+    assert t["split_vs_replicas"] is None and t["sim_met"] is None and t["best_met"] is False
