@@ -116,16 +116,18 @@ from pdllm.decode_service.policies import DecodePolicyConfig, make_policy  # noq
 from pdllm.decode_service.policies.compute_skip import run_compute_skip, vanilla_compute_skip_logits  # noqa: E402
 from pdllm.decode_service.policies.focus import FocusConfig  # noqa: E402
 from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
-from pdllm.decode_service.policy_rounds import PolicyBatchSession, cache_slots, session_kind  # noqa: E402
-from pdllm.decode_service.request import DecodeRequest, Status  # noqa: E402
+from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots, session_kind  # noqa: E402
+from pdllm.decode_service.request import DecodeRequest, StaticDecode, Status  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round  # noqa: E402
 from pdllm.decode_service.scheduler import DecodeScheduler  # noqa: E402
+from pdllm.decode_service.sessions import SessionMaker, rounds_policy  # noqa: E402
 from pdllm.decode_service.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
 from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.plain import prompt_tensor  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult  # noqa: E402
+from pdllm.shared.static_kv import StaticKV  # noqa: E402
 
 NAME = "decode_engine"
 ROW_KEYS = ("case", "policy", "method", "context_tokens", "gen_length", "batch", "tokens_per_s", "round_ms",
@@ -1039,6 +1041,91 @@ def case_rounds_e2e(bench: Bench) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------- mixed round
+MIXED = ("none", "dual-cache", "sparse-dllm", "polestar", "focus")
+
+
+def mixed_sessions(
+    bench: Bench, prompt: Prompt, gen: GenerationConfig, policies: list[str]
+) -> list[BatchSession]:
+    """One pdllm session per entry of ``policies`` over ``prompt``'s static KV, made as the decode worker
+    makes them (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``)."""
+    st, model = rounds_state(bench), bench.model
+    maker = SessionMaker(model, "buffer", False)
+    out = []
+    for name in policies:
+        cfg = None if name == "none" else DecodePolicyConfig(name)
+        slots = maker.pool_slots(cfg, len(prompt.query), gen, static=True)
+        pages = st.pool.reserve(prompt.kv_tokens + slots)
+        if pages is None:
+            raise RuntimeError("KV pool too small for the cell")
+        st.pool.write(pages, prompt.static)
+        built = StaticDecode(list(prompt.query), StaticKV([prompt.static], prompt.query_start), gen,
+                             cache_policy=rounds_policy(cfg))  # fmt: skip
+        out.append(batch_session(model, built, pages, st.pool.page_size))
+    return out
+
+
+def case_mixed(bench: Bench) -> None:
+    """16 pdllm requests of mixed policies in the rounds against 16 dual-cache ones: forwards per round
+    (1 = every policy rode in the round's one forward), round time, rows per round."""
+    a, case = bench.args, "mixed"
+    bench.use("dream")
+    st = rounds_state(bench)
+    gen_len = a.rounds_gens[0]
+    gen = GenerationConfig(gen_length=gen_len, steps=gen_len, block_length=a.block)
+    prompt, _ = pdllm_prompt(bench.engine("rounds"), bench.context(a.pdllm_context), bench.query(), gen)
+    n = max(a.batches)
+    rows_seen: list[int] = []
+
+    def forward(packed):  # type: ignore[no-untyped-def]
+        rows_seen.append(len(packed.ids))
+        return st.forward(packed)
+
+    base = None
+    for label, policies in (
+        ("dual-cache", ["dual-cache"] * n),
+        ("mixed", [MIXED[i % len(MIXED)] for i in range(n)]),
+    ):
+        where = {"policy": label, "batch": n, "context_tokens": a.pdllm_context, "gen_length": gen_len}
+        if bench.left() <= 0:
+            bench.skip(case, where, "time budget spent")
+            continue
+        try:
+            for _ in range(2):  # the first block captures graph buckets and compiles; the second is timed
+                active = mixed_sessions(bench, prompt, gen, policies)
+                every = list(active)
+                rows_seen.clear()
+                sync(bench.device)
+                start, count0 = time.perf_counter(), bench.counter.count
+                for _ in range(a.block):  # one token per step: a whole block
+                    decode_round(forward, active)
+                    active = [s for s in active if not s.done]
+                sync(bench.device)
+                seconds = time.perf_counter() - start
+                forwards = bench.counter.count - count0
+                for s in every:
+                    st.pool.release(s.pages)
+        except Exception as exc:
+            bench.error(case, where, exc)
+            continue
+        round_ms = seconds / a.block * 1e3
+        base = round_ms if label == "dual-cache" else base
+        bench.add({"case": case, **where, "method": "pdllm", "tokens_per_s": n * a.block / seconds,
+                   "round_ms": round_ms, "forwards_per_round": per_round(forwards, a.block), "tpf": 1.0,
+                   "speedup_vs_vanilla": None, "speedup_vs_dual_cache": speedup(base, round_ms) if base else None,
+                   "peak_gib": peak_gib(bench.device), "rows_per_round": sum(rows_seen) / len(rows_seen),
+                   "policies": ",".join(policies), "forwards": forwards, "rounds": a.block})  # fmt: skip
+    drop_rounds(bench)
+    bench.meta(case)["setup"] = (
+        f"pdllm {a.pdllm_context} context, gen {gen_len}, block {a.block}, one token per step; {n} requests: all "
+        f"dual cache, then policies cycling {', '.join(MIXED)} (DyLLM is stepped outside the rounds); one whole "
+        "block timed after one that captures and compiles; round ms = the block's seconds / its rounds; "
+        "vs dual cache = the all-dual-cache round time / this round time (same requests count; rows per round "
+        "differ: each policy forwards its own rows)."
+    )
+
+
 CASES: dict[str, CaseInfo] = {
     "loop": CaseInfo(
         case_loop, "the in-process denoising loop per policy, batch 1", "decode_policies.py", "dream"
@@ -1070,6 +1157,13 @@ CASES: dict[str, CaseInfo] = {
         "FOCUS's batched path vs plain batched decoding (SDAR shapes)",
         "decode_compute_skip.py",
         "sdar",
+    ),
+    "mixed": CaseInfo(
+        case_mixed,
+        "one round of mixed policies vs an all-dual-cache round (16 pdllm requests)",
+        "decode_engine.py",
+        "dream",
+        default=False,
     ),
     "polestar-tpf": CaseInfo(
         case_polestar_tpf,
@@ -1138,6 +1232,11 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                       "peak GiB"],
                      [[r["model"], r["policy"], str(r["batch"]), str(r["gen_length"]), *_common(r)[:4],
                        ratio(r["speedup_vs_vanilla"]), fmt(r["rows_frac"]), fmt(r["peak_gib"])] for r in rows])  # fmt: skip
+    if case == "mixed":
+        return table(["policies", "batch", "round ms", "fwd/round", "rows/round", "dual-cache round / this", "peak GiB"],
+                     [[r["policy"], str(r["batch"]), fmt(r["round_ms"]), fmt(r["forwards_per_round"]),
+                       fmt(r["rows_per_round"]), ratio(r["speedup_vs_dual_cache"]), fmt(r["peak_gib"])]
+                      for r in rows])  # fmt: skip
     if case in ("rounds", "rounds-e2e"):
         return table(["method", "context", "gen", "batch", "policy", *COMMON, "timed blocks", "peak GiB"],
                      [[r["method"], str(r["context_tokens"]), str(r["gen_length"]), str(r["batch"]), r["policy"],

@@ -17,7 +17,8 @@ LOOP_POLICIES = {"none", "dual-cache", "sparse-dllm", "prefix-cache", "polestar"
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("decode_engine")
-    assert main(["--smoke", "--cases", "all", "--round-check", "--out", str(out)]) == 0
+    # a generous budget: on a loaded machine the default (450 s) cuts the last cases
+    assert main(["--smoke", "--cases", "all", "--round-check", "--budget-s", "1500", "--out", str(out)]) == 0
     return out, json.loads((out / "decode_engine.json").read_text())
 
 
@@ -135,3 +136,21 @@ def test_no_budget_skips_with_a_reason_and_update_keeps_other_cases(
     others = [r for r in data["rows"] if r["case"] != "polestar"]
     assert [r for r in updated["rows"] if r["case"] != "polestar"] == others
     assert updated["cases"]["loop"] == data["cases"]["loop"]
+
+
+def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict]) -> None:
+    """16 pdllm requests cycling none, dual-cache, sparse-dllm, polestar and focus: one model forward per
+    round, as for 16 dual-cache ones."""
+    _, data = report
+    rows = {r["policy"]: r for r in by_case(data, "mixed")}
+    assert set(rows) == {"dual-cache", "mixed"}
+    assert set(rows["mixed"]["policies"].split(",")) == {
+        "none",
+        "dual-cache",
+        "sparse-dllm",
+        "polestar",
+        "focus",
+    }
+    for r in rows.values():
+        assert r["batch"] == 16 and r["forwards_per_round"] == 1.0 and r["forwards"] == r["rounds"]
+    assert rows["mixed"]["rows_per_round"] > rows["dual-cache"]["rows_per_round"]  # "none" forwards every row
