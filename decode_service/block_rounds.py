@@ -33,6 +33,7 @@ from pdllm.decode_service.block_diffusion import (
 )
 from pdllm.decode_service.request import BlockDecode
 from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
@@ -45,11 +46,15 @@ def block_slots(prompt_tokens: int, gen: GenerationConfig) -> int:
 
 @torch.inference_mode()
 def start_block_decode(
-    model: DiffusionLM, prompt: torch.Tensor, gen: GenerationConfig, prefix: BlockKVCache | None = None
+    model: DiffusionLM,
+    prompt: torch.Tensor,
+    gen: GenerationConfig,
+    prefix: BlockKVCache | None = None,
+    focus: FocusConfig | None = None,
 ) -> BlockDecode:
     """The build of a block-diffusion request over ``prompt`` (1-D, on the model's device): its whole
     generation blocks recorded block-causally, continuing ``prefix`` (which holds the first whole model
-    blocks, filled further in place) when given."""
+    blocks, filled further in place) when given; ``focus``: its steps under FOCUS."""
     model_block = model.config.block_size
     if model_block is None:
         raise ValueError(f"{model.config.family} is not a block-diffusion model (no block_size)")
@@ -64,7 +69,7 @@ def start_block_decode(
     static = StaticKV([cache.tensor()], query_start=0) if cache.length else None
     if prompt.device.type == "cuda":
         torch.cuda.synchronize(prompt.device)
-    return BlockDecode(prompt.tolist(), static, gen, prefill_s=time.perf_counter() - start)
+    return BlockDecode(prompt.tolist(), static, gen, prefill_s=time.perf_counter() - start, focus=focus)
 
 
 @dataclass

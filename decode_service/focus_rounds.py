@@ -21,7 +21,8 @@ row it forwards. Per step, in a round that may hold any other sessions:
   sampler unmasks among the eligible rows (:meth:`FocusBatchSession.apply`) and FOCUS observes it.
 
 Keys are a set (attention is order-free), so each query sees exactly the reference's keys. Such rounds run
-eagerly. SDAR's FOCUS requests still step in packed groups of their own (``focus_groups.py``).
+eagerly. SDAR's FOCUS requests ride in the rounds too (``sdar_focus_rounds.py``: the window's model blocks
+as entries, each with a key region of its own), their selection this module's :class:`FocusRound`.
 """
 
 from __future__ import annotations
@@ -154,18 +155,24 @@ class FocusRound:
     def __init__(self, members: list[tuple[int, FocusSplit]]) -> None:
         self.members = members
         self.device = members[0][1].session.device
-        batches: dict[tuple[FocusConfig, int], list[int]] = {}
+        batches: dict[tuple[FocusConfig, int, int], list[int]] = {}
         for i, (_, split) in enumerate(members):
-            batches.setdefault((split.session.focus, split.hi - split.lo), []).append(i)
+            key = (split.session.focus, split.hi - split.lo, split.session.state.config.block)
+            batches.setdefault(key, []).append(i)
         self.batches = list(batches.items())
         self.captured: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.batches]
-        self.indices = [self._indices(rows, w) for (_, w), rows in self.batches]
+        self.indices = [self._indices(rows, w) for (_, w, _), rows in self.batches]
+        self.copy = self._frozen_copies()  # layers 0-1
+
+    def _frozen_copies(self) -> torch.Tensor | None:
+        """Layers 0-1: every session's frozen block rows into its region."""
+        members = self.members
         frozen = []
         for _, split in members:
             s, active = split.session, set(split.active)
             hidden = [r for r in range(split.hi - split.lo) if r not in active]
             frozen += [(s.stored(r), s.slot(j)) for j, r in enumerate(hidden)]
-        self.copy = _copies(frozen, self.device)  # layers 0-1: the frozen rows into the region
+        return _copies(frozen, self.device)
 
     def _indices(self, which: list[int], width: int) -> tuple[torch.Tensor, ...]:
         """Packed rows of the forwarded block rows, their padded places, and the block's stored slots."""
@@ -196,7 +203,7 @@ class FocusRound:
             kv[:, dst_p, :, dst_s] = kv[:, src_p, :, src_s]
         if layer >= FocusSplit.layers:
             return
-        for b, ((_, width), which) in enumerate(self.batches):
+        for b, ((_, width, _), which) in enumerate(self.batches):
             packed, places, pages, slots = self.indices[b]
             r = len(which)
             qpad = q.new_zeros(r * width, q.shape[1], q.shape[3])
@@ -207,10 +214,10 @@ class FocusRound:
                 keys.view(r, width, *keys.shape[1:]).transpose(1, 2),
             )
 
-    def choose(self) -> list[SplitRows]:
-        """Every session's selection (one host read), its rows past layer 1 and its counters."""
+    def selections(self) -> list[list[int]]:
+        """Every member's selected block rows (ascending; one host read for all)."""
         chosen = []
-        for b, ((focus, width), which) in enumerate(self.batches):
+        for b, ((focus, _, limit), which) in enumerate(self.batches):
             memories = [self.members[m][1].session.memory for m in which]
             splits = [self.members[m][1] for m in which]
 
@@ -227,19 +234,26 @@ class FocusRound:
             delta = importance_batched(*cap[1], queries, valid, kernel) - importance_batched(
                 *cap[0], queries, valid, kernel
             )
-            chosen.append(select_batched(delta, masked, frozen, valid, reach, k_hist, quota, focus, width))
+            chosen.append(select_batched(delta, masked, frozen, valid, reach, k_hist, quota, focus, limit))
         host = torch.cat([c.flatten() for c in chosen]).cpu()  # the step's one read
-        out: list[SplitRows | None] = [None] * len(self.members)
-        visible, at = [], 0
-        for (_, width), which in self.batches:
+        out: list[list[int]] = [[] for _ in self.members]
+        at = 0
+        for (_, width, _), which in self.batches:
             for m in which:
-                sel = host[at : at + width].nonzero().flatten().tolist()
+                out[m] = host[at : at + width].nonzero().flatten().tolist()
                 at += width
-                out[m], hidden = self._rows(self.members[m][1], sel)
-                s = self.members[m][1].session
-                visible += [(s.stored(r), s.slot(j)) for j, r in enumerate(hidden)]
+        return out
+
+    def choose(self) -> list[SplitRows]:
+        """Every session's selection (one host read), its rows past layer 1 and its counters."""
+        out, visible = [], []
+        for (_, split), sel in zip(self.members, self.selections(), strict=True):
+            rows, hidden = self._rows(split, sel)
+            out.append(rows)
+            s = split.session
+            visible += [(s.stored(r), s.slot(j)) for j, r in enumerate(hidden)]
         self.copy = _copies(visible, self.device)  # layers >= 2: the visible rows not forwarded
-        return out  # type: ignore[return-value]
+        return out
 
     @staticmethod
     def _rows(split: FocusSplit, sel: list[int]) -> tuple[SplitRows, list[int]]:

@@ -221,6 +221,11 @@ def batch_session(
     if isinstance(built, BlockDecode):
         from pdllm.decode_service.block_rounds import BlockBatchSession  # it builds on rounds.py only
 
+        if built.focus is not None:
+            from pdllm.decode_service.sdar_focus_rounds import SdarFocusSession
+
+            return SdarFocusSession.begin(model, built, pages, page_size)
+
         return BlockBatchSession.begin(model, built, pages, page_size)
     if isinstance(built.cache_policy, FocusConfig):
         from pdllm.decode_service.focus_rounds import FocusBatchSession  # it builds on rounds.py only

@@ -1,7 +1,7 @@
 """Decode-policy sessions outside the batched rounds, and the reference loops over a static KV.
 
 DyLLM requests (vanilla or pdllm) run the policy's own loop (``policies/compute_skip.py``), one denoising
-step per scheduler iteration (:func:`step_alone`, which also steps SDAR's FOCUS groups). A pdllm
+step per scheduler iteration (:func:`step_alone`). A pdllm
 one reads its static KV through the reference attention backends (:func:`static_local_rows`; a KV landed
 by a handoff is read out of its pool pages once, :func:`pooled_static`), so its answer equals
 ``engine.generate(..., decode_policy=...)`` token for token. :func:`static_policy_logits` is a caching
@@ -94,36 +94,20 @@ def pooled_static(pool: DecodeKVPool, pages: list[int], kv: PooledKV, handoff: w
 def step_alone(
     reqs: Sequence[DecodeRequest], stopping: Callable[[], bool], observe: Callable[[float], None]
 ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
-    """One step of each session outside the rounds (DyLLM's loop), and one step of each group of sessions
-    stepped together (an SDAR FOCUS group: its members' ``group``), whatever number of its
-    members ``reqs`` holds: (stepped, failed). A failed request has its exception queued for its caller.
+    """One step of each session outside the rounds (DyLLM's loop): (stepped, failed). A failed request has its exception queued for its caller.
     None runs once the scheduler is ``stopping`` or after its request was cancelled: such a step is long,
     and nobody would wait for it."""
     stepped: list[DecodeRequest] = []
     failed: list[DecodeRequest] = []
-    groups: dict[int, Exception | None] = {}  # id(group) -> its step's failure
     for req in reqs:
         if req.cancelled.is_set() or stopping():
             continue
         session = req.session
         assert session is not None
-        group = getattr(session, "group", None)
         try:
-            if group is None:
-                start = time.perf_counter()
-                session.step()  # type: ignore[union-attr]
-                observe(time.perf_counter() - start)
-            elif id(group) not in groups:
-                start = time.perf_counter()
-                try:
-                    group.step()
-                    groups[id(group)] = None
-                except Exception as exc:
-                    groups[id(group)] = exc
-                    raise
-                observe(time.perf_counter() - start)
-            elif groups[id(group)] is not None:
-                raise groups[id(group)]  # type: ignore[misc]
+            start = time.perf_counter()
+            session.step()  # type: ignore[union-attr]
+            observe(time.perf_counter() - start)
         except Exception as exc:
             _log.exception("decode step failed", extra={"request_id": req.request_id})
             req.events.put(exc)

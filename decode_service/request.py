@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 
 from pdllm.decode_service.device_state import DeviceDenoiseState
-from pdllm.decode_service.focus_groups import FocusMember
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy
 from pdllm.shared.decode_policy import FocusConfig
@@ -76,6 +75,7 @@ class BlockDecode:
     cache_stats: tuple[int, int] = (0, 0)  # as StaticDecode's (a block-causal build reads no chunk KV)
     kv_source: str = "built"
     prefill_s: float = 0.0  # the build's wall time: the prompt's whole blocks recorded
+    focus: FocusConfig | None = None  # FOCUS's knobs: its steps in the rounds (``sdar_focus_rounds.py``)
 
 
 RoundsStart = StaticDecode | BlockDecode
@@ -87,7 +87,7 @@ AloneSession = DenoiseSession
 
 class Session(Protocol):
     """What the scheduler reads of a running request's session, whatever runs it (a session in the rounds,
-    one stepped alone, an SDAR FOCUS group member): its denoising state (steps taken, block), whether it is done,
+    one stepped alone): its denoising state (steps taken, block), whether it is done,
     its partial output and its result."""
 
     @property
@@ -101,9 +101,8 @@ class Session(Protocol):
     def result(self) -> GenerationResult: ...
 
 
-# What a request's ``start`` returns: a session for the rounds or one stepped alone (an SDAR FOCUS group
-# member included).
-Started = StaticDecode | BlockDecode | AloneSession | FocusMember
+# What a request's ``start`` returns: a request for the rounds or a session stepped alone.
+Started = StaticDecode | BlockDecode | AloneSession
 
 
 class Status(enum.Enum):

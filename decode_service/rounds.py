@@ -130,6 +130,9 @@ class RoundRows:
     rows: tuple[int, ...] | None = None
     # The part's rows change between layers (``split_rounds.py``: FOCUS); such a round runs eagerly.
     split: RowSplit | None = None
+    # The page table this entry reads its ``kv_len`` slots through (None: the session's pages), e.g. SDAR
+    # FOCUS's: the session's first pages, then a key region of its own (``sdar_focus_rounds.py``).
+    pages: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -173,7 +176,11 @@ class PackedRound:
             q = len(s.query)
             start = base + q - lo
             state = s.state
-            picked = parts[0].rows
+            picked: list[int] | None = None
+            if any(part.rows is not None for part in parts):  # the rows forwarded, over all parts
+                picked = [
+                    r for part in parts for r in (range(part.lo, part.hi) if part.rows is None else part.rows)
+                ]
             if isinstance(state, DeviceDenoiseState):
                 assert picked is None, "a part with chosen rows steps on the host"
                 response = [state.mask_id] * state.config.gen_length
@@ -192,7 +199,7 @@ class PackedRound:
                 out.ids += s.query[lo:hi] + response[r0:r1]
                 out.positions += range(s.query_start + lo, s.query_start + hi)
             else:
-                assert len(parts) == 1 and parts[0].store is None
+                assert all(part.store is None for part in parts)
                 out.ids += [s.query[r] if r < q else response[r - q] for r in picked]
                 out.positions += [s.query_start + r for r in picked]
             out.rows += rows
@@ -203,7 +210,7 @@ class PackedRound:
                 first = out.q_offsets[-1]
                 local = part.hi - part.lo if part.rows is None else len(part.rows)
                 out.q_offsets.append(first + local)
-                out.page_table.append(s.pages)
+                out.page_table.append(s.pages if part.pages is None else list(part.pages))
                 out.kv_lens.append(part.kv_len)
                 out.writes += part_writes(first, part, part.writes, part.rows)
                 if part.store is not None:

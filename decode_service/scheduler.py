@@ -4,11 +4,12 @@ One scheduler thread owns the model. Each iteration (:meth:`DecodeScheduler.run_
 requests (their KV pages go back to the pool at once), admits waiting requests while ``max_active`` and the
 KV pool allow (reserving their pages), starts their KV pulls (a handoff) or launches their decode-KV builds,
 lets finished builds join, then runs **one** batched forward that advances every session in the rounds
-(pdllm and vanilla, plain or under a caching decode policy or FOCUS, and SDAR block diffusion) by one
+(pdllm and vanilla, plain or under a caching decode policy or FOCUS, and SDAR block diffusion, plain or
+under FOCUS) by one
 denoising step (:func:`~.rounds.decode_round`; ``rounds`` counts them) and publishes partial outputs;
 finished requests leave before the next round. On CUDA builds run on their own stream and rounds on a high-priority one, so a build (~0.1 s at
 Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes before the round.
-Sessions outside the rounds (DyLLM, SDAR's FOCUS groups) are stepped alone in
+Sessions outside the rounds (DyLLM) are stepped alone in
 the same iteration, one step each (``policy_sessions.step_alone``). gRPC handler threads only wait on their request's
 event queue; the in-process engine drives :meth:`DecodeScheduler.run_once` itself (``local.py``).
 

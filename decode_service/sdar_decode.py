@@ -25,8 +25,8 @@ The decode must be exact block diffusion over the selected prompt ``[instruction
 * Decode policy ``focus`` (FOCUS): step 7's session is a
   :class:`~.policies.focus_reference.FocusBlockSession` over the same prefix (:func:`block_session`), so the
   result equals vanilla FOCUS on the selected prompt (``generate_vanilla`` with the policy), its counters in
-  the result's ``cache`` (the decode worker batches such requests through FOCUS's fast path instead,
-  ``decode_service/focus_groups.py``, continuing the same prefix). The prefix itself is no FOCUS business:
+  the result's ``cache`` (the decode worker runs such requests in the batched rounds instead,
+  ``decode_service/sdar_focus_rounds.py``, continuing the same prefix). The prefix itself is no FOCUS business:
   FOCUS only skips rows of each block's window, and every finished block is still recorded from its final
   tokens.
 

@@ -85,7 +85,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         self.scheduler = scheduler
         self.max_vanilla_tokens = max_vanilla_tokens
         self.receiver = receiver
-        self.sessions = SessionMaker(worker.model, worker.decode_attention, worker.cuda_graph)
+        page_size = 64 if scheduler is None else scheduler.pool.page_size  # None: tests that stop earlier
+        self.sessions = SessionMaker(worker.model, worker.decode_attention, worker.cuda_graph, page_size)
 
     def Decode(
         self, request: wpb.DecodeRequest, context: grpc.ServicerContext

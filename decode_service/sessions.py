@@ -9,7 +9,7 @@ model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES
   its block K/V, ``focus_rounds.py``);
 - DyLLM: its own loop, stepped alone (``policy_sessions.py``);
 - SDAR (block diffusion), any method: exact block diffusion in the rounds (``block_rounds.py``, its cache in
-  pool pages), or under FOCUS a member of the worker's packed SDAR FOCUS groups (``focus_groups.py``).
+  pool pages; under FOCUS with key regions after it, ``sdar_focus_rounds.py``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
-from pdllm.decode_service.focus_groups import FocusGroups
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.decode_service.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.decode_service.policy_rounds import cache_slots
 from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.request import Started, StaticDecode
+from pdllm.decode_service.sdar_focus_rounds import sdar_focus_slots
 from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.plain import prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig
@@ -39,12 +39,12 @@ from pdllm.shared.static_kv import StaticKV
 @dataclass(frozen=True)
 class PolicyRuntime:
     """How the decode worker runs a decode policy: ``rounds``: its Dream/LLaDA sessions join the batched
-    rounds; ``caches``: it keeps local rows' K/V in pool pages; ``groups``: its SDAR requests step in packed
-    groups of their own (FOCUS)."""
+    rounds; ``caches``: it keeps local rows' K/V in pool pages; ``sdar``: it runs on SDAR too, in the
+    rounds (FOCUS)."""
 
     rounds: bool
     caches: bool = False
-    groups: bool = False
+    sdar: bool = False
 
 
 POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
@@ -54,7 +54,7 @@ POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
     "sparse-dllm": PolicyRuntime(rounds=True, caches=True),
     "polestar": PolicyRuntime(rounds=True, caches=True),
     "dyllm": PolicyRuntime(rounds=False),
-    "focus": PolicyRuntime(rounds=True, caches=True, groups=True),
+    "focus": PolicyRuntime(rounds=True, caches=True, sdar=True),
 }
 
 
@@ -73,13 +73,13 @@ def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | FocusConfi
 
 
 class SessionMaker:
-    """Starts requests for one scheduler (its thread only: the SDAR FOCUS groups are its own).
-    ``attention`` and ``cuda_graph``: the static-KV backend and graph replay of the sessions stepped alone
-    (DyLLM)."""
+    """Starts requests for one scheduler. ``attention`` and ``cuda_graph``: the static-KV backend and graph
+    replay of the sessions stepped alone (DyLLM); ``page_size``: the scheduler's pool's (SDAR FOCUS's key
+    regions are whole pages)."""
 
-    def __init__(self, model: DiffusionLM, attention: str, cuda_graph: bool) -> None:
+    def __init__(self, model: DiffusionLM, attention: str, cuda_graph: bool, page_size: int = 64) -> None:
         self.model, self.attention, self.cuda_graph = model, attention, cuda_graph
-        self.focus_groups = FocusGroups(model)
+        self.page_size = page_size
 
     @property
     def block_diffusion(self) -> bool:
@@ -90,10 +90,14 @@ class SessionMaker:
     ) -> int:
         """Pool slots a request reserves beyond its static KV: a caching policy's cache (``cache_slots``;
         ``local_rows``: the rows before the response, protected from eviction under pdllm (``static``)). On
-        SDAR (``local_rows``: the whole prompt) one per position of prompt and answer, in the rounds; none
-        for an SDAR FOCUS group member (its own cache)."""
+        SDAR (``local_rows``: the whole prompt) one per position of prompt and answer, and under FOCUS
+        its key regions (``sdar_focus_slots``)."""
         if self.block_diffusion:
-            return 0 if runtime(policy).groups else block_slots(local_rows, gen)
+            if runtime(policy).sdar:
+                model_block = self.model.config.block_size
+                assert model_block is not None
+                return sdar_focus_slots(block_slots(local_rows, gen), gen, model_block, self.page_size)
+            return block_slots(local_rows, gen)
         if not runtime(policy).caches:
             return 0
         assert policy is not None
@@ -110,9 +114,9 @@ class SessionMaker:
         model = self.model
         tensor = prompt_tensor(model, prompt)
         if self.block_diffusion:  # generate_vanilla's block diffusion (none / focus)
-            if runtime(policy).groups:
+            if runtime(policy).sdar:
                 assert policy is not None
-                return self.focus_groups.join_block_diffusion(tensor, gen, policy.focus_config(), cancelled)
+                return start_block_decode(model, tensor, gen, focus=policy.focus_config())
             sdar_decode.check_decode_options(policy, None, "block diffusion on SDAR models")
             return start_block_decode(model, tensor, gen)
         if runtime(policy).rounds:
@@ -154,16 +158,12 @@ class SessionMaker:
     ) -> Started:
         """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]`` (its chunks:
         the selected ones, in order) continuing its block-causal ``prefix`` (None: built here); under FOCUS
-        a group member."""
+        too."""
         model = self.model
         layout = decode_layout(request, list(range(len(request.chunks))), gen.gen_length)
         sdar_decode.check_decode_options(policy, None)  # before the prefix's forwards
         if prefix is None:
             prefix = sdar_decode.build_prefix(model, request, layout, gen)
         prompt = sdar_decode.selected_prompt_tensor(model, request, layout)
-        if runtime(policy).groups:
-            assert policy is not None
-            return self.focus_groups.join_block_diffusion(
-                prompt, gen, policy.focus_config(), cancelled, prefix
-            )
-        return start_block_decode(model, prompt, gen, prefix)
+        focus = policy.focus_config() if policy is not None and runtime(policy).sdar else None
+        return start_block_decode(model, prompt, gen, prefix, focus)

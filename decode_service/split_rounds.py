@@ -39,6 +39,7 @@ class SplitRows:
     kv_len: int
     writes: tuple[tuple[int, int, int], ...] = ()
     logits: tuple[bool, ...] | None = None
+    pages: tuple[int, ...] | None = None  # the entry's page table from here on (None: unchanged)
 
 
 class SplitGroup(Protocol):
@@ -83,12 +84,14 @@ class AfterSplit:
 
 
 def after_split(packed: PackedRound, chosen: dict[int, SplitRows]) -> AfterSplit:
-    """The round past the split: ``chosen`` (first packed row -> rows) for the split parts."""
+    """The round past the split: ``chosen`` (attention entry -> rows) for the split parts (an entry may
+    have no rows, so entries, not first packed rows, name them)."""
     new = PackedRound([], [], [], list(packed.counts), [0], [], [])
     index, keep = [-1] * len(packed.ids), []
     logits: dict[int, tuple[bool, ...]] = {}  # session -> rows whose logits are needed
     for e, (first, session, part) in enumerate(packed.entries):
-        got = chosen.get(first) if part.split is not None else None
+        got = chosen.get(e) if part.split is not None else None
+        table = packed.page_table[e]
         if got is None:
             kept = list(range(first, packed.q_offsets[e + 1]))
             kv_len, writes, rows = part.kv_len, part.writes, part.rows
@@ -97,6 +100,7 @@ def after_split(packed: PackedRound, chosen: dict[int, SplitRows]) -> AfterSplit
             where = {r: j for j, r in enumerate(local)}
             kept = [first + where[r] for r in got.rows]
             kv_len, writes, rows = got.kv_len, got.writes, got.rows
+            table = table if got.pages is None else list(got.pages)
             if got.logits is not None:
                 logits[session] = got.logits
         at = len(keep)
@@ -104,7 +108,7 @@ def after_split(packed: PackedRound, chosen: dict[int, SplitRows]) -> AfterSplit
             index[p] = at + j
         keep += kept
         new.q_offsets.append(len(keep))
-        new.page_table.append(packed.page_table[e])
+        new.page_table.append(table)
         new.kv_lens.append(kv_len)
         new.writes += part_writes(at, part, writes, rows)
         if part.store is not None:
@@ -125,9 +129,11 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
     """A round with splits, op by op: logits of the packed ``rows`` (zeros where not needed)."""
     model, device = forward.model, forward.pool.kv.device
     kinds: dict[type, list[tuple[int, RowSplit]]] = {}
-    for first, _, part in packed.entries:
+    entries: dict[type, list[int]] = {}
+    for e, (first, _, part) in enumerate(packed.entries):
         if part.split is not None:
             kinds.setdefault(type(part.split), []).append((first, part.split))
+            entries.setdefault(type(part.split), []).append(e)
     depth = {split.layers for members in kinds.values() for _, split in members}
     if len(depth) != 1:
         raise ValueError(f"the splits of a round must keep rows after one layer, got {sorted(depth)}")
@@ -147,9 +153,9 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
         for layer in layers[:at]:
             x = layer(x, cos, sin, attention)
         chosen: dict[int, SplitRows] = {}
-        for group, members in zip(groups, kinds.values(), strict=True):
+        for group, kind in zip(groups, kinds, strict=True):
             choices = group.choose()
-            chosen.update((first, c) for (first, _), c in zip(members, choices, strict=True))
+            chosen.update(zip(entries[kind], choices, strict=True))
         after = after_split(packed, chosen)
         keep = to_device(after.keep, torch.long, device)
         x, cos, sin = x[:, keep], cos[:, keep], sin[:, keep]

@@ -75,7 +75,7 @@ class DecodeWorker:
         interpreted = decode_attention == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
         kernel = "triton" if self._gpu_kernels or interpreted else "torch"
         self.local = LocalDecoder(model, kernel, cuda_graph)
-        self.sessions = SessionMaker(model, decode_attention, cuda_graph)
+        self.sessions = SessionMaker(model, decode_attention, cuda_graph, self.local.page_size)
 
     @property
     def device(self) -> torch.device:

@@ -20,8 +20,8 @@ forward instead: ``make_policy`` returns None for them and ``compute_skip.py`` b
 
 **On the decode worker** these loops are the reference. Caching policies (Polestar-Cache included) and
 plain sessions, vanilla or pdllm, run in the batched rounds (``policy_rounds.py``, ``polestar_rounds.py``);
-FOCUS too on Dream/LLaDA (``focus_rounds.py``: its rows change after layer 1, ``split_rounds.py``), on
-SDAR in packed groups (``focus_groups.py``); DyLLM is stepped alone (``policy_sessions.py``).
+FOCUS too (``focus_rounds.py`` on Dream/LLaDA, ``sdar_focus_rounds.py`` on SDAR: its rows change after
+layer 1, ``split_rounds.py``); DyLLM is stepped alone (``policy_sessions.py``).
 """
 
 from pdllm.shared.decode_policy import DecodePolicyConfig

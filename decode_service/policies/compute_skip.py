@@ -18,9 +18,9 @@ instead, so that all of them run the very same code and an answer over gRPC equa
 
 DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests; with
 ``cuda_graph``, as the decode worker and engine pass it, its sparse steps are graph replays); FOCUS its
-reference request loop here (one request). The decode worker and the engine run Dream/LLaDA FOCUS in the
-batched rounds instead (``decode_service/focus_rounds.py``) and SDAR FOCUS through the fast path
-(``decode_service/focus_groups.py``), both equal to these loops token for token.
+reference request loop here (one request). The decode worker and the engine run FOCUS in the batched
+rounds instead (``decode_service/focus_rounds.py``, ``decode_service/sdar_focus_rounds.py``), equal to
+these loops token for token.
 """
 
 from __future__ import annotations

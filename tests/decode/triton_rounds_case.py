@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 (by test_rounds.py): rounds through the split-S kernel == torch rounds,
 with dual-cache and sparse-dllm sessions among them (their cached steps read their cache as paged KV), and
-FOCUS sessions with a plain one (their entries' rows change after layer 1, their key regions paged KV)."""
+FOCUS sessions with a plain one (their entries' rows change after layer 1, their key regions paged KV),
+Dream/LLaDA's and SDAR's (an entry per model block of a window, each with its own page table)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> None:
         if s.state.tokens.tolist() != expected:
             raise SystemExit(f"triton rounds {s.state.tokens.tolist()} != alone {expected}")
     focus_rounds()
+    sdar_focus_rounds()
     print("ok")
 
 
@@ -72,6 +74,45 @@ def focus_rounds() -> None:
             raise SystemExit(f"triton FOCUS rounds {got.raw_tokens} {got.cache} != {tokens} {cache}")
     if plain.state.tokens.tolist() != alone(m, CASES[0], 0):
         raise SystemExit("triton rounds: the plain session beside FOCUS differs from alone")
+
+
+def sdar_focus_rounds() -> None:
+    """SDAR FOCUS sessions (windows of two and three model blocks, pages of 8: entries with key regions
+    of their own, some with no rows) beside a plain SDAR one, equal to their references."""
+    import torch
+
+    from pdllm.decode_service.block_diffusion import generate_block_diffusion
+    from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
+    from tests.decode.test_sdar_focus_rounds import FOCUS, PLAIN, _gen, _session
+    from tests.model.helpers import tiny_model
+    from tests.oracles.cases import ids
+
+    m = tiny_model("sdar", seed=1, num_layers=4)
+    pool = pool_for(m, pages=256, page_size=8)
+    forward = GraphedRoundForward(m, pool, "triton", capture=False)
+    specs = [FOCUS[0], FOCUS[1]]
+    prompts = [ids(p, 30 + i) for i, (p, *_) in enumerate(specs)]
+    focus = [DecodePolicyConfig("focus", focus=k).focus_config() for *_, k in specs]
+    want = [
+        generate_focus_block_diffusion(m, torch.tensor(p), _gen(*g), f)
+        for p, (_, *g, _), f in zip(prompts, specs, focus, strict=True)
+    ]
+    sessions = [_session(m, pool, p, _gen(*g), k) for p, (_, *g, k) in zip(prompts, specs, strict=True)]
+    plain_prompt, (_, *g) = ids(PLAIN[0][0], 60), PLAIN[0]
+    plain = _session(m, pool, plain_prompt, _gen(*g), None)
+    active = [*sessions, plain]
+    while active:
+        decode_round(forward, active)
+        active = [s for s in active if not s.done]
+    for s, ref in zip(sessions, want, strict=True):
+        got = s.result()
+        if got.raw_tokens != ref.raw_tokens or got.cache != ref.cache:
+            raise SystemExit(f"triton SDAR FOCUS rounds {got.raw_tokens} {got.cache} != {ref.raw_tokens}")
+    if (
+        plain.result().raw_tokens
+        != generate_block_diffusion(m, torch.tensor(plain_prompt), _gen(*g)).raw_tokens
+    ):
+        raise SystemExit("triton rounds: the plain SDAR session beside FOCUS differs from its reference")
 
 
 if __name__ == "__main__":

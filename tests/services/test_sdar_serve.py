@@ -90,9 +90,7 @@ def test_pdllm_answer_equals_generate_in_process(deployment, sdar_dir, loaded, c
     # ... and the command itself (its answer text and selection).
     out = json.loads(_run_cli(sdar_dir, case, "pdllm", capsys))
     assert out["trace"]["selected_chunk_ids"] == trace.selected
-    assert (
-        out["text"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
-    )
+    assert out["text"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
 
 
 def _run_cli(sdar_dir, case: dict, method: str, capsys) -> str:
@@ -116,9 +114,7 @@ def test_vanilla_answer_equals_generate_vanilla(deployment, sdar_dir, loaded, ca
     expected = generate_vanilla(loaded.model, ids.vanilla(loaded.config.bos_token_id), _gen(case))
     assert list(response.token_ids) == expected.token_ids and response.trace.steps == expected.steps
     out = json.loads(_run_cli(sdar_dir, case, "vanilla", capsys))
-    assert (
-        out["text"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
-    )
+    assert out["text"] == loaded.tokenizer.decode(list(response.token_ids), skip_special_tokens=True).strip()
 
 
 def test_stream_partials_name_the_aligned_blocks(deployment, loaded) -> None:
@@ -196,9 +192,9 @@ def test_pdllm_focus_equals_the_engine(deployment, loaded, wire: dict, knobs: di
     assert _counters(response) == {k: v for k, v in expected.cache.items() if v}
 
 
-def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_step_sizes) -> None:
-    """SDAR FOCUS requests in flight together (vanilla and pdllm) advance in one packed FOCUS step per
-    scheduler iteration (``decode_service/focus_groups.py``) and each answers as in process."""
+def test_concurrent_focus_requests_share_rounds(deployment, loaded, focus_round_sizes) -> None:
+    """SDAR FOCUS requests in flight together (vanilla and pdllm) advance in the scheduler's one batched
+    round per iteration (``decode_service/sdar_focus_rounds.py``) and each answers as in process."""
 
     gen = {"gen_length": 12, "steps": 12, "block_length": 4}
     method = {"chunk_size": 16, "top_k": 2, "kv_mode": "chunk-query"}
@@ -213,7 +209,7 @@ def test_concurrent_focus_requests_share_packed_steps(deployment, loaded, focus_
     prompt = ids.vanilla(loaded.config.bos_token_id)
     vanilla = generate_vanilla(loaded.model, prompt, GenerationConfig(**gen), policy=policy)
     assert [list(r.token_ids) for r in responses] == [pdllm.token_ids, vanilla.token_ids, pdllm.token_ids]
-    assert max(focus_step_sizes) >= 2  # some step advanced several requests at once
+    assert max(focus_round_sizes) >= 2  # some round advanced several FOCUS requests at once
 
 
 def test_serve_decode_policy_focus_is_the_default_policy(sdar_dir, loaded) -> None:
