@@ -80,7 +80,7 @@ decode KV came from), ``decode_step_ms_worker`` (the decode workers' own mean st
 batched bf16 rounds a request's logits depend on its round-mates, so random weights may flip tokens),
 ``shared_gpu`` (the layout squeezed onto GPU 0 by ``--share-gpu``) and ``sim_req_s`` (above).
 ``ratios``: each layout's requests/s over the all-in-one's at the same context and concurrency, same run
-(target >= 1.7x for the 1p1d layouts, a two-GPU claim; the four-GPU targets of issue 30 are read from the
+(target >= 1.7x for the 1p1d layouts, a two-GPU claim; the four-GPU targets are read from the
 rows: the best layout >= 3.6x, the best NpMd within 10% of replicas4).
 
 Service overhead (``--single-repeats N``; needs the all-in-one layout): before any server starts, the engine
@@ -213,7 +213,7 @@ SHIPPED = ROOT / "shared" / "checkpoints" / "pdllm-needle"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TARGET_SPLIT_RATIO = 1.7  # split prefill/decode (two GPUs) vs the all-in-one, requests/s
 TARGET_OVERHEAD = 0.10  # served vs in-process engine, one request
-# issue 30, four GPUs at the same context and concurrency, same run: the best layout vs the one-GPU all-in-one;
+# four GPUs at the same context and concurrency, same run: the best layout vs the one-GPU all-in-one;
 # the best NpMd vs replicas4, its step p99 vs its unloaded step; the simulator vs each NpMd row
 TARGET_X4 = {"best_vs_all_in_one": 3.6, "split_vs_replicas": 0.9, "split_step_p99_over_unloaded": 2.0,
              "sim_error": 0.10}  # fmt: skip
@@ -795,7 +795,7 @@ def overhead(base: dict, served: dict, context: int) -> dict:
 
 
 def targets_x4(rows: list[dict]) -> list[dict]:
-    """Issue 30's four-GPU targets per (workload, context, concurrency) that has rows on 4 GPUs of their own
+    """The four-GPU targets per (workload, context, concurrency) that has rows on 4 GPUs of their own
     (not squeezed) and a one-GPU all-in-one row, same run (``TARGET_X4``); None where a row is missing."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -934,7 +934,7 @@ def ratio_lines(report: dict, meta: dict) -> list[str]:
                   for r in sims]  # fmt: skip
     if meta.get("targets_x4"):
         f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
-        lines += ["", "Four-GPU targets (issue 30; same context and concurrency, same run):", "",
+        lines += ["", "Four-GPU targets (same context and concurrency, same run):", "",
                   "| workload | context | concurrency | best / all-in-one (>= 3.6x) | best split / replicas4 (>= 0.9) "
                   "| its step p99 / unloaded (<= 2) | simulated / measured - 1 (within 10%) |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
