@@ -117,10 +117,11 @@ from pdllm.decode_service.policies.compute_skip import run_compute_skip, vanilla
 from pdllm.decode_service.policies.focus import FocusConfig  # noqa: E402
 from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots, session_kind  # noqa: E402
-from pdllm.decode_service.request import DecodeRequest, StaticDecode, Status  # noqa: E402
+from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Status  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round  # noqa: E402
 from pdllm.decode_service.scheduler import DecodeScheduler  # noqa: E402
+from pdllm.decode_service.sdar_focus_rounds import sdar_focus_slots  # noqa: E402
 from pdllm.decode_service.sessions import SessionMaker, rounds_policy  # noqa: E402
 from pdllm.decode_service.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
@@ -600,23 +601,31 @@ def case_focus_batched(bench: Bench) -> None:
                        "peak_gib": peak_gib(bench.device), "model": model.config.model_id,
                        "rows_frac": done / total if total else None, "seconds": seconds,
                        "forwards": tally.forwards, "rounds": rounds})  # fmt: skip
-        sdar_rounds_row(bench, case, model, prompts, batch, base)
+        plain_rounds = None
+        for focus in (None, FocusConfig()):
+            speed = sdar_rounds_row(bench, case, model, prompts, batch, base, focus, plain_rounds)
+            plain_rounds = speed if focus is None else plain_rounds
     bench.meta(case)["setup"] = (
         f"{model.config.model_id} (model block {model.config.block_size}), generation block {a.block}, prompt "
         f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, one token per step; "
         "speedup_vs_vanilla: vs plain-batched at the same batch; round_ms: the batch's stepping seconds / "
         "rounds (prefill out); forwards include SDAR's per-request record pass of each finished block. "
         "plain-rounds: plain block diffusion in the decode worker's rounds (the scheduler, graph buckets, "
-        "split-S attention over the pool; a finished block's record rides in the next round), the prompts' "
-        "prefill (the builds) in the time as for the other rows."
+        "split-S attention over the pool; a finished block's record rides in the next round); focus-rounds: "
+        "FOCUS in the same rounds (eager: its selection is made inside the forward); the prompts' prefill (the "
+        "builds) in the time as for the other rows."
     )
 
 
 def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]], batch: int,
-                    base: float | None) -> None:  # fmt: skip
-    """Plain block diffusion of ``prompts`` through the decode scheduler's rounds, all submitted at once."""
+                    base: float | None, focus: FocusConfig | None = None,
+                    plain_rounds: float | None = None) -> float | None:  # fmt: skip
+    """Block diffusion of ``prompts`` through the decode scheduler's rounds, all submitted at once: plain, or
+    under FOCUS (``focus``; ``plain_rounds``: the plain run's tokens/s, for its ratio). Its tokens/s (None:
+    not run)."""
     a = bench.args
-    where = {"policy": "plain-rounds", "batch": batch, "gen_length": a.focus_gen}
+    name = "plain-rounds" if focus is None else "focus-rounds"
+    where = {"policy": name, "batch": batch, "gen_length": a.focus_gen}
     if bench.left() <= 0:
         bench.skip(case, where, "time budget spent")
         return
@@ -624,9 +633,11 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
     assert counter is not None
     cuda = bench.run.cuda
     gen = bench.gen(a.focus_gen)
-    slots = block_slots(len(prompts[0]), gen)
-    c = model.config
     page = 64
+    slots = block_slots(len(prompts[0]), gen)
+    if focus is not None:  # FOCUS's key regions after its positions
+        slots = sdar_focus_slots(slots, gen, model.config.block_size, page)
+    c = model.config
     page_bytes = (
         c.num_layers * 2 * c.num_kv_heads * page * c.head_dim * next(model.parameters()).element_size()
     )
@@ -638,7 +649,7 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
         jobs = []
         for i, prompt in enumerate(prompts):
             tensor = torch.tensor(prompt, device=bench.device)
-            start = lambda t=tensor: start_block_decode(model, t, g)  # noqa: E731
+            start = lambda t=tensor: start_block_decode(model, t, g, focus=focus)  # noqa: E731
             jobs.append(DecodeRequest(f"s{i}", start, threading.Event(), False, cache_tokens=slots))
         sync(bench.device)
         begin = time.perf_counter()
@@ -661,12 +672,17 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
         bench.error(case, where, exc)
         return
     speed = batch * a.focus_gen / seconds
-    bench.add({"case": case, "policy": "plain-rounds", "method": "vanilla", "context_tokens": a.vanilla_context,
+    caches = [e.result.cache for j in jobs for e in list(j.events.queue) if isinstance(e, Final)]
+    done = sum(c.get("rows_forwarded", 0) for c in caches)
+    total = sum(c.get("rows_plain", 0) for c in caches)
+    bench.add({"case": case, "policy": name, "method": "vanilla", "context_tokens": a.vanilla_context,
                "gen_length": a.focus_gen, "batch": batch, "tokens_per_s": speed, "round_ms": seconds / rounds * 1e3,
                "forwards_per_round": per_round(tally.forwards, rounds), "tpf": tpf_of(a.focus_gen, tally.forwards),
                "speedup_vs_vanilla": speedup(speed, base), "peak_gib": peak_gib(bench.device),
-               "model": model.config.model_id, "rows_frac": None, "seconds": seconds, "forwards": tally.forwards,
-               "rounds": rounds})  # fmt: skip
+               "model": model.config.model_id, "rows_frac": done / total if total else None, "seconds": seconds,
+               "forwards": tally.forwards, "rounds": rounds,
+               "speedup_vs_plain_rounds": speedup(speed, plain_rounds) if focus is not None else None})  # fmt: skip
+    return speed
 
 
 # ---------------------------------------------------------------------------------------- Polestar TPF
@@ -1051,7 +1067,7 @@ def mixed_sessions(
     """One pdllm session per entry of ``policies`` over ``prompt``'s static KV, made as the decode worker
     makes them (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``)."""
     st, model = rounds_state(bench), bench.model
-    maker = SessionMaker(model, "buffer", False)
+    maker = SessionMaker(model, "buffer", False, st.pool.page_size)
     out = []
     for name in policies:
         cfg = None if name == "none" else DecodePolicyConfig(name)
@@ -1228,10 +1244,11 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                        "—" if r["accuracy"] is None else f"{100 * r['accuracy']:.0f}%",
                        f"{100 * r['agreement']:.1f}%"] for r in rows])  # fmt: skip
     if case == "focus-batched":
-        return table(["model", "policy", "batch", "gen", *COMMON[:4], "vs plain batched", "rows computed / plain",
-                      "peak GiB"],
+        return table(["model", "policy", "batch", "gen", *COMMON[:4], "vs plain batched", "vs plain rounds",
+                      "rows computed / plain", "peak GiB"],
                      [[r["model"], r["policy"], str(r["batch"]), str(r["gen_length"]), *_common(r)[:4],
-                       ratio(r["speedup_vs_vanilla"]), fmt(r["rows_frac"]), fmt(r["peak_gib"])] for r in rows])  # fmt: skip
+                       ratio(r["speedup_vs_vanilla"]), ratio(r.get("speedup_vs_plain_rounds")), fmt(r["rows_frac"]),
+                       fmt(r["peak_gib"])] for r in rows])  # fmt: skip
     if case == "mixed":
         return table(["policies", "batch", "round ms", "fwd/round", "rows/round", "dual-cache round / this", "peak GiB"],
                      [[r["policy"], str(r["batch"]), fmt(r["round_ms"]), fmt(r["forwards_per_round"]),
