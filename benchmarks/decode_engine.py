@@ -637,11 +637,7 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
     slots = block_slots(len(prompts[0]), gen)
     if focus is not None:  # FOCUS's key regions after its positions
         slots = sdar_focus_slots(slots, gen, model.config.block_size, page)
-    c = model.config
-    page_bytes = (
-        c.num_layers * 2 * c.num_kv_heads * page * c.head_dim * next(model.parameters()).element_size()
-    )
-    pool = DecodeKVPool.for_model(model, KVPoolConfig(batch * (-(-slots // page) + 1) * page_bytes, page))
+    pool = DecodeKVPool.with_pages(model, batch * (-(-slots // page) + 1), page)
     forward = GraphedRoundForward(model, pool, "triton" if cuda else "torch", capture=cuda)
 
     def run(g: GenerationConfig) -> tuple[float, list[DecodeRequest], int]:

@@ -73,6 +73,15 @@ class DecodeKVPool:
         c = model.config  # type: ignore[attr-defined]
         return cls(config, c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device)
 
+    @classmethod
+    def with_pages(cls, model: torch.nn.Module, pages: int, page_size: int) -> DecodeKVPool:
+        """A pool of exactly ``pages`` pages of ``page_size`` slots for ``model`` (its layers, KV heads and
+        dtype)."""
+        p = next(model.parameters())
+        c = model.config  # type: ignore[attr-defined]
+        page_bytes = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim * p.element_size()
+        return cls.for_model(model, KVPoolConfig(pages * page_bytes, page_size))
+
     @property
     def num_pages(self) -> int:
         return self.pool.config.num_pages

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import EagerRoundForward, RoundForward
@@ -40,10 +40,7 @@ class LocalDecoder:
             return self.scheduler
         pages = 1 << max(0, -(-tokens // self.page_size) - 1).bit_length()  # powers of two: few regrowths
         self.scheduler = self.forward = self.pool = None  # the old pool's memory goes before the new one's
-        c = self.model.config
-        elem = next(self.model.parameters()).element_size()
-        page_bytes = c.num_layers * 2 * c.num_kv_heads * self.page_size * c.head_dim * elem
-        self.pool = DecodeKVPool.for_model(self.model, KVPoolConfig(pages * page_bytes, self.page_size))
+        self.pool = DecodeKVPool.with_pages(self.model, pages, self.page_size)
         if self.cuda_graph:  # off CUDA: the graphs' padded buffers, run eagerly
             capture = self.pool.kv.device.type == "cuda"
             self.forward = GraphedRoundForward(self.model, self.pool, self.kernel, capture=capture)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdllm.decode_service.decode import StaticPolicy
-from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
 from pdllm.decode_service.policy_sessions import static_policy_logits
@@ -105,9 +105,7 @@ def eos_model(family: str) -> DiffusionLM:
 
 
 def pool_for(m: DiffusionLM, pages: int = 64, page_size: int = 16) -> DecodeKVPool:
-    c = m.config
-    page_bytes = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim * 4
-    return DecodeKVPool.for_model(m, KVPoolConfig(pages * page_bytes, page_size))
+    return DecodeKVPool.with_pages(m, pages, page_size)
 
 
 def random_static(m: DiffusionLM, n: int, seed: int) -> torch.Tensor:

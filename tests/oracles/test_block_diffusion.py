@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
-from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.request import DecodeRequest, Final, Status
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward
@@ -38,9 +38,7 @@ REQUESTS = [
 
 
 def _pool(m, pages: int = 64, page_size: int = 8) -> DecodeKVPool:  # type: ignore[no-untyped-def]
-    c = m.config
-    page_bytes = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim * 4
-    return DecodeKVPool.for_model(m, KVPoolConfig(pages * page_bytes, page_size))
+    return DecodeKVPool.with_pages(m, pages, page_size)
 
 
 def _job(m, rid: str, prompt: list[int], g) -> DecodeRequest:  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
-from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.decode_service.request import DecodeRequest, Final, Status
 from pdllm.decode_service.rounds import EagerRoundForward
@@ -115,9 +115,7 @@ def test_requests_arriving_mid_block_in_one_round_each_equal_the_oracle(page_siz
     among them, in one scheduler: two start together, the others arrive one per iteration while earlier
     ones are mid-block, so one round's forward mixes windows at different steps, blocks and records."""
     m = model("sdar", layers=4, seed=6)
-    c = m.config
-    page_bytes = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim * 4
-    pool = DecodeKVPool.for_model(m, KVPoolConfig(160 * page_bytes, page_size))
+    pool = DecodeKVPool.with_pages(m, 160, page_size)
     sched = DecodeScheduler(m, pool, EagerRoundForward(m, pool, "torch"), start_thread=False)
     cases = []
     for i, (n, *schedule) in enumerate(REQUESTS):
@@ -131,7 +129,7 @@ def test_requests_arriving_mid_block_in_one_round_each_equal_the_oracle(page_siz
             focus = None if knobs is None else _focus(*knobs)
             slots = block_slots(len(prompt), g)
             if focus is not None:
-                slots = sdar_focus_slots(slots, g, c.block_size, page_size)
+                slots = sdar_focus_slots(slots, g, m.config.block_size, page_size)
             start = lambda p=prompt, g=g, f=focus: start_block_decode(m, torch.tensor(p), g, focus=f)  # noqa: E731
             jobs.append(
                 sched.submit(DecodeRequest(f"f{i}", start, threading.Event(), False, cache_tokens=slots))
