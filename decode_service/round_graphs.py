@@ -39,12 +39,23 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _leading_bits(n: int, bits: int, floor: int) -> int:
+    """Smallest ``m * 2**k >= n`` with ``m`` a ``bits``-bit number, and at least ``floor``."""
+    return floor if n <= floor else _round_up(n, 1 << max(0, n.bit_length() - bits))
+
+
 def fine(n: int, floor: int = 1) -> int:
     """Smallest ``m * 2**k >= n`` with ``16 <= m < 32`` (at most 1/16 padding), and at least ``floor``."""
-    if n <= floor:
-        return floor
-    step = 1 << max(0, n.bit_length() - 5)
-    return -(-n // step) * step
+    return _leading_bits(n, 5, floor)
+
+
+def eighths(n: int, floor: int = 16) -> int:
+    """Smallest ``m * 2**k >= n`` with ``8 <= m < 16`` (at most 1/8 padding), and at least ``floor``."""
+    return _leading_bits(n, 4, floor)
 
 
 def query_bucket(n: int) -> int:
@@ -52,23 +63,13 @@ def query_bucket(n: int) -> int:
     The split-S kernel sizes its row blocks (and so its work per KV tile) from it: a power of two would
     double the work of 33-row dual-cache sessions (measured 2.7x on an H100, decode_engine_profile.txt)."""
     if n <= 64:
-        return max(4, -(-n // 4) * 4)
-    if n <= 256:
-        return -(-n // 8) * 8
-    return fine(n)
+        return max(4, _round_up(n, 4))
+    return _round_up(n, 8) if n <= 256 else fine(n)
 
 
 def token_bucket(n: int) -> int:
     """Packed tokens, padded: a multiple of 32 up to 1024 (GEMM row counts), then :func:`fine`."""
-    return max(32, -(-n // 32) * 32) if n <= 1024 else fine(n)
-
-
-def eighths(n: int, floor: int = 16) -> int:
-    """Smallest ``m * 2**k >= n`` with ``8 <= m < 16`` (at most 1/8 padding), and at least ``floor``."""
-    if n <= floor:
-        return floor
-    step = 1 << max(0, n.bit_length() - 4)
-    return -(-n // step) * step
+    return max(32, _round_up(n, 32)) if n <= 1024 else fine(n)
 
 
 @dataclass(frozen=True)
