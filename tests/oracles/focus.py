@@ -48,6 +48,19 @@ def importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> list[float]:
     return torch.softmax(pooled, dim=-1).sum(dim=(0, 1)).tolist()
 
 
+# what FOCUS counts per request (the runtime's ``FocusStats`` names)
+COUNTERS = (
+    "forwards",
+    "rows_forwarded",
+    "rows_plain",
+    "rows_prefix",
+    "focused",
+    "evicted",
+    "frozen",
+    "decoded",
+)
+
+
 class FocusOracle:
     def __init__(
         self,
@@ -83,19 +96,7 @@ class FocusOracle:
         self.pending: list[bool] = []
         self.reach, self.next_reach = 0, 0
         self.budgets: list[int] = []  # K of every step
-        self.counters = dict.fromkeys(
-            (
-                "forwards",
-                "rows_forwarded",
-                "rows_plain",
-                "rows_prefix",
-                "focused",
-                "evicted",
-                "frozen",
-                "decoded",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     def _stable(self) -> list[bool]:
         m, n = self.masked, self.width

@@ -35,19 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from .block_diffusion import spans
-from .focus import importance
+from .focus import COUNTERS, importance
 from .plain import finish, greedy, head, project, rope, schedule
-
-COUNTERS = (
-    "forwards",
-    "rows_forwarded",
-    "rows_plain",
-    "rows_prefix",
-    "focused",
-    "evicted",
-    "frozen",
-    "decoded",
-)
 
 
 def _prefix_kv(model, seq: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
