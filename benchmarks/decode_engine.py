@@ -1063,7 +1063,7 @@ def mixed_sessions(
     """One pdllm session per entry of ``policies`` over ``prompt``'s static KV, made as the decode worker
     makes them (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``)."""
     st, model = rounds_state(bench), bench.model
-    maker = SessionMaker(model, "buffer", False, st.pool.page_size)
+    maker = SessionMaker(model, st.pool.page_size)
     out = []
     for name in policies:
         cfg = None if name == "none" else DecodePolicyConfig(name)

@@ -42,7 +42,7 @@ from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, 
 from pdllm.decode_service.request import BlockDecode, RoundsStart
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import BatchSession, RoundRows
-from pdllm.shared.decode_policy import FocusConfig
+from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -55,7 +55,7 @@ kind; FOCUS's sessions are ``focus_rounds.py``'s)."""
 def cache_slots(
     query_tokens: int,
     gen: GenerationConfig,
-    policy: CachePolicy | FocusConfig | None = None,
+    policy: CachePolicy | FocusConfig | DyLLMConfig | None = None,
     protected: int = 0,
 ) -> int:
     """Pool slots a policy session reserves for its cache, beyond its static KV: one per local row, except
@@ -63,7 +63,7 @@ def cache_slots(
     question's rows, always kept), and under FOCUS (two blocks: ``focus_rounds.focus_slots``)."""
     if isinstance(policy, FocusConfig):
         return 2 * gen.block
-    rows = query_tokens + gen.gen_length
+    rows = query_tokens + gen.gen_length  # DyLLM too: every local row's K/V
     if isinstance(policy, SparseDLLM):
         return kept_count(rows, SaliencyKeep(0, gen.block, policy.retention, policy.pool_kernel, protected))
     return rows
@@ -231,6 +231,10 @@ def batch_session(
         from pdllm.decode_service.focus_rounds import FocusBatchSession  # it builds on rounds.py only
 
         return FocusBatchSession.begin(model, built, pages, page_size)
+    if isinstance(built.cache_policy, DyLLMConfig):
+        from pdllm.decode_service.dyllm_rounds import DyLLMBatchSession  # it builds on rounds.py only
+
+        return DyLLMBatchSession.begin(model, built, pages, page_size)
     args = (model, built.query, built.query_start, built.kv_tokens, pages, built.gen)
     if built.cache_policy is None:
         return BatchSession.start(*args, device_sampler)

@@ -16,8 +16,8 @@ import torch
 from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy
-from pdllm.shared.decode_policy import FocusConfig
-from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
+from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps
@@ -49,9 +49,9 @@ class StaticDecode:
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
-    # The decode policy its session runs under in the rounds: a caching one (``policy_rounds.py``) or
-    # FOCUS's knobs (``focus_rounds.py``); None: plain steps.
-    cache_policy: CachePolicy | FocusConfig | None = None
+    # The decode policy its session runs under in the rounds: a caching one (``policy_rounds.py``),
+    # FOCUS's knobs (``focus_rounds.py``) or DyLLM's (``dyllm_rounds.py``); None: plain steps.
+    cache_policy: CachePolicy | FocusConfig | DyLLMConfig | None = None
 
     @property
     def query_start(self) -> int:
@@ -81,13 +81,9 @@ class BlockDecode:
 RoundsStart = StaticDecode | BlockDecode
 """What joins the batched rounds once built (its ``static`` placed in its pool pages)."""
 
-# Stepped alone (not in the batched rounds): a decode policy's denoising loop (DyLLM).
-AloneSession = DenoiseSession
-
 
 class Session(Protocol):
-    """What the scheduler reads of a running request's session, whatever runs it (a session in the rounds,
-    one stepped alone): its denoising state (steps taken, block), whether it is done,
+    """What the scheduler reads of a running request's session in the rounds: its denoising state (steps taken, block), whether it is done,
     its partial output and its result."""
 
     @property
@@ -101,8 +97,8 @@ class Session(Protocol):
     def result(self) -> GenerationResult: ...
 
 
-# What a request's ``start`` returns: a request for the rounds or a session stepped alone.
-Started = StaticDecode | BlockDecode | AloneSession
+# What a request's ``start`` returns: a request for the rounds.
+Started = RoundsStart
 
 
 class Status(enum.Enum):
@@ -112,7 +108,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued, no pages yet
     PULLING = "pulling"  # pages reserved, its KV being pulled from a prefill worker (a handoff)
     BUILDING = "building"  # its session being made: the build on the device, whole or in pieces
-    RUNNING = "running"  # a step every iteration (in the rounds, or alone)
+    RUNNING = "running"  # a step every iteration, in the rounds
     FINISHED = "finished"  # its result published, its pages back in the pool
     CANCELLED = "cancelled"  # its caller left; its pages back in the pool
     FAILED = "failed"  # an error published to its caller; its pages back in the pool

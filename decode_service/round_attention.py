@@ -8,11 +8,15 @@ entries (the Triton kernel, or :func:`gathered_attention` off the GPU).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdllm.kernels.split_s_reference import gather_request
 from pdllm.shared.model.attention import sdpa
+
+if TYPE_CHECKING:
+    from pdllm.decode_service.layer_edits import LayerEdits
 
 ROUND_ATTENTIONS = ("torch", "triton")
 
@@ -53,6 +57,20 @@ class PagedBatchAttention:
         self.kv, self.page_table, self.kv_lens, self.q_offsets = kv, page_table, kv_lens, q_offsets
         self.max_q_len, self.max_kv_len, self.kernel = max_q_len, max_kv_len, kernel
         self.writes, self.stores, self.drop = writes, stores or [], drop  # drop: [layers, sessions]
+        self.edits: list[LayerEdits] = []  # a policy's edits of some parts' layers (``layer_edits.py``)
+
+    @property
+    def edit_ffn(self) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
+        """The decoder layer's hook for the FFN output ``[1, T, H]`` (None: no part edits it)."""
+        if not self.edits:
+            return None
+
+        def edit(layer: int, ffn: torch.Tensor) -> torch.Tensor:
+            for e in self.edits:
+                ffn = e.ffn(layer, ffn)
+            return ffn
+
+        return edit
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qt = q[0].transpose(0, 1)
@@ -64,10 +82,14 @@ class PagedBatchAttention:
             self.kv[layer, 1][pages, :, slots] = vl.index_select(0, rows)
         for base, store in self.stores:
             store(layer, base, q, kl, vl, self)
+        for e in self.edits:
+            e.before(layer, kl, vl, self)
         kv_lens = self.kv_lens if self.drop is None else self.kv_lens - self.drop[layer]
         out = self.paged(
             layer, qt, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len, kl, vl
         )
+        for e in self.edits:
+            out = e.after(layer, qt, kl, out, self)
         return out.transpose(0, 1)[None]
 
     def paged(

@@ -36,6 +36,7 @@ from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, Gene
 from pdllm.shared.model.transformer import DiffusionLM
 
 if TYPE_CHECKING:
+    from pdllm.decode_service.layer_edits import PartEdit
     from pdllm.decode_service.split_rounds import RowSplit
 
 
@@ -133,6 +134,9 @@ class RoundRows:
     # The page table this entry reads its ``kv_len`` slots through (None: the session's pages), e.g. SDAR
     # FOCUS's: the session's first pages, then a key region of its own (``sdar_focus_rounds.py``).
     pages: tuple[int, ...] | None = None
+    # The policy edits this part's layers inside the forward (DyLLM: cached K/V, contexts and FFN outputs
+    # of some rows, ``layer_edits.py``); such a round runs eagerly. A part with ``edit`` forwards all rows.
+    edit: PartEdit | None = None
 
 
 @dataclass
@@ -163,6 +167,7 @@ class PackedRound:
     # (first packed row, session index, part) of every attention entry, in order
     entries: list[tuple[int, int, RoundRows]] = field(default_factory=list)
     splits: bool = False  # some part's rows change between layers
+    edits: list[tuple[int, int, PartEdit]] = field(default_factory=list)  # (entry, first packed row, edit)
     device_ids: torch.Tensor | None = None
     device_rows: torch.Tensor | None = None
 
@@ -218,6 +223,9 @@ class PackedRound:
                 out.drops.append(part.drop)
                 out.entries.append((first, i, part))
                 out.splits |= part.split is not None
+                if part.edit is not None:
+                    assert part.rows is None, "an edited part forwards all its rows"
+                    out.edits.append((len(out.entries) - 1, first, part.edit))
         return out
 
     def table(self, sessions: int, width: int) -> torch.Tensor:
@@ -273,12 +281,17 @@ class EagerRoundForward:
 
             return split_forward(self, packed)
         ids, positions, rows = self.inputs(packed)
+        attention = self.attention(packed)
+        if packed.edits:
+            from pdllm.decode_service.layer_edits import group_edits  # it builds on this module
+
+            attention.edits = group_edits(packed)
         with ExitStack() as stack:
             for _, store in packed.stores:
                 attach = getattr(store, "attach", None)
                 if attach is not None:
                     stack.enter_context(attach(self.model))
-            hidden = self.model.hidden_states(ids[None], positions[None], self.attention(packed))
+            hidden = self.model.hidden_states(ids[None], positions[None], attention)
         return self.model.logits_from_hidden(hidden, rows[None])[0]
 
     def inputs(self, packed: PackedRound) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

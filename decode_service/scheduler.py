@@ -4,14 +4,11 @@ One scheduler thread owns the model. Each iteration (:meth:`DecodeScheduler.run_
 requests (their KV pages go back to the pool at once), admits waiting requests while ``max_active`` and the
 KV pool allow (reserving their pages), starts their KV pulls (a handoff) or launches their decode-KV builds,
 lets finished builds join, then runs **one** batched forward that advances every session in the rounds
-(pdllm and vanilla, plain or under a caching decode policy or FOCUS, and SDAR block diffusion, plain or
-under FOCUS) by one
-denoising step (:func:`~.rounds.decode_round`; ``rounds`` counts them) and publishes partial outputs;
-finished requests leave before the next round. On CUDA builds run on their own stream and rounds on a high-priority one, so a build (~0.1 s at
-Dream-7B scale) overlaps the rounds instead of stalling them; on CPU a build finishes before the round.
-Sessions outside the rounds (DyLLM) are stepped alone in
-the same iteration, one step each (``policy_sessions.step_alone``). gRPC handler threads only wait on their request's
-event queue; the in-process engine drives :meth:`DecodeScheduler.run_once` itself (``local.py``).
+(pdllm and vanilla, plain or under any decode policy, and SDAR block diffusion, plain or under FOCUS) by
+one denoising step (:func:`~.rounds.decode_round`; ``rounds`` counts them) and publishes partial outputs;
+finished requests leave before the next round. On CUDA builds run on their own stream and rounds on a
+high-priority one, so a build (~0.1 s at Dream-7B scale) overlaps the rounds instead of stalling them; on
+CPU a build finishes before the round. gRPC handler threads only wait on their request's event queue; the in-process engine drives :meth:`DecodeScheduler.run_once` itself (``local.py``).
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
 batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
@@ -39,17 +36,15 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from pdllm.decode_service.kv_pool import DecodeKVPool, PoolTooSmallError
 from pdllm.decode_service.policy_rounds import batch_session
-from pdllm.decode_service.policy_sessions import step_alone
 from pdllm.decode_service.request import (
     Build,
     DecodeRequest,
     Final,
     Partial,
-    RoundsStart,
     StaticDecode,
     Status,
 )
-from pdllm.decode_service.rounds import BatchSession, RoundForward, decode_round
+from pdllm.decode_service.rounds import RoundForward, decode_round
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.stepwise import Steps, join_device_thread
@@ -280,7 +275,7 @@ class DecodeScheduler:
                     torch.cuda.reset_peak_memory_stats(device)
                     before = torch.cuda.memory_allocated(device)
                 build.made = req.start()
-                if isinstance(build.made, RoundsStart) and build.made.static is not None:
+                if build.made.static is not None:
                     self.pool.place(req.pages, build.made.static)
                 if self.build_stream is not None:
                     build.done = torch.cuda.Event()
@@ -363,11 +358,9 @@ class DecodeScheduler:
         joined, dropped = [], []
         for req in ready:
             made = req.build.made  # type: ignore[union-attr]
-            if isinstance(made, RoundsStart):
-                req.cache_stats, req.kv_source = made.cache_stats, made.kv_source
-                req.session = batch_session(self.model, made, req.pages, self.pool.page_size)
-            else:
-                req.session = made
+            assert made is not None
+            req.cache_stats, req.kv_source = made.cache_stats, made.kv_source
+            req.session = batch_session(self.model, made, req.pages, self.pool.page_size)
             req.build = None
             req.build_s = time.perf_counter() - req.build_started
             self.build_seconds.observe(req.build_s)
@@ -382,29 +375,24 @@ class DecodeScheduler:
         self._retire(dropped, Status.CANCELLED)
 
     def _round(self) -> None:
-        """One step of every RUNNING request: one batched forward for those in the rounds, one step each for
-        the others; then partial outputs, and finished requests leave."""
-        active = [r for r in self.active if not r.cancelled.is_set()]
-        batched = [r for r in active if isinstance(r.session, BatchSession)]
-        alone = [r for r in active if not isinstance(r.session, BatchSession)]
-        failed: list[DecodeRequest] = []
-        if batched:
-            start = time.perf_counter()
-            try:
-                decode_round(self.forward, [r.session for r in batched])  # type: ignore[misc]
-            except Exception as exc:
-                _log.exception("batched decode round failed")
-                for req in batched:
-                    req.events.put(exc)
-                failed += batched
-                batched = []
-            else:
-                self.step_seconds.observe(time.perf_counter() - start)
-                self.rounds += 1
-        stepped, failed_alone = step_alone(alone, lambda: self._stop, self.step_seconds.observe)
-        self._retire(failed + failed_alone, Status.FAILED)
+        """One step of every RUNNING request in one batched forward; then partial outputs, and finished
+        requests leave."""
+        batched = [r for r in self.active if not r.cancelled.is_set()]
+        if not batched:
+            return
+        start = time.perf_counter()
+        try:
+            decode_round(self.forward, [r.session for r in batched])  # type: ignore[misc]
+        except Exception as exc:
+            _log.exception("batched decode round failed")
+            for req in batched:
+                req.events.put(exc)
+            self._retire(batched, Status.FAILED)
+            return
+        self.step_seconds.observe(time.perf_counter() - start)
+        self.rounds += 1
         finished = []
-        for req in batched + stepped:
+        for req in batched:
             session = req.session
             assert session is not None
             if req.stream_partials:

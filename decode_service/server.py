@@ -5,9 +5,8 @@ result back.
 A pdllm request's static KV is built from its chunks' token ids (full-mask / chunk-query), read from the
 KV tier (chunk-only; recomputed on a miss), or pulled from the prefill worker that built it (a ``handoff``;
 checked against this worker's model first, FAILED_PRECONDITION on a mismatch; rebuilt if the pull fails).
-A vanilla request carries its whole prompt. What session the request then becomes (in the batched rounds,
-or stepped alone) is decided in one place, ``sessions.py``, from the model family, the method and the
-decode policy; what a block-diffusion model does not run is INVALID_ARGUMENT naming the option
+A vanilla request carries its whole prompt. What session the request then becomes in the batched rounds is
+decided in one place, ``sessions.py``, from the model family, the method and the decode policy; what a block-diffusion model does not run is INVALID_ARGUMENT naming the option
 (``request_checks.check_block_diffusion``).
 """
 
@@ -18,19 +17,18 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from pdllm.decode_service.handoff import start_pull, use_pulled
-from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
-from pdllm.decode_service.policy_sessions import pooled_static
 from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started, StaticDecode
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
-from pdllm.decode_service.sessions import SessionMaker, rounds_policy, runtime
+from pdllm.decode_service.sessions import SessionMaker, rounds_policy
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_transfer.payload import (
     CHUNK_KV,
@@ -45,7 +43,6 @@ from pdllm.shared.rpc.convert import decode_policy_config, engine_config, genera
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
 from pdllm.shared.rpc.server import termination_event
-from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps, drain
 
 # A decode result's peak memory: its KV pages in the pool plus its build's transient growth (scheduler).
@@ -86,7 +83,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         self.max_vanilla_tokens = max_vanilla_tokens
         self.receiver = receiver
         page_size = 64 if scheduler is None else scheduler.pool.page_size  # None: tests that stop earlier
-        self.sessions = SessionMaker(worker.model, worker.decode_attention, worker.cuda_graph, page_size)
+        self.sessions = SessionMaker(worker.model, page_size)
 
     def Decode(
         self, request: wpb.DecodeRequest, context: grpc.ServicerContext
@@ -120,12 +117,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                     )
                 self._check_identity(request, cfg)
                 start = lambda: self._start_pdllm(request, gen, cfg, entry, policy)  # noqa: E731
-                if runtime(policy).rounds:  # its build may run in pieces
-                    cache_policy = rounds_policy(policy)
-                    start_steps = lambda layers: self._pdllm_steps(
-                        request, gen, cfg, entry, layers, cache_policy
-                    )  # noqa: E731
-                # Pages even for a session stepped alone: the pool's budget bounds it, a pulled KV lands there.
+                cache_policy = rounds_policy(policy)
+                start_steps = lambda layers: self._pdllm_steps(  # its build may run in pieces
+                    request, gen, cfg, entry, layers, cache_policy
+                )  # noqa: E731
                 kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
                 cache_tokens = sessions.pool_slots(policy, len(request.question_ids), gen, static=True)
             entry = DecodeRequest(
@@ -171,16 +166,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         entry: DecodeRequest,
         policy: DecodePolicyConfig,
     ) -> Started:
-        """The whole build, then the session it starts (in the rounds, or stepped alone)."""
-        cache_policy = rounds_policy(policy)
-        built = drain(self._pdllm_steps(request, gen, cfg, entry, None, cache_policy))
+        """The whole build: the request ready to join the rounds."""
+        built = drain(self._pdllm_steps(request, gen, cfg, entry, None, rounds_policy(policy)))
         entry.cache_stats, entry.kv_source = built.cache_stats, built.kv_source
-
-        def unpool(kv: PooledKV) -> StaticKV:  # a handoff landed in the entry's pages
-            assert entry.received is not None
-            return pooled_static(self.scheduler.pool, entry.pages, kv, entry.received.handoff)
-
-        return self.sessions.pdllm(built, policy, entry.cancelled, unpool)
+        return built
 
     def _check_identity(self, request: wpb.DecodeRequest, cfg: EngineConfig) -> None:
         """FAILED_PRECONDITION for chunk handles or a handoff made by another model, dtype or layout."""
@@ -211,7 +200,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         cfg: EngineConfig,
         entry: DecodeRequest,
         layers_per_step: int | None = None,
-        cache_policy: CachePolicy | None = None,
+        cache_policy: CachePolicy | FocusConfig | DyLLMConfig | None = None,
     ) -> Steps[StaticDecode]:
         """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
         from the request's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages).

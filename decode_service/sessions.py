@@ -1,13 +1,12 @@
-"""What a decode request becomes on the scheduler: a session in the batched rounds, or one stepped alone.
+"""What a decode request becomes on the scheduler: a session in the batched rounds.
 
 One place decides it for the decode server and the in-process engine alike (no proto here), from the
 model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES`):
 
-- Dream / LLaDA, no policy, a caching one (prefix / dual cache, Sparse-dLLM, Polestar-Cache) or FOCUS: a
-  :class:`~.request.StaticDecode` that joins the rounds (pdllm over its static KV; vanilla with its whole
-  prompt as local rows), a policy's cache in pool pages after the static KV (:meth:`pool_slots`; FOCUS:
-  its block K/V, ``focus_rounds.py``);
-- DyLLM: its own loop, stepped alone (``policy_sessions.py``);
+- Dream / LLaDA, any policy: a :class:`~.request.StaticDecode` that joins the rounds (pdllm over its static
+  KV; vanilla with its whole prompt as local rows), a policy's cache in pool pages after the static KV
+  (:meth:`SessionMaker.pool_slots`; FOCUS: its block K/V, ``focus_rounds.py``; DyLLM: every local row's
+  K/V, ``dyllm_rounds.py``);
 - SDAR (block diffusion), any method: exact block diffusion in the rounds (``block_rounds.py``, its cache in
   pool pages; under FOCUS with key regions after it, ``sdar_focus_rounds.py``).
 """
@@ -15,46 +14,39 @@ model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
-from pdllm.decode_service.kv_pool import PooledKV
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
-from pdllm.decode_service.policies.compute_skip import compute_skip_session, vanilla_compute_skip_logits
 from pdllm.decode_service.policy_rounds import cache_slots
-from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.request import Started, StaticDecode
 from pdllm.decode_service.sdar_focus_rounds import sdar_focus_slots
-from pdllm.shared.decode_policy import FocusConfig
+from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
 from pdllm.shared.generation.plain import prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.model.transformer import DiffusionLM
-from pdllm.shared.static_kv import StaticKV
 
 
 @dataclass(frozen=True)
 class PolicyRuntime:
-    """How the decode worker runs a decode policy: ``rounds``: its Dream/LLaDA sessions join the batched
-    rounds; ``caches``: it keeps local rows' K/V in pool pages; ``sdar``: it runs on SDAR too, in the
-    rounds (FOCUS)."""
+    """How the decode worker runs a decode policy: ``caches``: it keeps local rows' K/V in pool pages;
+    ``sdar``: it runs on SDAR too, in the rounds (FOCUS)."""
 
-    rounds: bool
     caches: bool = False
     sdar: bool = False
 
 
 POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
-    "none": PolicyRuntime(rounds=True),
-    "prefix-cache": PolicyRuntime(rounds=True, caches=True),
-    "dual-cache": PolicyRuntime(rounds=True, caches=True),
-    "sparse-dllm": PolicyRuntime(rounds=True, caches=True),
-    "polestar": PolicyRuntime(rounds=True, caches=True),
-    "dyllm": PolicyRuntime(rounds=False),
-    "focus": PolicyRuntime(rounds=True, caches=True, sdar=True),
+    "none": PolicyRuntime(),
+    "prefix-cache": PolicyRuntime(caches=True),
+    "dual-cache": PolicyRuntime(caches=True),
+    "sparse-dllm": PolicyRuntime(caches=True),
+    "polestar": PolicyRuntime(caches=True),
+    "dyllm": PolicyRuntime(caches=True),
+    "focus": PolicyRuntime(caches=True, sdar=True),
 }
 
 
@@ -62,24 +54,24 @@ def runtime(policy: DecodePolicyConfig | None) -> PolicyRuntime:
     return POLICY_RUNTIMES["none" if policy is None else policy.name]
 
 
-def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | FocusConfig | None:
-    """The policy a Dream/LLaDA request's session in the rounds runs under: a caching one, FOCUS's knobs
-    (None: plain steps, or a policy whose sessions are stepped outside the rounds)."""
-    if policy is None or not runtime(policy).rounds:
+def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | FocusConfig | DyLLMConfig | None:
+    """The policy a Dream/LLaDA request's session in the rounds runs under: a caching one, FOCUS's or
+    DyLLM's knobs (None: plain steps)."""
+    if policy is None:
         return None
     if policy.name == "focus":
         return policy.focus_config()
+    if policy.name == "dyllm":
+        return policy.dyllm_config()
     return make_policy(policy)
 
 
 class SessionMaker:
-    """Starts requests for one scheduler. ``attention`` and ``cuda_graph``: the static-KV backend and graph
-    replay of the sessions stepped alone (DyLLM); ``page_size``: the scheduler's pool's (SDAR FOCUS's key
-    regions are whole pages)."""
+    """Starts requests for one scheduler. ``page_size``: the scheduler's pool's (SDAR FOCUS's key regions
+    are whole pages)."""
 
-    def __init__(self, model: DiffusionLM, attention: str, cuda_graph: bool, page_size: int = 64) -> None:
-        self.model, self.attention, self.cuda_graph = model, attention, cuda_graph
-        self.page_size = page_size
+    def __init__(self, model: DiffusionLM, page_size: int = 64) -> None:
+        self.model, self.page_size = model, page_size
 
     @property
     def block_diffusion(self) -> bool:
@@ -119,34 +111,7 @@ class SessionMaker:
                 return start_block_decode(model, tensor, gen, focus=policy.focus_config())
             sdar_decode.check_decode_options(policy, None, "block diffusion on SDAR models")
             return start_block_decode(model, tensor, gen)
-        if runtime(policy).rounds:
-            return StaticDecode(list(prompt), None, gen, cache_policy=rounds_policy(policy))
-        assert policy is not None
-        logits = vanilla_compute_skip_logits(model, tensor, gen, policy, self.cuda_graph)
-        return compute_skip_session(logits)
-
-    def pdllm(
-        self,
-        built: StaticDecode,
-        policy: DecodePolicyConfig | None,
-        cancelled: threading.Event,
-        unpool: Callable[[PooledKV], StaticKV] | None = None,
-    ) -> Started:
-        """A built pdllm request (its static KV in ``built``); ``unpool`` reads a KV that a handoff landed in
-        the request's pages back out, for a session stepped alone."""
-        if runtime(policy).rounds:
-            return built
-        assert policy is not None
-        static = built.static
-        if isinstance(static, PooledKV):
-            assert unpool is not None, "a pooled KV needs its pages read out for a session stepped alone"
-            static = unpool(static)
-        assert isinstance(static, StaticKV)
-        model, query, gen = self.model, built.query, built.gen
-        logits = static_compute_skip_logits(
-            model, query, static, gen, policy, self.attention, cuda_graph=self.cuda_graph
-        )
-        return compute_skip_session(logits)
+        return StaticDecode(list(prompt), None, gen, cache_policy=rounds_policy(policy))
 
     def sdar(
         self,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pdllm.decode_service.layer_edits import group_edits
 from pdllm.decode_service.policies.focus_layers import embed
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import PackedRound, part_writes
@@ -143,6 +144,8 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
     ids, positions, rows = forward.inputs(packed)
     attention = forward.attention(packed)
     attention.stores = [*attention.stores, *hooks]
+    edits = group_edits(packed) if packed.edits else []
+    attention.edits = edits
     layers = model.model.layers
     with ExitStack() as stack:
         for _, store in packed.stores:
@@ -161,6 +164,9 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
         x, cos, sin = x[:, keep], cos[:, keep], sin[:, keep]
         rest = forward.attention(after.packed)
         rest.stores = [*rest.stores, *hooks]
+        for e in edits:
+            e.remap(after.index)
+        rest.edits = edits
         for layer in layers[at:]:
             x = layer(x, cos, sin, rest)
         hidden = model.model.norm(x)

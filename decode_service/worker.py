@@ -75,7 +75,7 @@ class DecodeWorker:
         interpreted = decode_attention == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
         kernel = "triton" if self._gpu_kernels or interpreted else "torch"
         self.local = LocalDecoder(model, kernel, cuda_graph)
-        self.sessions = SessionMaker(model, decode_attention, cuda_graph, self.local.page_size)
+        self.sessions = SessionMaker(model, self.local.page_size)
 
     @property
     def device(self) -> torch.device:
@@ -162,8 +162,7 @@ class DecodeWorker:
         built = StaticDecode(list(query_ids), static, gen, cache_policy=rounds_policy(decode_policy))
         cancelled = threading.Event()
         slots = self.sessions.pool_slots(decode_policy, len(query_ids), gen, static=True)
-        start = lambda: self.sessions.pdllm(built, decode_policy, cancelled)  # noqa: E731
-        return self.local.run(start, built.kv_tokens, slots, gen, progress, cancelled)
+        return self.local.run(lambda: built, built.kv_tokens, slots, gen, progress, cancelled)
 
     def vanilla(
         self,

@@ -234,6 +234,10 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        edit_ffn = getattr(attention, "edit_ffn", None)
+        if edit_ffn is not None:  # a decode policy replaces some rows' FFN output (DyLLM's cached ones)
+            x = x + attn
+            return x + edit_ffn(self.self_attn.layer, self.mlp(self.post_attention_layernorm(x)))
         if fused_route(self, x):  # residual add and the second norm in one pass over the activations
             norm = self.post_attention_layernorm
             h, x = rms_norm(attn, norm.weight, norm.eps, residual=x)

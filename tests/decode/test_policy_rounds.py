@@ -181,7 +181,7 @@ def test_sparse_dllm_requests_reserve_pages_only_for_the_rows_they_keep(retentio
     m = model("dream")
     pool = pool_for(m, pages=128)
     sched = DecodeScheduler(m, pool, EagerRoundForward(m, pool, "torch"), start_thread=False)
-    maker = SessionMaker(m, "segments", False)
+    maker = SessionMaker(m)
     policy = DecodePolicyConfig(name="sparse-dllm", retention=retention)
     case = POLICY_CASES[1]
     built = static_decode(m, case, 1)

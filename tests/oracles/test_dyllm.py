@@ -1,11 +1,13 @@
-"""DyLLM against the from-scratch oracle (``dyllm.py``): the runtime's fast path, vanilla through
-``generate_vanilla`` and pdllm through the in-process engine; tokens and every counter (forwards, FullSteps,
-response-only steps, FFN rows, K/V rows, rows in all) must be equal."""
+"""DyLLM against the from-scratch oracle (``dyllm.py``): the library loop (``generate_vanilla``), the
+decode worker's rounds in process (vanilla through ``DecodeWorker.vanilla``, pdllm through the engine;
+``dyllm_rounds.py``); tokens and every counter (forwards, FullSteps, response-only steps, FFN rows, K/V
+rows, rows in all) must be equal."""
 
 from __future__ import annotations
 
 import pytest
 
+from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.decode_policy import DecodePolicyConfig
 
 from .cases import PROMPT, QUESTION, case_id, counters, gen, model, pdllm, pdllm_oracle_case, vanilla
@@ -37,6 +39,21 @@ def test_vanilla_dyllm_matches_oracle(family: str, knobs: tuple, schedule: tuple
     full sequence queried on forwards ``t % interval == 0`` -> fails."""
     m, g = model(family, seed=1), gen(*schedule)
     result = vanilla(m, g, _policy(*knobs))
+    tokens, expected, oracle = dyllm_decode(m, PROMPT, g.gen_length, g.block, g.steps, g.threshold, *knobs)
+    assert oracle.margin > MARGIN
+    assert result.raw_tokens == tokens
+    assert counters(result, expected) == expected
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("knobs", KNOBS, ids=case_id)
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=case_id)
+def test_vanilla_dyllm_in_the_rounds_matches_oracle(family: str, knobs: tuple, schedule: tuple) -> None:
+    """The decode worker's rounds (``dyllm_rounds.py``, in process). Planted: the chosen rows compared
+    with ``<=`` against 0.999 tau -> 11 of 20 fail; the approximate context without its ``- A_t V_{t-1}``
+    term -> 7 fail; the merged K/V not written back into the cache slots -> 19 fail."""
+    m, g = model(family, seed=1), gen(*schedule)
+    result = DecodeWorker(m).vanilla(PROMPT, g, _policy(*knobs))
     tokens, expected, oracle = dyllm_decode(m, PROMPT, g.gen_length, g.block, g.steps, g.threshold, *knobs)
     assert oracle.margin > MARGIN
     assert result.raw_tokens == tokens

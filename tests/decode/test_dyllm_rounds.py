@@ -1,0 +1,174 @@
+"""DyLLM (Dream / LLaDA) in the batched rounds (``decode_service/dyllm_rounds.py``): DyLLM sessions share
+each round's one forward with plain, dual-cache, Sparse-dLLM, Polestar and FOCUS sessions (pdllm and
+vanilla, arriving mid-block; FOCUS's rows compacted after layer 1 around them), and end with their
+reference loop's tokens and every DyLLM counter; the scheduler steps them in its one forward too.
+
+Planted by hand (failures here, mixed rounds / scheduler, of 4 / 1):
+- the chosen rows compared with ``<=`` against 0.999 tau: 4 / 1;
+- the approximate context without its ``- A_t V_{t-1}`` term: 4 / 1;
+- the packed rows not remapped after FOCUS's compaction (``remap`` a no-op): 4 / 0;
+- the K/V rows counted from the chosen rows instead of the incoming salient ones: 4 / 0.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from pdllm.decode_service.dyllm_rounds import DyLLMBatchSession
+from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.policies import DecodePolicyConfig
+from pdllm.decode_service.policies.compute_skip import run_compute_skip
+from pdllm.decode_service.policy_rounds import batch_session, cache_slots
+from pdllm.decode_service.policy_sessions import static_compute_skip_logits
+from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
+from pdllm.decode_service.rounds import BatchSession, decode_round
+from pdllm.decode_service.scheduler import DecodeScheduler
+from pdllm.decode_service.sessions import rounds_policy
+from pdllm.decode_service.vanilla import generate_vanilla
+from pdllm.shared.generation.sampler import GenerationConfig
+from pdllm.shared.model.transformer import DiffusionLM
+from tests.decode.helpers import (
+    CASES,
+    POLICY_CASES,
+    Case,
+    alone,
+    policy_session,
+    pool_for,
+    prefill,
+    reference,
+    round_forward,
+    session,
+    static_decode,
+)
+from tests.decode.test_focus_rounds import Forwards, focus_built, focus_session
+from tests.model.helpers import tiny_model
+
+KNOBS = [
+    {"dyllm_threshold": 0.99, "dyllm_full_steps": 2, "dyllm_full_sequence_interval": 3},
+    {"dyllm_threshold": 0.9, "dyllm_full_steps": 1, "dyllm_full_sequence_interval": 2},
+    {"dyllm_threshold": 0.98, "dyllm_full_steps": 2, "dyllm_approximate_attention": "off"},
+]
+PROMPT = [1, 17, 33, 8, 61, 5, 40, 22, 9, 70]
+VANILLA_GEN = GenerationConfig(gen_length=16, steps=16, block_length=8, stop_at_eos=False)
+
+
+def _dyllm(knobs: dict) -> DecodePolicyConfig:
+    return DecodePolicyConfig("dyllm", dyllm=knobs)
+
+
+def dyllm_reference(m: DiffusionLM, case: Case, seed: int, knobs: dict) -> tuple[list[int], dict]:
+    """A pdllm request's DyLLM loop over its static KV (segmented attention, no scheduler)."""
+    engine, sel = prefill(m, case, seed)
+    static = engine.build(sel, case.gen)
+    logits = static_compute_skip_logits(m, sel.request.query, static, case.gen, _dyllm(knobs), "segments")
+    result = run_compute_skip(logits)
+    return result.raw_tokens, dict(result.cache)
+
+
+def dyllm_built(m: DiffusionLM, case: Case, seed: int, knobs: dict) -> StaticDecode:
+    return replace(static_decode(m, case, seed), cache_policy=rounds_policy(_dyllm(knobs)))
+
+
+def dyllm_session(pool: DecodeKVPool, m: DiffusionLM, built: StaticDecode) -> BatchSession:
+    pages = pool.reserve(built.kv_tokens + cache_slots(len(built.query), built.gen))
+    assert pages is not None
+    if built.static is not None:
+        pool.write(pages, built.static.tensor())
+    s = batch_session(m, built, pages, pool.page_size)
+    assert isinstance(s, DyLLMBatchSession)
+    return s
+
+
+def _counters(cache: dict) -> dict:
+    return {k: v for k, v in cache.items() if k != "reruns"}  # the fast path's own retries
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("kind", ["eager", "padded"])
+def test_dyllm_sessions_share_mixed_rounds_and_equal_their_references(family: str, kind: str) -> None:
+    m = tiny_model(family, seed=0, num_layers=4)
+    pool = pool_for(m, pages=256)
+    forward = round_forward(kind, m, pool)
+    cases = [(POLICY_CASES[0], 0, KNOBS[0]), (POLICY_CASES[3], 3, KNOBS[1]), (POLICY_CASES[1], 1, KNOBS[2])]
+    want = [dyllm_reference(m, case, seed, knobs) for case, seed, knobs in cases]
+    vanilla = generate_vanilla(m, PROMPT, VANILLA_GEN, policy=_dyllm(KNOBS[1]))
+    want.append((vanilla.raw_tokens, dict(vanilla.cache)))
+    dyllm = [dyllm_session(pool, m, dyllm_built(m, c, seed, knobs)) for c, seed, knobs in cases]
+    built = StaticDecode(list(PROMPT), None, VANILLA_GEN, cache_policy=rounds_policy(_dyllm(KNOBS[1])))
+    dyllm.append(dyllm_session(pool, m, built))
+    # Others in the same rounds: plain (device sampler), dual cache, Sparse-dLLM, Polestar-Cache, FOCUS.
+    plain = session(m, pool, CASES[1], 7)
+    policies = [DecodePolicyConfig(n) for n in ("dual-cache", "sparse-dllm", "polestar")]
+    others = [policy_session(m, pool, POLICY_CASES[4], 4, p) for p in policies]
+    focus = focus_session(pool, m, focus_built(m, POLICY_CASES[3], 3, {"focus_budget": 2}))
+    # FOCUS first: its rows dropped after layer 1 move every later session's packed rows.
+    order = [focus, dyllm[0], plain, others[0], dyllm[1], others[1], dyllm[3], others[2], dyllm[2]]
+    forwards, active, mixed = Forwards(m), [], 0
+    while order or active:
+        if order:  # one arrival per round: sessions join in the middle of others' blocks
+            active.append(order.pop(0))
+        before = forwards.n
+        decode_round(forward, active)
+        assert forwards.n == before + 1  # one model forward per round
+        mixed += any(isinstance(s, DyLLMBatchSession) for s in active) and len(active) > 1
+        active = [s for s in active if not s.done]
+    assert mixed > 10
+    for s, (tokens, cache) in zip(dyllm, want, strict=True):
+        result = s.result()
+        assert result.raw_tokens == tokens and result.steps == s.state.steps_taken
+        assert _counters(result.cache) == _counters(cache)  # every DyLLM counter
+    assert plain.state.tokens.tolist() == alone(m, CASES[1], 7)
+    for s, p in zip(others, policies, strict=True):
+        assert s.result().raw_tokens == reference(m, POLICY_CASES[4], 4, p)[0]
+
+
+def test_the_scheduler_steps_dyllm_requests_in_its_one_forward_per_iteration() -> None:
+    """Requests under DyLLM, none and the dual cache, arriving while others decode, all advance in one
+    model forward per iteration (``rounds`` counts them) and answer as their references."""
+    m = tiny_model("dream", seed=2, num_layers=4)
+    pool = pool_for(m, pages=128)
+    sched = DecodeScheduler(m, pool, round_forward("eager", m, pool), start_thread=False)
+    dual = DecodePolicyConfig("dual-cache")
+
+    def job(name: str, built: StaticDecode, slots: int) -> DecodeRequest:
+        return DecodeRequest(
+            name, lambda: built, threading.Event(), False, built.kv_tokens, cache_tokens=slots
+        )
+
+    dual_built = replace(static_decode(m, POLICY_CASES[0], 0), cache_policy=rounds_policy(dual))
+    late = dyllm_built(m, POLICY_CASES[3], 3, KNOBS[1])
+    early = dyllm_built(m, POLICY_CASES[1], 1, KNOBS[0])
+    vanilla = StaticDecode(PROMPT, None, VANILLA_GEN, cache_policy=rounds_policy(_dyllm(KNOBS[0])))
+    jobs = [
+        job("dyllm-pdllm", early, cache_slots(len(early.query), early.gen)),
+        job("vanilla", vanilla, cache_slots(len(PROMPT), VANILLA_GEN)),
+        job("plain", static_decode(m, CASES[3], 3), 0),
+        job("dual", dual_built, cache_slots(len(dual_built.query), POLICY_CASES[0].gen)),
+        job("dyllm-late", late, cache_slots(len(late.query), late.gen)),
+    ]
+    arrivals = dict(zip((0, 2, 3, 5, 7), jobs, strict=True))  # in the middle of the others' blocks
+    forwards, iteration = Forwards(m), 0
+    while iteration <= max(arrivals) or sched.depth:
+        if iteration in arrivals:
+            sched.submit(arrivals[iteration])
+        before, rounds = forwards.n, sched.rounds
+        sched.run_once()
+        assert forwards.n - before == sched.rounds - rounds <= 1  # builds are not model forwards here
+        iteration += 1
+    results = {}
+    for j in jobs:
+        finals = []
+        while not j.events.empty():
+            event = j.events.get_nowait()
+            if isinstance(event, Final):
+                finals.append(event)
+        assert len(finals) == 1, j.request_id
+        results[j.request_id] = finals[0].result.raw_tokens
+    assert results["dyllm-pdllm"] == dyllm_reference(m, POLICY_CASES[1], 1, KNOBS[0])[0]
+    assert results["dyllm-late"] == dyllm_reference(m, POLICY_CASES[3], 3, KNOBS[1])[0]
+    assert results["vanilla"] == generate_vanilla(m, PROMPT, VANILLA_GEN, policy=_dyllm(KNOBS[0])).raw_tokens
+    assert results["plain"] == alone(m, CASES[3], 3)
+    assert results["dual"] == reference(m, POLICY_CASES[0], 0, dual)[0]
