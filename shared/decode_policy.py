@@ -1,32 +1,49 @@
 """The decode-policy config: which policy a decode runs and its knobs, as the decode loops take them.
 
 Settings, not decode logic: prefill, the router, the RPC conversion and the composition carry it; the
-policies themselves (``decode_service/policies``) run it. DyLLM's and FOCUS's knob sets
-(:class:`DyLLMConfig`, :class:`FocusConfig`) are plain configs too and live here with it.
+policies themselves (``decode_service/policies``) run it. :class:`DecodePolicyConfig` is the settings model
+(``decode_policy_settings.DecodePolicySettings``) with the loops' accessors, not a copy of it. DyLLM's and
+FOCUS's knob sets (:class:`DyLLMConfig`, :class:`FocusConfig`) are the typed configs their loops take; their
+fields are the knobs without the policy's prefix and their defaults are read from the settings fields.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdllm.shared.decode_policy_settings import (
     COMPUTE_SKIP,
-    DYLLM_DEFAULTS,
     DYLLM_KNOBS,
-    FOCUS_DEFAULTS,
     FOCUS_SETTINGS,
-    POLESTAR_DEFAULTS,
+    KNOB_GROUPS,
+    PAPER_THRESHOLDS,
     POLESTAR_KNOBS,
-    SPARSE_DEFAULTS,
+    SPARSE_KNOBS,
     DecodePolicySettings,
+    paper_default,
 )
-from pdllm.shared.settings import Label, validate
+from pdllm.shared.settings import Label, choices, validate
 
-# The paper's τ per model (§4.2.3: "0.99 for LLaDA and 0.995 for Dream"; Table 2 also runs Dream at 0.9975).
-PAPER_THRESHOLDS = {"dream": 0.995, "llada": 0.99}
+
+def _runtime(name: str, value: Any) -> Any:
+    """A knob's setting value as a runtime config holds it: a switch (on / off) as a bool."""
+    return value == "on" if choices(DecodePolicySettings, name) == ("on", "off") else value
+
+
+def _paper(name: str) -> Any:
+    """The paper's value of a knob (declared in its settings field) as a runtime config holds it."""
+    return _runtime(name, paper_default(name))
+
+
+def _from_settings(group: str, fields: Mapping[str, str], values: Mapping[str, Any]) -> dict[str, Any]:
+    """Runtime-config keyword arguments from knobs named as settings; unset (None) ones are left out."""
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown {group} knobs {sorted(unknown)}; known: {list(fields)}")
+    return {fields[n]: _runtime(n, v) for n, v in values.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -44,10 +61,10 @@ class DyLLMConfig:
     cached context by the salient rows' value deltas; False: they attend exactly ("Salient").
     """
 
-    threshold: float | None = None
-    full_steps: int = 4
-    full_sequence_interval: int = 4
-    approximate_attention: bool = True
+    threshold: float | None = _paper("dyllm_threshold")
+    full_steps: int = _paper("dyllm_full_steps")
+    full_sequence_interval: int = _paper("dyllm_full_sequence_interval")
+    approximate_attention: bool = _paper("dyllm_approximate_attention")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,14 +95,16 @@ class DyLLMConfig:
             raise ValueError(f"DyLLM has no paper threshold for family {family!r}; set dyllm_threshold")
         return PAPER_THRESHOLDS[family]
 
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any]) -> DyLLMConfig:
+        """From settings names (:data:`DYLLM_FIELDS`); unset ones take the paper's values."""
+        return cls(**_from_settings("dyllm", DYLLM_FIELDS, values))
 
-# Settings names the lead can wire (``--focus-alpha`` ...) -> FocusConfig fields.
-FOCUS_KNOBS: dict[str, str] = {
-    "focus_alpha": "alpha",
-    "focus_pool_kernel": "pool_kernel",
-    "focus_budget": "budget",
-    "focus_delayed_cache": "delayed_cache",
-}
+
+# Settings names (``--dyllm-threshold`` ...) -> DyLLMConfig fields, and (``--focus-alpha`` ...) -> FocusConfig
+# fields: the name without its policy's prefix.
+DYLLM_FIELDS: dict[str, str] = {n: n.removeprefix("dyllm_") for n in DYLLM_KNOBS}
+FOCUS_KNOBS: dict[str, str] = {n: n.removeprefix("focus_") for n in FOCUS_SETTINGS}
 
 
 @dataclass(frozen=True)
@@ -99,10 +118,10 @@ class FocusConfig:
     settings, not FOCUS's: block length 32 and confidence threshold 0.8 (§5.2).
     """
 
-    alpha: float = 1.5
-    pool_kernel: int = 3
-    budget: int | None = None
-    delayed_cache: bool = True
+    alpha: float = _paper("focus_alpha")
+    pool_kernel: int = _paper("focus_pool_kernel")
+    budget: int | None = _paper("focus_budget")
+    delayed_cache: bool = _paper("focus_delayed_cache")
     name: str = "focus"
 
     def __post_init__(self) -> None:
@@ -115,7 +134,8 @@ class FocusConfig:
             raise ValueError(f"focus alpha must be a finite number > 1 (Eq. 4 of the paper), got {a!r}")
         k = self.pool_kernel
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
-            raise ValueError(f"focus pool_kernel must be an odd integer >= 1 (the paper: 3), got {k!r}")
+            paper = _paper("focus_pool_kernel")
+            raise ValueError(f"focus pool_kernel must be an odd integer >= 1 (the paper: {paper}), got {k!r}")
         b = self.budget
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"focus budget must be None (dynamic, Eq. 4) or an integer >= 1, got {b!r}")
@@ -123,92 +143,110 @@ class FocusConfig:
             raise ValueError(f"focus delayed_cache must be a bool, got {self.delayed_cache!r}")
 
     @classmethod
-    def from_settings(cls, values: dict[str, Any]) -> FocusConfig:
+    def from_settings(cls, values: Mapping[str, Any]) -> FocusConfig:
         """From settings names (:data:`FOCUS_KNOBS`); unset ones take the paper's values."""
-        unknown = set(values) - set(FOCUS_KNOBS)
-        if unknown:
-            raise ValueError(f"unknown focus knobs {sorted(unknown)}; known: {list(FOCUS_KNOBS)}")
-        return cls(**{FOCUS_KNOBS[n]: v for n, v in values.items() if v is not None})
+        return cls(**_from_settings("focus", FOCUS_KNOBS, values))
 
 
-_DEFAULTS = DecodePolicySettings()
-
-
-@dataclass(frozen=True)
-class DecodePolicyConfig:
+class DecodePolicyConfig(DecodePolicySettings):
     """The decode-policy settings (``settings.DecodePolicySettings``: defaults, bounds, help) as the decode
-    loop runs them. ``refresh_steps``: also refresh every N steps within a block (None: at block starts).
-    Sparse-dLLM's ``retention`` (r), ``pool_kernel`` (s) and ``delay_steps``: None takes the paper's value
-    (:meth:`sparse`); set under another policy, they are refused."""
+    loop runs them: the validated settings themselves, plus the loops' accessors. Constructed from the
+    loops' names: ``name`` (the policy), ``refresh_steps`` (also refresh every N steps within a block; None:
+    at block starts), Sparse-dLLM's ``retention`` (r), ``pool_kernel`` (s) and ``delay_steps``, and the
+    other knob groups by setting name (``polestar={"polestar_clusters": 4}``, ``dyllm=...``,
+    ``focus=...``); or from setting names (``decode_policy=...``). Unset knobs take the paper's values
+    (:meth:`sparse`, :meth:`polestar_knobs`, :meth:`dyllm_config`, :meth:`focus_config`); a knob set
+    under another policy is refused (``settings.SettingError``, a ValueError)."""
 
-    name: str = _DEFAULTS.decode_policy
-    refresh_steps: int | None = _DEFAULTS.cache_refresh_steps
-    retention: float | None = None
-    pool_kernel: int | None = None
-    delay_steps: int | None = None
-    # Polestar-Cache's knobs by setting name (``polestar_clusters``, ...); unset ones take the paper's.
-    polestar: Mapping[str, Any] = field(default_factory=dict)
-    # DyLLM's and FOCUS's knobs by setting name (``dyllm_threshold``, ``focus_alpha``, ...), likewise.
-    dyllm: Mapping[str, Any] = field(default_factory=dict)
-    focus: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, label: Label = str) -> None:
-        """Raise a ``settings.SettingError`` (a ValueError) naming the first setting the schema refuses."""
-        values = {
-            "decode_policy": self.name,
-            "cache_refresh_steps": self.refresh_steps,
-            "sparse_retention": self.retention,
-            "sparse_pool_kernel": self.pool_kernel,
-            "sparse_delay_steps": self.delay_steps,
-        }
-        for group, knobs, given in (
-            ("polestar", POLESTAR_KNOBS, self.polestar),
-            ("dyllm", DYLLM_KNOBS, self.dyllm),
-            ("focus", FOCUS_SETTINGS, self.focus),
-        ):
-            unknown = set(given) - set(knobs)
+    def __init__(
+        self,
+        name: str | None = None,
+        refresh_steps: int | None = None,
+        *,
+        retention: float | None = None,
+        pool_kernel: int | None = None,
+        delay_steps: int | None = None,
+        polestar: Mapping[str, Any] | None = None,
+        dyllm: Mapping[str, Any] | None = None,
+        focus: Mapping[str, Any] | None = None,
+        **values: Any,
+    ) -> None:
+        named = zip(
+            ("decode_policy", "cache_refresh_steps", *SPARSE_KNOBS),
+            (name, refresh_steps, retention, pool_kernel, delay_steps),
+            strict=True,
+        )
+        values |= {n: v for n, v in named if v is not None}
+        for group, given in (("polestar", polestar), ("dyllm", dyllm), ("focus", focus)):
+            knobs = KNOB_GROUPS[group]
+            unknown = set(given or {}) - set(knobs)
             if unknown:
                 raise ValueError(f"unknown {group} knobs {sorted(unknown)}; known: {list(knobs)}")
-            values |= dict(given)
-        validate(DecodePolicySettings, values, label=label)
+            values |= dict(given or {})
+        # Checked as every group is, for the SettingError naming the first setting the schema refuses.
+        super().__init__(**dict(validate(DecodePolicySettings, values)))
+
+    def __repr_args__(self) -> Any:
+        return [(n, v) for n, v in super().__repr_args__() if v is not None]
+
+    def validate(self, label: Label = str) -> None:  # type: ignore[override]
+        """Raise a ``settings.SettingError`` (a ValueError) naming the first setting the schema refuses."""
+        validate(DecodePolicySettings, dict(self), label=label)
+
+    @property
+    def name(self) -> str:
+        return self.decode_policy
+
+    @property
+    def refresh_steps(self) -> int | None:
+        return self.cache_refresh_steps
+
+    @property
+    def retention(self) -> float | None:
+        return self.sparse_retention
+
+    @property
+    def pool_kernel(self) -> int | None:
+        return self.sparse_pool_kernel
+
+    @property
+    def delay_steps(self) -> int | None:
+        return self.sparse_delay_steps
+
+    def _set(self, knobs: tuple[str, ...]) -> dict[str, Any]:
+        return {n: v for n in knobs if (v := getattr(self, n)) is not None}
+
+    @property
+    def polestar(self) -> dict[str, Any]:
+        """Polestar-Cache's knobs that are set, by setting name (``polestar_clusters``, ...)."""
+        return self._set(POLESTAR_KNOBS)
+
+    @property
+    def dyllm(self) -> dict[str, Any]:
+        """DyLLM's knobs that are set, by setting name (``dyllm_threshold``, ...)."""
+        return self._set(DYLLM_KNOBS)
+
+    @property
+    def focus(self) -> dict[str, Any]:
+        """FOCUS's knobs that are set, by setting name (``focus_alpha``, ...)."""
+        return self._set(FOCUS_SETTINGS)
 
     def sparse(self) -> tuple[float, int, int]:
         """Sparse-dLLM's (retention, pool kernel, delay steps), the paper's values where unset."""
-        r, s, d = self.retention, self.pool_kernel, self.delay_steps
-        return (
-            float(SPARSE_DEFAULTS["sparse_retention"] if r is None else r),
-            int(SPARSE_DEFAULTS["sparse_pool_kernel"] if s is None else s),
-            int(SPARSE_DEFAULTS["sparse_delay_steps"] if d is None else d),
-        )
+        r, s, d = (paper_default(n) if (v := getattr(self, n)) is None else v for n in SPARSE_KNOBS)
+        return float(r), int(s), int(d)
 
     def polestar_knobs(self) -> dict[str, Any]:
         """Polestar-Cache's knobs, the paper's values where unset."""
-        return {n: self.polestar.get(n, POLESTAR_DEFAULTS[n]) for n in POLESTAR_KNOBS}
+        return {n: paper_default(n) if (v := getattr(self, n)) is None else v for n in POLESTAR_KNOBS}
 
     def dyllm_config(self) -> DyLLMConfig:
         """DyLLM's knobs as its loop takes them, the paper's values where unset (threshold: per family)."""
-        k = {n: self.dyllm.get(n, DYLLM_DEFAULTS[n]) for n in DYLLM_KNOBS}
-        threshold = k["dyllm_threshold"]
-        return DyLLMConfig(
-            threshold=None if threshold is None else float(threshold),
-            full_steps=int(k["dyllm_full_steps"]),
-            full_sequence_interval=int(k["dyllm_full_sequence_interval"]),
-            approximate_attention=k["dyllm_approximate_attention"] == "on",
-        )
+        return DyLLMConfig.from_settings(self.dyllm)
 
     def focus_config(self) -> FocusConfig:
         """FOCUS's knobs as its loop takes them, the paper's values where unset."""
-        k = {n: self.focus.get(n, FOCUS_DEFAULTS[n]) for n in FOCUS_SETTINGS}
-        budget = k["focus_budget"]
-        return FocusConfig(
-            alpha=float(k["focus_alpha"]),
-            pool_kernel=int(k["focus_pool_kernel"]),
-            budget=None if budget is None else int(budget),
-            delayed_cache=k["focus_delayed_cache"] == "on",
-        )
+        return FocusConfig.from_settings(self.focus)
 
     @property
     def skips_compute(self) -> bool:

@@ -50,12 +50,13 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
 
 from pdllm.decode_service.local_cache import LocalKVCache
+from pdllm.shared.decode_policy_settings import ResidualFormat, paper_default
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import apply_rope
 
@@ -293,11 +294,11 @@ def layer_inputs(model: Any, into: dict[int, torch.Tensor]) -> Iterator[None]:
 class Polestar:
     """Fast-dLLM's dual cache with Polestar-Cache's drift-triggered per-layer recompute of cached rows."""
 
-    clusters: int = 8
-    top_clusters: int = 2
-    update_threshold: int = 4
-    drift_threshold: float = 0.0
-    residual_format: str = "int8"
+    clusters: int = paper_default("polestar_clusters")
+    top_clusters: int = paper_default("polestar_top_clusters")
+    update_threshold: int = paper_default("polestar_update_threshold")
+    drift_threshold: float = paper_default("polestar_drift_threshold")
+    residual_format: str = paper_default("polestar_residual_format")
     refresh_steps: int | None = None
     name: str = "polestar"
 
@@ -305,7 +306,7 @@ class Polestar:
         # The settings schema says the same for users; this guards direct construction.
         if not 1 <= self.top_clusters <= self.clusters or self.update_threshold < 0:
             raise ValueError(f"need 1 <= top_clusters <= clusters and update_threshold >= 0, got {self}")
-        if self.drift_threshold < 0 or self.residual_format not in ("int8", "fp8", "none"):
+        if self.drift_threshold < 0 or self.residual_format not in get_args(ResidualFormat):
             raise ValueError(f"need drift_threshold >= 0 and residual_format int8|fp8|none, got {self}")
 
     def plan(self, ctx: StepContext) -> StepPlan:

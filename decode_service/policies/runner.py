@@ -40,15 +40,8 @@ def make_policy(config: DecodePolicyConfig) -> CachePolicy | None:
         retention, kernel, delay = config.sparse()
         return SparseDLLM(retention, kernel, delay, config.refresh_steps)
     if config.name == "polestar":
-        k = config.polestar_knobs()
-        return Polestar(
-            clusters=int(k["polestar_clusters"]),
-            top_clusters=int(k["polestar_top_clusters"]),
-            update_threshold=int(k["polestar_update_threshold"]),
-            drift_threshold=float(k["polestar_drift_threshold"]),
-            residual_format=str(k["polestar_residual_format"]),
-            refresh_steps=config.refresh_steps,
-        )
+        knobs = {n.removeprefix("polestar_"): v for n, v in config.polestar_knobs().items()}
+        return Polestar(**knobs, refresh_steps=config.refresh_steps)
     return None
 
 

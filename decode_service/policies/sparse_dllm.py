@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdllm.shared.decode_policy_settings import paper_default
+
 from .base import StepContext, StepPlan
 
 
@@ -106,9 +108,9 @@ class SparseDLLM:
     saliency-selected rows outside the block, then block-only steps over it. ``refresh_steps``: also take
     a new cache every N steps within a block (1: every step is full, plain decoding)."""
 
-    retention: float = 0.5
-    pool_kernel: int = 3
-    delay_steps: int = 1
+    retention: float = paper_default("sparse_retention")
+    pool_kernel: int = paper_default("sparse_pool_kernel")
+    delay_steps: int = paper_default("sparse_delay_steps")
     refresh_steps: int | None = None
     name: str = "sparse-dllm"
 
