@@ -2,7 +2,8 @@
 
 The help text shows it, and the runtime configs (``DecodePolicyConfig``'s accessors, ``DyLLMConfig``,
 ``FocusConfig``, the ``SparseDLLM`` and ``Polestar`` policies) read it from there: a literal default in
-one of them, or a dict of defaults beside the field, fails here.
+one of them, or a dict of defaults beside the field, fails here. The prose that cannot read it (the proto
+comments, ``docs/decode-policies.md``) is checked against it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import pytest
 from pdllm.decode_service.policies.polestar import Polestar
 from pdllm.decode_service.policies.sparse_dllm import SparseDLLM
 from pdllm.shared.decode_policy import DecodePolicyConfig, DyLLMConfig, FocusConfig
-from pdllm.shared.decode_policy_settings import KNOB_GROUPS, DecodePolicySettings, paper_default
+from pdllm.shared.decode_policy_settings import (
+    KNOB_GROUPS,
+    PAPER_THRESHOLDS,
+    DecodePolicySettings,
+    paper_default,
+)
 from pdllm.shared.settings import choices
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,3 +106,29 @@ def test_no_defaults_dict_beside_the_fields() -> None:
                     ):
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno} {key.value}")
     assert not found, found
+
+
+def _unset_words(name: str) -> str | None:
+    """How the proto comment and the docs state a knob's unset value (None: they state none)."""
+    paper = paper_default(name)
+    if name == "dyllm_threshold":  # per model family
+        return f"{PAPER_THRESHOLDS['dream']:g} Dream, {PAPER_THRESHOLDS['llada']:g} LLaDA"
+    if paper is None:
+        return None
+    return paper if isinstance(paper, str) else f"{paper:g}"
+
+
+@pytest.mark.parametrize(("policy", "name"), KNOBS)
+def test_proto_comment_and_docs_state_the_fields_default(policy: str, name: str) -> None:
+    """The prose beside the wire field and the flag cannot read the field; it must agree with it."""
+    words = _unset_words(name)
+    if words is None:
+        return
+    proto = (ROOT / "protos/pdllm/v1/generation.proto").read_text()
+    line = next(x for x in proto.splitlines() if f" {name} = " in x)
+    assert line.rstrip().endswith(f"unset = {words}"), line
+    docs = (ROOT / "docs/decode-policies.md").read_text()
+    flag = "--" + name.replace("_", "-")
+    after = docs.split(f"`{flag}", 1)[1]
+    stated = " ".join(after.split("\n\n", 1)[0].split("`--", 1)[0].split())  # lines wrap anywhere
+    assert f"default {words}" in stated, (flag, stated)
