@@ -25,7 +25,7 @@ from pdllm.shared.decode_policy_settings import (
     DecodePolicySettings,
     paper_default,
 )
-from pdllm.shared.settings import Label, choices, validate
+from pdllm.shared.settings import Label, bounds, choices, validate
 
 
 def _runtime(name: str, value: Any) -> Any:
@@ -36,6 +36,19 @@ def _runtime(name: str, value: Any) -> Any:
 def _paper(name: str) -> Any:
     """The paper's value of a knob (declared in its settings field) as a runtime config holds it."""
     return _runtime(name, paper_default(name))
+
+
+def _below(name: str, value: float) -> bool:
+    """Whether ``value`` is under a knob's lower bound, read from its settings field (a runtime config built
+    directly keeps that bound, not the upper one that settings keep)."""
+    lo, lo_open, _, _ = bounds(DecodePolicySettings, name, {}, request=False)
+    return value <= lo if lo_open else value < lo
+
+
+def _least(name: str) -> str:
+    """A knob's lower bound as the runtime configs' errors state it: ``>= 1``, ``> 1``."""
+    lo, lo_open, _, _ = bounds(DecodePolicySettings, name, {}, request=False)
+    return f"{'>' if lo_open else '>='} {lo:g}"
 
 
 def _from_settings(group: str, fields: Mapping[str, str], values: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,16 +85,22 @@ class DyLLMConfig:
     def validate(self) -> None:
         """Raise a ValueError naming the first knob out of its range."""
         t = self.threshold
+        lo, lo_open, hi, _ = bounds(DecodePolicySettings, "dyllm_threshold", {}, request=False)
         if t is not None and (
-            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 1
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not math.isfinite(t)
+            or _below("dyllm_threshold", t)
+            or t > hi
         ):
-            raise ValueError(f"dyllm_threshold must be in (0, 1] (1: every row salient), got {t!r}")
+            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise ValueError(f"dyllm_threshold must be in {interval} (1: every row salient), got {t!r}")
         for name, value in (
             ("dyllm_full_steps", self.full_steps),
             ("dyllm_full_sequence_interval", self.full_sequence_interval),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or _below(name, value):
+                raise ValueError(f"{name} must be an integer {_least(name)}, got {value!r}")
         if not isinstance(self.approximate_attention, bool):
             raise ValueError(
                 f"dyllm_approximate_attention must be a bool, got {self.approximate_attention!r}"
@@ -130,15 +149,24 @@ class FocusConfig:
     def validate(self) -> None:
         """Raise a ValueError naming the first knob out of its range."""
         a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 1:
-            raise ValueError(f"focus alpha must be a finite number > 1 (Eq. 4 of the paper), got {a!r}")
+        if (
+            isinstance(a, bool)
+            or not isinstance(a, (int, float))
+            or not math.isfinite(a)
+            or _below("focus_alpha", a)
+        ):
+            least = _least("focus_alpha")
+            raise ValueError(f"focus alpha must be a finite number {least} (Eq. 4 of the paper), got {a!r}")
         k = self.pool_kernel
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
-            paper = _paper("focus_pool_kernel")
-            raise ValueError(f"focus pool_kernel must be an odd integer >= 1 (the paper: {paper}), got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or _below("focus_pool_kernel", k) or k % 2 == 0:
+            least, paper = _least("focus_pool_kernel"), _paper("focus_pool_kernel")
+            raise ValueError(
+                f"focus pool_kernel must be an odd integer {least} (the paper: {paper}), got {k!r}"
+            )
         b = self.budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"focus budget must be None (dynamic, Eq. 4) or an integer >= 1, got {b!r}")
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or _below("focus_budget", b)):
+            least = _least("focus_budget")
+            raise ValueError(f"focus budget must be None (dynamic, Eq. 4) or an integer {least}, got {b!r}")
         if not isinstance(self.delayed_cache, bool):
             raise ValueError(f"focus delayed_cache must be a bool, got {self.delayed_cache!r}")
 
