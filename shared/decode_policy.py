@@ -221,52 +221,28 @@ class DecodePolicyConfig(DecodePolicySettings):
         """Raise a ``settings.SettingError`` (a ValueError) naming the first setting the schema refuses."""
         validate(DecodePolicySettings, dict(self), label=label)
 
-    @property
-    def name(self) -> str:
-        return self.decode_policy
+    # The loops' names of the settings; a knob group's set knobs by setting name (``polestar_clusters``, ...).
+    name = property(lambda self: self.decode_policy)
+    refresh_steps = property(lambda self: self.cache_refresh_steps)
+    retention = property(lambda self: self.sparse_retention)
+    pool_kernel = property(lambda self: self.sparse_pool_kernel)
+    delay_steps = property(lambda self: self.sparse_delay_steps)
+    polestar = property(lambda self: {n: v for n in POLESTAR_KNOBS if (v := getattr(self, n)) is not None})
+    dyllm = property(lambda self: {n: v for n in DYLLM_KNOBS if (v := getattr(self, n)) is not None})
+    focus = property(lambda self: {n: v for n in FOCUS_SETTINGS if (v := getattr(self, n)) is not None})
 
-    @property
-    def refresh_steps(self) -> int | None:
-        return self.cache_refresh_steps
-
-    @property
-    def retention(self) -> float | None:
-        return self.sparse_retention
-
-    @property
-    def pool_kernel(self) -> int | None:
-        return self.sparse_pool_kernel
-
-    @property
-    def delay_steps(self) -> int | None:
-        return self.sparse_delay_steps
-
-    def _set(self, knobs: tuple[str, ...]) -> dict[str, Any]:
-        return {n: v for n in knobs if (v := getattr(self, n)) is not None}
-
-    @property
-    def polestar(self) -> dict[str, Any]:
-        """Polestar-Cache's knobs that are set, by setting name (``polestar_clusters``, ...)."""
-        return self._set(POLESTAR_KNOBS)
-
-    @property
-    def dyllm(self) -> dict[str, Any]:
-        """DyLLM's knobs that are set, by setting name (``dyllm_threshold``, ...)."""
-        return self._set(DYLLM_KNOBS)
-
-    @property
-    def focus(self) -> dict[str, Any]:
-        """FOCUS's knobs that are set, by setting name (``focus_alpha``, ...)."""
-        return self._set(FOCUS_SETTINGS)
+    def knobs(self, policy: str) -> dict[str, Any]:
+        """A policy's knobs by setting name, the paper's values where unset."""
+        return {n: paper_default(n) if (v := getattr(self, n)) is None else v for n in KNOB_GROUPS[policy]}
 
     def sparse(self) -> tuple[float, int, int]:
         """Sparse-dLLM's (retention, pool kernel, delay steps), the paper's values where unset."""
-        r, s, d = (paper_default(n) if (v := getattr(self, n)) is None else v for n in SPARSE_KNOBS)
+        r, s, d = self.knobs("sparse-dllm").values()
         return float(r), int(s), int(d)
 
     def polestar_knobs(self) -> dict[str, Any]:
         """Polestar-Cache's knobs, the paper's values where unset."""
-        return {n: paper_default(n) if (v := getattr(self, n)) is None else v for n in POLESTAR_KNOBS}
+        return self.knobs("polestar")
 
     def dyllm_config(self) -> DyLLMConfig:
         """DyLLM's knobs as its loop takes them, the paper's values where unset (threshold: per family)."""
