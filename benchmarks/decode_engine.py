@@ -17,8 +17,7 @@ BOS + a ``--vanilla-context`` (1K) context + a 24-token question, every row loca
 full-mask), the question + answer local. Policies at the papers' knobs: Sparse-dLLM r = 0.5, s = 3, one-step
 delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyLLM and FOCUS their defaults.
 
-Cases (default: every case but ``rounds-e2e`` and ``polestar-tpf``; each measures what the script named
-in brackets measured, that script's code moved here):
+Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and ``serve``):
   loop           the in-process denoising loop, batch 1 (``generate_vanilla``; pdllm: ``PrefillingEngine.
                  generate``, ``decode_attention="buffer"``), per policy none / dual-cache / sparse-dllm /
                  prefix-cache / polestar, vanilla 1K and pdllm 16K, and none / dual-cache on the whole 16K
@@ -27,7 +26,6 @@ in brackets measured, that script's code moved here):
                  steps (two blocks of four steps) at each shape. A vanilla ``none`` loop whose full run would
                  take more than ``--vanilla-share`` of the time left is timed over one step per block
                  (``probe``: every vanilla step is the same forward). Batch 16 is the rounds' (skipped here).
-                 [decode_policies.py]
   rounds         the decode worker's batched rounds (``decode_round`` over ``GraphedRoundForward``: CUDA
                  graphs per shape bucket, split-S attention over the KV pool; Sparse-dLLM's and Polestar's
                  refresh/update rounds eager) at batch 1 and 16, same cells. Each cell runs twice with the
@@ -35,31 +33,25 @@ in brackets measured, that script's code moved here):
                  whole blocks the first fitted into ``--cell-s`` (2 s); tokens/s = answer tokens / seconds.
                  ``--round-check`` first checks policy sessions in graphed rounds == the reference policy
                  loop (tiny fp32 models; on a GPU a minute or two of compiles and captures).
-                 [decode_policy_rounds.py]
   rounds-e2e     pdllm in the rounds, batch 1, end to end (fixed phases + gen / tokens/s) against Fast-dLLM's
                  dual cache on the whole prompt, at 8K / 16K / 32K and gen 32 / 256.
-                 [decode_policy_rounds.py]
-  compute-skip   DyLLM (eager, and with CUDA graphs: its fast path, captures in the time) and FOCUS (its
-                 request loop) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
+  compute-skip   DyLLM and FOCUS (their library loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
-                 [decode_compute_skip.py, batch 1]
   focus-batched  FOCUS's batched fast path (``generate_focus_batched``: one packed forward per step for every
                  request) on SDAR-8B shapes at ``--focus-batches`` (1, 16; the old script also ran 64), gen
                  ``--focus-gen`` (32; it ran 64), against the same packed forward with nothing evicted and no
                  delayed cache (plain decoding: the ``vanilla`` baseline of these rows); tokens/s = batch x
                  gen / seconds, the prompts' prefill included; warm-up: one block of the same configuration.
-                 [decode_compute_skip.py, batched]
   polestar       Polestar-Cache's step cost against the dual cache in the loop, at the paper's knobs, with
                  update threshold 0 and with exact (``none``) residuals; gen ``--polestar-gen`` (32: one
-                 block; the old script's 256 makes the threshold-0 run alone ~1 min). [polestar_speed.py]
+                 block; the old script's 256 makes the threshold-0 run alone ~1 min).
   polestar-tpf   tokens per forward on the shipped model (``shared/checkpoints/pdllm-needle``), on the CPU in
                  fp32 wherever the run is, as before (~1 min on a 16-core host), under
                  confidence threshold ``--threshold`` (0.9): the eval's needle (1K and 16K; block 4, gen 8)
                  and long-answer (1K; block 32) samples at five depths, none / dual-cache / polestar, vanilla
                  and pdllm: TPF = answer slots up to and including the first EOS / forwards (slots after EOS
                  are not tokens the request produced), accuracy, token agreement with no policy.
-                 [polestar_speed.py --tpf]
 
 Every row has ``case``, ``policy``, ``method``, ``context_tokens``, ``gen_length``, ``batch``, ``tokens_per_s``,
 ``round_ms`` (seconds per step of the loop, or per round of a batch), ``forwards_per_round`` (model forwards
@@ -113,7 +105,6 @@ from pdllm.decode_service import block_rounds  # noqa: E402
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy  # noqa: E402
-from pdllm.decode_service.policies.compute_skip import run_compute_skip, vanilla_compute_skip_logits  # noqa: E402
 from pdllm.decode_service.policies.focus import FocusConfig  # noqa: E402
 from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots, session_kind  # noqa: E402
@@ -126,7 +117,6 @@ from pdllm.decode_service.sessions import SessionMaker, rounds_policy  # noqa: E
 from pdllm.decode_service.vanilla import generate_vanilla  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
 from pdllm.shared.config import EngineConfig  # noqa: E402
-from pdllm.shared.generation.plain import prompt_tensor  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult  # noqa: E402
 from pdllm.shared.static_kv import StaticKV  # noqa: E402
 
@@ -150,7 +140,6 @@ LOOP_BATCH_SKIP = (
 class CaseInfo:
     run: Callable[[Bench], None]
     title: str
-    source: str
     model: str  # which model it runs: cases of one model run together
     default: bool = True
     gpu: bool = True  # GPU shapes (without a CUDA device: the smoke sizes); False: runs anywhere
@@ -158,15 +147,14 @@ class CaseInfo:
 
 @dataclass(frozen=True)
 class Policy:
-    """A decode policy as a case runs it: its name, Polestar-Cache knobs, DyLLM's CUDA graphs."""
+    """A decode policy as a case runs it: its name and Polestar-Cache knobs."""
 
     name: str
     knobs: tuple[tuple[str, Any], ...] = ()
-    graphs: bool = False
 
     @property
     def label(self) -> str:
-        return self.name + ("+graphs" if self.graphs else "")
+        return self.name
 
     @property
     def key(self) -> str:
@@ -332,15 +320,7 @@ def loop_run(
     with counter.tally() as tally:
         if method == "vanilla":
             prompt = bench.whole_prompt(context)
-            if policy.graphs:  # DyLLM's fast path with CUDA graphs, as the decode worker and engine run it
-                with torch.inference_mode():
-                    fn = vanilla_compute_skip_logits(
-                        model, prompt_tensor(model, prompt), cfg, config, cuda_graph=True
-                    )
-                    result = run_compute_skip(fn)
-                extra["graphs_captured"] = len(fn.graphs)  # type: ignore[attr-defined]
-            else:
-                result = generate_vanilla(model, prompt, cfg, policy=config)
+            result = generate_vanilla(model, prompt, cfg, policy=config)
         else:
             engine = bench.engine("loop")
             with counter.excluding(engine, "prefill", "build"):  # the fixed phases' forwards
@@ -411,9 +391,6 @@ def measure_loop(bench: Bench, case: str, method: str, context: int, gen: int, p
     known = bench.loop_runs.get(key)
     if known is not None and (known["timing"] == "full" or probe_ok):
         return known
-    if policy.graphs and not bench.run.cuda:
-        bench.skip(case, where, "CUDA graphs need a CUDA device")
-        return None
     try:
         if (method, context) not in bench.full_step_s:
             if bench.left() < 0.05 * bench.run.budget_s:  # a warm-up costs several full steps: none left
@@ -512,22 +489,17 @@ def case_compute_skip(bench: Bench) -> None:
     a, case = bench.args, "compute-skip"
     ctx, gen = a.vanilla_context, a.skip_gen
     runs: dict[str, dict] = {}
-    for policy in (Policy("none"), Policy("dual-cache"), Policy("dyllm"), Policy("dyllm", graphs=True),
-                   Policy("focus")):  # fmt: skip
+    for policy in (Policy("none"), Policy("dual-cache"), Policy("dyllm"), Policy("focus")):
         r = measure_loop(bench, case, "vanilla", ctx, gen, policy, warm="block")
         if r is not None:
             runs[policy.label] = r
-    for label, r in runs.items():
+    for r in runs.values():
         row = loop_row(bench, case, r)
         row["rows_frac"] = rows_frac(r["cache"])
-        if label == "dyllm+graphs":
-            row["graphs_captured"] = r.get("graphs_captured")
-            if "dyllm" in runs:
-                row["same_tokens_as_eager"] = r["_tokens"] == runs["dyllm"]["_tokens"]
         bench.add(row)
     bench.meta(case)["setup"] = (
         f"vanilla {ctx}-token context + {QUERY_TOKENS}-token question, gen {gen}, block {a.block}, batch 1; "
-        "dyllm+graphs: each request captures its own graphs, in the time. rows_frac: rows computed / plain."
+        "the library loops (`generate_vanilla`). rows_frac: rows computed / plain."
     )
 
 
@@ -1054,7 +1026,7 @@ def case_rounds_e2e(bench: Bench) -> None:
 
 
 # ---------------------------------------------------------------------------------------- mixed round
-MIXED = ("none", "dual-cache", "sparse-dllm", "polestar", "focus")
+MIXED = ("none", "dual-cache", "sparse-dllm", "polestar", "dyllm", "focus")
 
 
 def mixed_sessions(
@@ -1131,56 +1103,89 @@ def case_mixed(bench: Bench) -> None:
     drop_rounds(bench)
     bench.meta(case)["setup"] = (
         f"pdllm {a.pdllm_context} context, gen {gen_len}, block {a.block}, one token per step; {n} requests: all "
-        f"dual cache, then policies cycling {', '.join(MIXED)} (DyLLM is stepped outside the rounds); one whole "
+        f"dual cache, then policies cycling {', '.join(MIXED)}; one whole "
         "block timed after one that captures and compiles; round ms = the block's seconds / its rounds; "
         "vs dual cache = the all-dual-cache round time / this round time (same requests count; rows per round "
         "differ: each policy forwards its own rows)."
     )
 
 
+# ---------------------------------------------------------------------------------------- serving
+def _serve_policy(meta: dict) -> str:
+    """The ``--decode-policy`` a serving.py run passed to ``pdllm serve`` (``none`` without one)."""
+    flags = " ".join(meta.get("serve_flags") or []).replace("=", " ").split()
+    return flags[flags.index("--decode-policy") + 1] if "--decode-policy" in flags else "none"
+
+
+def case_serve(bench: Bench) -> None:
+    """Rows ``serve:<policy>`` from ``serving.py`` files (``--serving-files``), one per decode policy: its
+    most concurrent all-in-one cell, against the no-policy file's."""
+    rows = []
+    for path in bench.args.serving_files:
+        data = json.loads(Path(path).read_text())
+        cells = [r for r in data["rows"] if r["layout"] == "all-in-one"]
+        if not cells:
+            continue
+        top = max(cells, key=lambda r: r["concurrency"])
+        policy = _serve_policy(data["meta"])
+        rows.append({"case": f"serve:{policy}", "policy": policy, "method": "pdllm", "device": data["device"],
+                     "date": data["date"], "file": Path(path).name, "context_tokens": top["context_tokens"],
+                     "concurrency": top["concurrency"], "batch": top["concurrency"], "requests": top["requests"],
+                     "failed": top["failed"], "requests_per_s": top["requests_per_s"],
+                     "step_p50_ms": top["step_p50_ms"], "step_p99_ms": top["step_p99_ms"],
+                     "unloaded_step_ms": top["unloaded_step_ms"]})  # fmt: skip
+    base = next((r["requests_per_s"] for r in rows if r["policy"] == "none"), None)
+    for r in rows:
+        r["vs_none"] = speedup(r["requests_per_s"], base)
+        r["p99_over_unloaded"] = speedup(r["step_p99_ms"], r["unloaded_step_ms"])
+        bench.add(r)
+    bench.meta("serve")["setup"] = (
+        "`benchmarks/serving.py --layouts all-in-one --serve-flags '--decode-policy P'`, one file per policy "
+        "(`--serving-files`), the most concurrent cell of each; vs none = requests/s / the no-policy file's; "
+        "step p99 / unloaded = the loaded p99 step over the unloaded one."
+    )
+
+
 CASES: dict[str, CaseInfo] = {
-    "loop": CaseInfo(
-        case_loop, "the in-process denoising loop per policy, batch 1", "decode_policies.py", "dream"
-    ),
+    "loop": CaseInfo(case_loop, "the in-process denoising loop per policy, batch 1", "dream"),
     "rounds": CaseInfo(
         case_rounds,
         "the decode worker's batched rounds per policy, batch 1 and 16",
-        "decode_policy_rounds.py",
         "dream",
     ),
     "compute-skip": CaseInfo(
         case_compute_skip,
         "DyLLM and FOCUS vs the plain loop and the dual cache, batch 1",
-        "decode_compute_skip.py",
         "dream",
     ),
-    "polestar": CaseInfo(
-        case_polestar, "Polestar-Cache's step cost vs the dual cache, its knobs", "polestar_speed.py", "dream"
-    ),
+    "polestar": CaseInfo(case_polestar, "Polestar-Cache's step cost vs the dual cache, its knobs", "dream"),
     "rounds-e2e": CaseInfo(
         case_rounds_e2e,
         "pdllm in the rounds end to end vs dual cache on the whole prompt",
-        "decode_policy_rounds.py",
         "dream",
         default=False,
     ),
     "focus-batched": CaseInfo(
         case_focus_batched,
         "FOCUS's batched path vs plain batched decoding (SDAR shapes)",
-        "decode_compute_skip.py",
         "sdar",
     ),
     "mixed": CaseInfo(
         case_mixed,
         "one round of mixed policies vs an all-dual-cache round (16 pdllm requests)",
-        "decode_engine.py",
         "dream",
         default=False,
+    ),
+    "serve": CaseInfo(
+        case_serve,
+        "serving under each decode policy (all-in-one, from serving.py files)",
+        "none",
+        default=False,
+        gpu=False,
     ),
     "polestar-tpf": CaseInfo(
         case_polestar_tpf,
         "tokens per forward under a confidence threshold, shipped model (CPU)",
-        "polestar_speed.py --tpf",
         "shipped",
         default=False,
         gpu=False,
@@ -1198,8 +1203,8 @@ def markdown(report: dict) -> str:
              "per round (a packed round of many requests = 1); `TPF` = tokens one request decoded per forward. "
              "Speedups are against rows of the same run."]  # fmt: skip
     for case, info in report["cases"].items():
-        rows = [r for r in report["rows"] if r["case"] == case]
-        lines += ["", f"## {case}: {info['title']}", "", f"Measures what `benchmarks/{info['source']}` measured. "
+        rows = [r for r in report["rows"] if _case(r) == case]
+        lines += ["", f"## {case}: {info['title']}", "",
                   f"{info.get('device', meta['device'])}, {info.get('date', meta['date'])}, "
                   f"{info.get('elapsed_s', 0):.0f} s. {info.get('setup', '')}", ""]  # fmt: skip
         lines += case_table(case, rows)
@@ -1245,6 +1250,13 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                      [[r["model"], r["policy"], str(r["batch"]), str(r["gen_length"]), *_common(r)[:4],
                        ratio(r["speedup_vs_vanilla"]), ratio(r.get("speedup_vs_plain_rounds")), fmt(r["rows_frac"]),
                        fmt(r["peak_gib"])] for r in rows])  # fmt: skip
+    if case == "serve":
+        return table(["policy", "concurrency x context", "requests", "failed", "req/s", "vs none", "step p50 ms",
+                      "step p99 ms", "unloaded step ms", "p99 / unloaded", "file"],
+                     [[r["policy"], f"{r['concurrency']} x {r['context_tokens']}", str(r["requests"]),
+                       str(r["failed"]), fmt(r["requests_per_s"]), ratio(r["vs_none"]), fmt(r["step_p50_ms"]),
+                       fmt(r["step_p99_ms"]), fmt(r["unloaded_step_ms"]), ratio(r["p99_over_unloaded"]), r["file"]]
+                      for r in rows])  # fmt: skip
     if case == "mixed":
         return table(["policies", "batch", "round ms", "fwd/round", "rows/round", "dual-cache round / this", "peak GiB"],
                      [[r["policy"], str(r["batch"]), fmt(r["round_ms"]), fmt(r["forwards_per_round"]),
@@ -1273,10 +1285,6 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
             cells += [knobs, fmt(r.get("updates")), fmt(r.get("rows_recomputed"))]
         out.append(cells)
     lines = table(head + extra_head.get(case, []), out)
-    for r in rows:
-        if r["policy"] == "dyllm+graphs":
-            lines += ["", f"dyllm+graphs captured {r.get('graphs_captured')} graphs in the timed run (included); "
-                      f"same tokens as the eager fast path: {r.get('same_tokens_as_eager')}."]  # fmt: skip
     shared: dict[str, list[str]] = {}
     for r in rows:
         if r.get("measured_in"):
@@ -1307,13 +1315,18 @@ def whole_prompt(rows: list[dict]) -> list[str]:
     return head + table(["context", "gen", "pdllm policy", "loop speedup", "end-to-end speedup"], out)
 
 
+def _case(row: dict) -> str:
+    """The case a row belongs to (``serve:<policy>`` rows: ``serve``)."""
+    return row["case"].split(":")[0]
+
+
 def write(bench: Bench, meta: dict, kept: dict) -> None:
     """The report: this run's cases, after the kept ones of an earlier file (``--update``)."""
-    rows = [r for r in kept.get("rows", []) if r["case"] not in bench.cases] + bench.rows
+    rows = [r for r in kept.get("rows", []) if _case(r) not in bench.cases] + bench.rows
     cases = {c: m for c, m in kept.get("cases", {}).items() if c not in bench.cases} | bench.cases
     order = [c for c in CASES if c in cases]
     report = {"device": meta["device"], "meta": meta, "cases": {c: cases[c] for c in order},
-              "rows": sorted(rows, key=lambda r: order.index(r["case"]))}  # fmt: skip
+              "rows": sorted(rows, key=lambda r: order.index(_case(r)))}  # fmt: skip
     write_report(bench.args.out, bench.args.name, report, markdown(report))
 
 
@@ -1369,6 +1382,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--tpf-depths", default=None, help="polestar-tpf: needle depths (default 0,0.25,0.5,0.75,1)"
     )
+    ap.add_argument("--serving-files", nargs="*", default=[],
+                    help="serve: serving.py JSON files, one per decode policy (`--serve-flags '--decode-policy P'`)")  # fmt: skip
     args = ap.parse_args(argv)
     names = [c.strip() for c in (args.cases or "").split(",") if c.strip()]
     if not names:
@@ -1411,7 +1426,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{NAME}] {run.device_name()}, cases {args.cases}, budget {run.budget_s:.0f}s", flush=True)
     for case in args.cases:
         info = CASES[case]
-        bench.cases[case] = {"title": info.title, "source": info.source, "device": meta["device"],
+        bench.cases[case] = {"title": info.title, "device": meta["device"],
                              "date": meta["date"], "command": meta["command"], "skipped": [], "errors": []}  # fmt: skip
         t = time.perf_counter()
         if bench.left() <= 0:

@@ -46,13 +46,11 @@ def static_compute_skip_logits(
     config: DecodePolicyConfig,
     decode_attention: str,
     static_policy: DecodePolicy | None = None,
-    cuda_graph: bool = False,
 ) -> ComputeSkipLogits:
     """Step 7 of a pdllm request under a compute-skipping policy (DyLLM, FOCUS): its loop over the query +
-    answer rows around the same static-KV attention as :func:`static_policy_logits` (``cuda_graph``: see
-    ``compute_skip_logits``)."""
+    answer rows around the same static-KV attention as :func:`static_policy_logits`."""
     local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
-    return compute_skip_logits(model, local, positions, len(query), gen, config, inner, cuda_graph)
+    return compute_skip_logits(model, local, positions, len(query), gen, config, inner)
 
 
 def static_local_rows(

@@ -16,11 +16,9 @@ instead, so that all of them run the very same code and an answer over gRPC equa
   block-causal prefix (``sdar_decode.py``); DyLLM is refused (its caches assume full bidirectional
   attention over every local row).
 
-DyLLM runs its fast path (``dyllm_fast.py``, held token-exact to the reference by its tests; with
-``cuda_graph``, as the decode worker and engine pass it, its sparse steps are graph replays); FOCUS its
-reference request loop here (one request). The decode worker and the engine run FOCUS in the batched
-rounds instead (``decode_service/focus_rounds.py``, ``decode_service/sdar_focus_rounds.py``), equal to
-these loops token for token.
+These are the policies' reference loops (one request). The decode worker and the engine run both in the
+batched rounds instead (``decode_service/dyllm_rounds.py``, ``focus_rounds.py``, ``sdar_focus_rounds.py``),
+equal to these loops token for token.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
 from .base import vanilla_local_rows
+from .dyllm import DyLLMLogits
 from .dyllm_base import DyLLMBase
-from .dyllm_fast import DyLLMFastLogits
 from .focus_reference import FocusBlockSession, FocusLogits, FocusSession, run_focus
 from .runner import PolicySession, run_policy
 
@@ -50,15 +48,14 @@ def compute_skip_logits(
     gen: GenerationConfig,
     config: DecodePolicyConfig,
     inner: AttentionBackend,
-    cuda_graph: bool = False,
 ) -> ComputeSkipLogits:
     """The logits function of ``config``'s compute-skipping policy over the local rows (``PolicyLogits``'s
     contract: ``local`` [N] owned, ``positions`` [1, N], the response the last ``gen_length`` rows).
-    ``cuda_graph``: DyLLM replays its captured sparse steps (CUDA only); FOCUS's loop stays eager."""
+    """
     config.validate()
     if config.name == "dyllm":
         dyllm = config.dyllm_config()
-        return DyLLMFastLogits(model, local, positions, response_start, gen, dyllm, inner, cuda_graph)
+        return DyLLMLogits(model, local, positions, response_start, gen, dyllm, inner)
     if config.name == "focus":
         return FocusLogits(model, local, positions, response_start, gen, config.focus_config(), inner)
     raise ValueError(f"decode policy {config.name!r} is not a compute-skipping policy (dyllm, focus)")
@@ -69,12 +66,10 @@ def vanilla_compute_skip_logits(
     prompt: torch.Tensor,
     gen: GenerationConfig,
     config: DecodePolicyConfig,
-    cuda_graph: bool = False,
 ) -> ComputeSkipLogits:
     """The vanilla step under DyLLM / FOCUS: local rows prompt + response, dense attention over them."""
     local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
-    dense = DenseAttention()
-    return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, dense, cuda_graph)
+    return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
 
 
 def compute_skip_session(logits_fn: ComputeSkipLogits) -> DenoiseSession:

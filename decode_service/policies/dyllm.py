@@ -1,7 +1,7 @@
 """DyLLM (Lee et al., ``../shared/papers/dyllm.txt``): per layer, only the *salient* rows, whose attention
 context moved since the previous step, run the FFN and refresh their K/V; the others reuse cached
-activations and update their context approximately. The reference path (this module); the fast path
-(``dyllm_fast.py``) is held to it token for token.
+activations and update their context approximately. The reference loop (this module); the decode worker's
+rounds (``decode_service/dyllm_rounds.py``) are held to it token for token.
 
 The paper's text lost its formulas; where it is silent the released code (scale-snu/DyLLM: ``Attention``,
 ``LLaDAAttention``, ``MLPcache``, ``model_runner.prepare_sparse``, the ``attention_sparse_varlen`` kernel)
@@ -61,13 +61,11 @@ from .dyllm_base import (
     project_q,
     step_kind,
 )
-from .dyllm_fast import DyLLMFastLogits
 from .runner import run_policy
 
 __all__ = [
     "PAPER_THRESHOLDS",
     "DyLLMConfig",
-    "DyLLMFastLogits",
     "DyLLMLogits",
     "DyLLMStats",
     "denoise_with_dyllm",
@@ -138,12 +136,10 @@ def vanilla_dyllm_logits(
     prompt: torch.Tensor,
     gen: GenerationConfig,
     config: DyLLMConfig,
-    fast: bool = True,
 ) -> DyLLMBase:
     """DyLLM on the vanilla path: local rows prompt + response, dense attention over them."""
     local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
-    cls = DyLLMFastLogits if fast else DyLLMLogits
-    return cls(model, local, positions, prompt.numel(), gen, config, DenseAttention())
+    return DyLLMLogits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
 
 
 @torch.inference_mode()
@@ -155,10 +151,8 @@ def denoise_with_dyllm(
     gen: GenerationConfig,
     config: DyLLMConfig,
     inner: AttentionBackend,
-    fast: bool = True,
     progress: bool = False,
 ) -> GenerationResult:
-    """:func:`denoise` under DyLLM over the local rows (``fast``: the fast path, else the reference)."""
+    """:func:`denoise` under DyLLM's reference loop over the local rows."""
     gen.validate()
-    cls = DyLLMFastLogits if fast else DyLLMLogits
-    return run_policy(cls(model, local, positions, response_start, gen, config, inner), progress)
+    return run_policy(DyLLMLogits(model, local, positions, response_start, gen, config, inner), progress)

@@ -6,8 +6,8 @@ Shared here: which kind a step is (:func:`step_kind`), the per-layer
 activation cache, the counters, the FullStep (a plain forward that also caches every layer's K/V, attention
 context and FFN output) and the per-layer projections written the way ``shared/model/transformer.py``
 writes them, so that a step with every row salient computes exactly what the plain forward computes. The
-sparse step itself is what the reference (``dyllm.py``) and the fast path (``dyllm_fast.py``) each
-implement.
+sparse step is the reference loop's (``dyllm.py``); the decode worker's rounds implement it for many
+requests at once (``decode_service/dyllm_rounds.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def step_kind(step: int, config: DyLLMConfig) -> str:
 class DyLLMStats:
     """What DyLLM computed. ``rows_forwarded``: rows that ran the FFN, summed over layers (a FullStep: every
     local row); ``kv_rows``: rows whose K/V were recomputed and whose context was attended exactly, summed
-    over layers; ``rows_total``: local rows x layers over all forwards (what plain decoding computes);
-    ``reruns``: fast-path steps run again because a layer had more salient rows than its buffers."""
+    over layers; ``rows_total``: local rows x layers over all forwards (what plain decoding computes)."""
 
     forwards: int = 0
     full_steps: int = 0
@@ -46,7 +45,6 @@ class DyLLMStats:
     rows_forwarded: int = 0
     kv_rows: int = 0
     rows_total: int = 0
-    reruns: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -148,7 +146,7 @@ class DyLLMBase:
             self.stats.response_only_steps += int(kind == "response")
         if self.previous is None:
             self.previous = self.local.clone()
-        else:  # in place: the fast path's captured graphs read it at a fixed address
+        else:
             self.previous.copy_(self.local)
         self.stats.forwards += 1
         self.stats.rows_total += self.local.shape[0] * len(self.model.model.layers)
