@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import io
 import json
 import pstats
@@ -1117,6 +1118,10 @@ def _serve_policy(meta: dict) -> str:
     return flags[flags.index("--decode-policy") + 1] if "--decode-policy" in flags else "none"
 
 
+def _seconds(date: str) -> float:
+    return datetime.datetime.fromisoformat(date).timestamp()
+
+
 def case_serve(bench: Bench) -> None:
     """Rows ``serve:<policy>`` from ``serving.py`` files (``--serving-files``), one per decode policy: its
     most concurrent all-in-one cell, against the no-policy file's."""
@@ -1134,14 +1139,24 @@ def case_serve(bench: Bench) -> None:
                      "failed": top["failed"], "requests_per_s": top["requests_per_s"],
                      "step_p50_ms": top["step_p50_ms"], "step_p99_ms": top["step_p99_ms"],
                      "unloaded_step_ms": top["unloaded_step_ms"]})  # fmt: skip
-    base = next((r["requests_per_s"] for r in rows if r["policy"] == "none"), None)
-    for r in rows:
-        r["vs_none"] = speedup(r["requests_per_s"], base)
+    nones = [r for r in rows if r["policy"] == "none"]
+    for r in rows:  # against the no-policy run nearest in time (the same machine, when run in one call)
+        base = min(nones, key=lambda n: abs(_seconds(n["date"]) - _seconds(r["date"])), default=None)
+        r["vs_none"] = speedup(r["requests_per_s"], base["requests_per_s"] if base else None)
+        r["none_file"] = base["file"] if base else None
         r["p99_over_unloaded"] = speedup(r["step_p99_ms"], r["unloaded_step_ms"])
         bench.add(r)
-    bench.meta("serve")["setup"] = (
+    info = bench.meta("serve")
+    info["device"] = ", ".join(sorted({r["device"] for r in rows})) or info["device"]
+    info["date"] = (
+        " to ".join(sorted({min(r["date"] for r in rows), max(r["date"] for r in rows)}))
+        if rows
+        else info["date"]
+    )
+    info["setup"] = (
         "`benchmarks/serving.py --layouts all-in-one --serve-flags '--decode-policy P'`, one file per policy "
-        "(`--serving-files`), the most concurrent cell of each; vs none = requests/s / the no-policy file's; "
+        "(`--serving-files`), the most concurrent cell of each; vs none = requests/s / that of the no-policy "
+        "run nearest in time (run in the same call on the same machine); "
         "step p99 / unloaded = the loaded p99 step over the unloaded one."
     )
 
@@ -1252,10 +1267,11 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                        fmt(r["peak_gib"])] for r in rows])  # fmt: skip
     if case == "serve":
         return table(["policy", "concurrency x context", "requests", "failed", "req/s", "vs none", "step p50 ms",
-                      "step p99 ms", "unloaded step ms", "p99 / unloaded", "file"],
+                      "step p99 ms", "unloaded step ms", "p99 / unloaded", "file", "vs file"],
                      [[r["policy"], f"{r['concurrency']} x {r['context_tokens']}", str(r["requests"]),
                        str(r["failed"]), fmt(r["requests_per_s"]), ratio(r["vs_none"]), fmt(r["step_p50_ms"]),
-                       fmt(r["step_p99_ms"]), fmt(r["unloaded_step_ms"]), ratio(r["p99_over_unloaded"]), r["file"]]
+                       fmt(r["step_p99_ms"]), fmt(r["unloaded_step_ms"]), ratio(r["p99_over_unloaded"]), r["file"],
+                       r["none_file"] or "—"]
                       for r in rows])  # fmt: skip
     if case == "mixed":
         return table(["policies", "batch", "round ms", "fwd/round", "rows/round", "dual-cache round / this", "peak GiB"],
