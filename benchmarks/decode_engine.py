@@ -105,10 +105,10 @@ from benchmarks.shapes import dream7b, sdar8b, sync, tiny, tiny_sdar  # noqa: E4
 from pdllm.decode_service import block_rounds  # noqa: E402
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
-from pdllm.decode_service.policies import DecodePolicyConfig, make_policy  # noqa: E402
+from pdllm.decode_service.policies import DecodePolicyConfig  # noqa: E402
 from pdllm.decode_service.policies.focus import FocusConfig  # noqa: E402
 from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched  # noqa: E402
-from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots, session_kind  # noqa: E402
+from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session  # noqa: E402
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Status  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round  # noqa: E402
@@ -744,20 +744,22 @@ class Prompt:
 
 
 def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n: int) -> list[BatchSession]:  # type: ignore[no-untyped-def]
+    """``n`` sessions under ``policy`` over ``prompt``, made as the decode worker makes them
+    (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``; vanilla: the prompt as local rows)."""
+    cfg = None if policy == "none" else DecodePolicyConfig(policy)
+    static = prompt.static is not None
+    extra = SessionMaker(model, pool.page_size).pool_slots(cfg, len(prompt.query), gen, static=static)
     out: list[BatchSession] = []
-    cache_policy = make_policy(DecodePolicyConfig(policy))
-    extra = cache_slots(len(prompt.query), gen) if cache_policy is not None else 0
     for _ in range(n):
         pages = pool.reserve(prompt.kv_tokens + extra)
         if pages is None:
             raise RuntimeError("KV pool too small for the cell")
+        kv = None
         if prompt.static is not None:
             pool.write(pages, prompt.static)
-        args = (model, prompt.query, prompt.query_start, prompt.kv_tokens, pages, gen)
-        if cache_policy is None:
-            out.append(BatchSession.start(*args))
-        else:
-            out.append(session_kind(policy).start_policy(*args, cache_policy, pool.page_size))
+            kv = StaticKV([prompt.static], prompt.query_start)
+        built = StaticDecode(list(prompt.query), kv, gen, cache_policy=rounds_policy(cfg))
+        out.append(batch_session(model, built, pages, pool.page_size))
     return out
 
 
@@ -945,8 +947,9 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
     }
     out = []
     for n in bench.args.batches:
-        active = sessions(model, st.pool, prompt, gen, "dual-cache", n)
-        decode_round(st.forward, active)  # the block's refresh; later rounds are cached steps
+        active = sessions(model, st.pool, prompt, gen, bench.args.profile_policy, n)
+        for _ in range(5):  # the block's refresh (DyLLM: its FullSteps); later rounds are cached steps
+            decode_round(st.forward, active)
         wall, tables = {}, {}
         for name, forward in forms.items():
             for _ in range(3):  # warm: graph buckets captured, kernels compiled
@@ -963,7 +966,7 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
                         decode_round(forward, active)
                     sync(bench.device)
                 tables[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-        host = cProfile.Profile()  # the host's share of graphed rounds
+        host = cProfile.Profile()  # the host's share of the rounds as the worker runs them
         host.enable()
         for _ in range(4):
             decode_round(st.forward, active)
@@ -972,10 +975,10 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
         text = io.StringIO()
         pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(20)
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in wall.items())
-        out.append(f"## batch {n}: cached round wall time: {times}\n")
+        out.append(f"## {bench.args.profile_policy}, batch {n}: round wall time: {times}\n")
         for name, kernels in tables.items():
             out.append(f"### batch {n}: {name} forward, CUDA kernels of 2 rounds\n{kernels}")
-        out.append(f"### batch {n}: cProfile of 4 graphed rounds (host)\n{text.getvalue()}")
+        out.append(f"### batch {n}: cProfile of 4 rounds as the worker runs them (host)\n{text.getvalue()}")
         for s in active:
             st.pool.release(s.pages)
     path = bench.args.out / f"{bench.args.name}_profile.txt"
@@ -1372,6 +1375,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cell-s", type=float, default=None, help="rounds: timed seconds per cell, whole blocks (2)"
     )
+    ap.add_argument(
+        "--profile-policy", default="dual-cache", help="rounds --profile: the sessions' decode policy"
+    )
     ap.add_argument("--profile", action="store_true",
                     help="rounds (CUDA): a kernel profile of cached dual-cache pdllm rounds at each batch")  # fmt: skip
     ap.add_argument(
@@ -1404,8 +1410,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     names = [c.strip() for c in (args.cases or "").split(",") if c.strip()]
     if not names:
         names = [c for c, info in CASES.items() if info.default]
-    elif names == ["all"]:
-        names = list(CASES)
+    elif names == ["all"]:  # every measurement (``serve`` reads serving.py's files)
+        names = [c for c in CASES if c != "serve"]
     if unknown := [c for c in names if c not in CASES]:
         ap.error(f"unknown cases {unknown}; choose from {list(CASES)} or all")
     args.cases = [c for c in CASES if c in names]  # one model's cases together

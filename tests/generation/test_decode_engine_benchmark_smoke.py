@@ -33,7 +33,7 @@ def test_every_case_writes_rows_with_the_common_columns(report: tuple[Path, dict
         and data["meta"]["smoke"]
         and data["meta"]["command"].endswith("--out " + str(out))
     )
-    assert list(data["cases"]) == list(CASES)
+    assert list(data["cases"]) == [c for c in CASES if c != "serve"]
     for case, info in data["cases"].items():
         assert info["errors"] == [], (case, info["errors"])
         assert by_case(data, case), case
@@ -41,7 +41,7 @@ def test_every_case_writes_rows_with_the_common_columns(report: tuple[Path, dict
         assert tuple(r)[: len(ROW_KEYS)] == ROW_KEYS
         assert r["batch"] >= 1 and r["round_ms"] > 0 and r["forwards_per_round"] >= 1
     md = (out / "decode_engine.md").read_text()
-    assert "CPU SMOKE" in md and all(f"## {case}:" in md for case in CASES)
+    assert "CPU SMOKE" in md and all(f"## {case}:" in md for case in data["cases"])
 
 
 def test_loop_and_rounds_per_policy_with_same_run_baselines(report: tuple[Path, dict]) -> None:
@@ -159,3 +159,33 @@ def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict])
     for r in rows.values():
         assert r["batch"] == 16 and r["forwards_per_round"] == 1.0 and r["forwards"] == r["rounds"]
     assert rows["mixed"]["rows_per_round"] > rows["dual-cache"]["rows_per_round"]  # "none" forwards every row
+
+
+def test_serve_rows_pair_each_policy_with_the_nearest_no_policy_run(tmp_path: Path) -> None:
+    """``--cases serve`` reads serving.py files: one ``serve:<policy>`` row each, from its most concurrent
+    cell, its throughput against the no-policy file nearest in time."""
+
+    def cell(concurrency: int, rps: float) -> dict:
+        return {"layout": "all-in-one", "concurrency": concurrency, "context_tokens": 16384, "requests": 16,
+                "failed": 0, "requests_per_s": rps, "step_p50_ms": 40.0, "step_p99_ms": 80.0,
+                "unloaded_step_ms": 10.0}  # fmt: skip
+
+    runs = [("none", [], "2026-01-01T10:00:00+00:00", 1.0), ("none", [], "2026-01-01T12:00:00+00:00", 2.0),
+            ("dyllm", ["--decode-policy", "dyllm"], "2026-01-01T11:50:00+00:00", 1.5)]  # fmt: skip
+    files = []
+    for i, (_, flags, date, rps) in enumerate(runs):
+        path = tmp_path / f"serving_{i}.json"
+        data = {
+            "device": "gpu",
+            "date": date,
+            "rows": [cell(1, 0.5), cell(16, rps)],
+            "meta": {"serve_flags": flags},
+        }
+        path.write_text(json.dumps(data))
+        files.append(str(path))
+    assert main(["--cases", "serve", "--serving-files", *files, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_engine.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["serve:none", "serve:none", "serve:dyllm"]
+    dyllm = rows[2]
+    assert dyllm["concurrency"] == 16 and dyllm["vs_none"] == 0.75 and dyllm["none_file"] == "serving_1.json"
+    assert dyllm["p99_over_unloaded"] == 8.0
