@@ -25,6 +25,7 @@ import torch
 
 from pdllm.shared.chunk_store import ChunkKVStore, chunk_keys
 from pdllm.shared.generation.device_sampler import to_device
+from pdllm.shared.kv_tier.staging import load_into
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, VarlenAttention
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.stepwise import Steps, drain
@@ -137,15 +138,17 @@ def chunk_prefill_steps(
             keys = chunk_keys(model.config.model_id, bank.kv.dtype, chunk_size, attention, chunks)
         found = store.get_many(keys)
         todo = []
+        hits = []
         for i, value in enumerate(found):
             expected = (bank.kv.shape[0], 2, bank.kv.shape[3], bank.lens[i], bank.kv.shape[5])
             if value is None or tuple(value.shape) != expected:
                 todo.append(i)
                 continue
-            # Straight into the bank, asynchronously from pinned memory (the CPU tier pins on CUDA hosts; the
-            # host allocator keeps a block alive until its copy ran): a hit costs no device sync.
-            bank.kv[:, :, i, :, : bank.lens[i]].copy_(value, non_blocking=True)
+            hits.append((bank.kv[:, :, i, :, : bank.lens[i]], value))
             stats.hit_rows.append(i)
+        # Straight into the bank, asynchronously: the CPU tier holds pageable memory, which goes to the
+        # device through a small reused ring of pinned buffers; a hit costs no device sync.
+        load_into(hits)
     # Longest first, so equal-length chunks batch together (fixed boundaries: only the last is shorter).
     todo.sort(key=lambda i: -bank.lens[i])
     a = 0

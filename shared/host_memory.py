@@ -2,7 +2,9 @@
 
 ``auto`` (the default) sizes it from the memory the host has available at startup, so documents that come
 back are served from memory without a flag: a 16K-token document's chunk KV is ~0.9 GiB at Dream-7B shapes
-in bf16, and a fixed 2 GiB held two. Pure Python (no torch), so ``serve --help`` loads fast.
+in bf16, and a fixed 2 GiB held two. The tier's memory is pageable at any size: the pinned memory it uses is
+a fixed staging ring (``kv_tier/staging.py``), so this size costs no ``cudaHostAlloc``. Pure Python (no
+torch), so ``serve --help`` loads fast.
 """
 
 from __future__ import annotations

@@ -9,8 +9,13 @@ the device. Copying that to host memory, and on to Redis, there would stall ever
   ~40 us per chunk on a GPU, and the caller may reuse or modify its buffers afterwards), records an
   event, queues it and returns. Values that would push the queued bytes past ``max_pending_bytes`` are
   dropped and counted (``put_failures``); the caller never waits.
-- One writer thread copies each queued value to host memory (on CUDA: its own copy stream, into pinned
-  memory), then hands it to the wrapped store (CPU LRU, Redis, or both).
+- One writer thread copies each queued value to pageable host memory, then hands it to the wrapped store
+  (CPU LRU, Redis, or both). On CUDA the copy goes through the writer's
+  :class:`~pdllm.shared.kv_tier.staging.HostStaging`: a few pinned buffers (``staging_buffers`` of
+  ``staging_buffer_bytes``, 64 MiB by default) allocated once and reused, on the ring's own copy stream.
+  Pinning each value instead would call ``cudaHostAlloc`` for every value while the tier fills, which
+  stalled the device (``staging.py`` has the measurement); the pinned bytes stay bounded whatever the
+  tier's capacity.
 - Reads see queued values: ``get_many`` and ``contains_many`` answer from the queue first, so a write is
   visible as soon as ``put_many`` returns, unless it was dropped.
 
@@ -30,17 +35,25 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.shared.kv_tier.base import KVStore
+from pdllm.shared.kv_tier.staging import BUFFER_BYTES, BUFFERS, HostStaging
 from pdllm.shared.kv_tier.stats import KVStats, StatsRecorder
 
 
 @dataclass(frozen=True)
 class KVWriterConfig:
     max_pending_bytes: int = 1 << 30  # queued copies (device memory on a GPU) beyond which writes drop
-    pin_memory: bool | None = None  # host copies in pinned memory; None: when CUDA is available
+    pin_memory: bool | None = None  # staging buffers in pinned memory; None: when CUDA is available
+    staging_buffer_bytes: int = BUFFER_BYTES  # one device-to-host piece; larger values go in several
+    staging_buffers: int = BUFFERS  # the ring's size: pinned bytes = staging_buffers * staging_buffer_bytes
 
     def __post_init__(self) -> None:
         if self.max_pending_bytes < 0:
             raise ValueError(f"max_pending_bytes must be >= 0, got {self.max_pending_bytes}")
+        if self.staging_buffer_bytes <= 0 or self.staging_buffers <= 0:
+            raise ValueError(
+                "staging_buffer_bytes and staging_buffers must be positive, got "
+                f"{self.staging_buffer_bytes} and {self.staging_buffers}"
+            )
 
 
 @dataclass
@@ -51,13 +64,22 @@ class _Pending:
 
 
 class BackgroundKVWriter:
-    """``store``: where values end up; ``name``: the writer's label in metrics."""
+    """``store``: where values end up; ``name``: the writer's label in metrics; ``staging``: the ring its
+    device-to-host copies go through (default: one made from ``config``; tests inject their own)."""
 
-    def __init__(self, store: KVStore, config: KVWriterConfig | None = None, name: str = "writer") -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        config: KVWriterConfig | None = None,
+        name: str = "writer",
+        staging: HostStaging | None = None,
+    ) -> None:
         self.store = store
         self.config = config or KVWriterConfig()
         self.name = name
-        self._pin = torch.cuda.is_available() if self.config.pin_memory is None else self.config.pin_memory
+        self.staging = staging or HostStaging(
+            self.config.staging_buffer_bytes, self.config.staging_buffers, pin=self.config.pin_memory
+        )
         self._stats = StatsRecorder()
         self._cond = threading.Condition()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # queue order = write order
@@ -66,7 +88,6 @@ class BackgroundKVWriter:
             None  # the value the thread is writing (its bytes count until stored)
         )
         self._closed = False
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._thread = threading.Thread(target=self._run, name=f"kv-{name}", daemon=True)
         self._thread.start()
 
@@ -172,15 +193,8 @@ class BackgroundKVWriter:
             return 0
 
     def _to_host(self, item: _Pending) -> torch.Tensor:
+        """A pageable host copy of a device value (through the staging ring); host values as they are."""
         value = item.value
         if not value.is_cuda:
             return value
-        stream = self._copy_streams.get(value.device)
-        if stream is None:
-            stream = self._copy_streams[value.device] = torch.cuda.Stream(value.device)
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
-        with torch.cuda.stream(stream):
-            stream.wait_event(item.ready)
-            host.copy_(value, non_blocking=True)
-        stream.synchronize()
-        return host
+        return self.staging.to_host(value, item.ready)
