@@ -21,7 +21,8 @@ forward instead: ``make_policy`` returns None for them and ``compute_skip.py`` b
 **On the decode worker** these loops are the reference. Caching policies (Polestar-Cache included) and
 plain sessions, vanilla or pdllm, run in the batched rounds (``policy_rounds.py``, ``polestar_rounds.py``);
 FOCUS too (``focus_rounds.py`` on Dream/LLaDA, ``sdar_focus_rounds.py`` on SDAR: its rows change after
-layer 1, ``split_rounds.py``); DyLLM is stepped alone (``policy_sessions.py``).
+layer 1, ``split_rounds.py``); DyLLM too (``dyllm_rounds.py``: its cached K/V, contexts and FFN outputs
+edited inside each layer, ``layer_edits.py``).
 """
 
 from pdllm.shared.decode_policy import DecodePolicyConfig

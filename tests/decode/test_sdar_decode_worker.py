@@ -1,6 +1,6 @@
 """The decode worker on SDAR (block diffusion): a pdllm request's job equals the in-process engine's decode
 of the same selection token for token (its block-causal prefix rebuilt from the chunks' token ids, the
-session stepped alone, one denoising step per scheduler iteration); a vanilla one equals block diffusion over
+session in the batched rounds, one denoising step per scheduler iteration); a vanilla one equals block diffusion over
 the whole prompt; under decode policy focus both equal their in-process FOCUS decodes, tokens and counters
 (the trace's ``decode_policy``); what it does not run is INVALID_ARGUMENT naming the option, before any
 work."""
@@ -184,7 +184,7 @@ def test_focus_jobs_equal_in_process_focus(served, knobs: dict, case: tuple) -> 
 
 
 def test_concurrent_jobs_each_answer_exactly(served) -> None:
-    """SDAR sessions are stepped alone, interleaved in the same scheduler iterations."""
+    """SDAR sessions share the scheduler's rounds, each answering as alone."""
     m, servicer = served
     engine = PrefillingEngine(m, config=EngineConfig(chunk_size=8, top_k=2), reuse_chunks=False)
     gen = GenerationConfig(gen_length=8, steps=8, block_length=4)

@@ -110,7 +110,7 @@ def test_pulled_decode_kv_lands_in_its_pages_with_no_pool_write(servers, monkeyp
 
 @pytest.mark.parametrize(("kv_mode", "top_b"), [("full-mask", 5), ("chunk-only", 4)])
 def test_a_decode_policy_reads_pulled_kv_like_its_own_build(servers, kv_mode: str, top_b: int) -> None:
-    """A dual-cache session (stepped alone, not batched) over a decode KV that landed in its pages
+    """A dual-cache session in the rounds over a decode KV that landed in its pages
     (full-mask) or a pulled chunk KV (chunk-only) answers as over the decode worker's own build."""
     _, _, scheduler = servers
     built = _run(servers, kv_mode, offer=False, top_b=top_b, policy="dual-cache")

@@ -1,5 +1,5 @@
-"""Decode policies over gRPC (`serve --role all` in process): a request's `decode_policy` runs the policy's
-reference loop on the decode worker, stepped alone beside the batched rounds, and its answer equals the
+"""Decode policies over gRPC (`serve --role all` in process): a request's `decode_policy` runs in the decode
+worker's batched rounds, and its answer equals the
 in-process engine's (`engine.generate(..., decode_policy=...)`, `generate_vanilla(policy=...)`) token for
 token; the trace names the policy with its counters; `serve --decode-policy` is the default of requests
 that name none; bad knobs are INVALID_ARGUMENT naming the field."""
