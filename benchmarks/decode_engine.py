@@ -1073,6 +1073,10 @@ def case_mixed(bench: Bench) -> None:
     base = None
     for label, policies in (
         ("dual-cache", ["dual-cache"] * n),
+        (
+            "none",
+            ["none"] * n,
+        ),  # every row of every request: a graphed round with more rows than the mixed one
         ("mixed", [MIXED[i % len(MIXED)] for i in range(n)]),
     ):
         where = {"policy": label, "batch": n, "context_tokens": a.pdllm_context, "gen_length": gen_len}
@@ -1103,11 +1107,12 @@ def case_mixed(bench: Bench) -> None:
                    "round_ms": round_ms, "forwards_per_round": per_round(forwards, a.block), "tpf": 1.0,
                    "speedup_vs_vanilla": None, "speedup_vs_dual_cache": speedup(base, round_ms) if base else None,
                    "peak_gib": peak_gib(bench.device), "rows_per_round": sum(rows_seen) / len(rows_seen),
+                   "ms_per_1k_rows": round_ms / (sum(rows_seen) / len(rows_seen)) * 1e3,
                    "policies": ",".join(policies), "forwards": forwards, "rounds": a.block})  # fmt: skip
     drop_rounds(bench)
     bench.meta(case)["setup"] = (
         f"pdllm {a.pdllm_context} context, gen {gen_len}, block {a.block}, one token per step; {n} requests: all "
-        f"dual cache, then policies cycling {', '.join(MIXED)}; one whole "
+        f"dual cache, all none (every row of every request, graphed), then policies cycling {', '.join(MIXED)}; one whole "
         "block timed after one that captures and compiles; round ms = the block's seconds / its rounds; "
         "vs dual cache = the all-dual-cache round time / this round time (same requests count; rows per round "
         "differ: each policy forwards its own rows)."
@@ -1277,9 +1282,11 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                        r["none_file"] or "—"]
                       for r in rows])  # fmt: skip
     if case == "mixed":
-        return table(["policies", "batch", "round ms", "fwd/round", "rows/round", "dual-cache round / this", "peak GiB"],
+        return table(["policies", "batch", "round ms", "fwd/round", "rows/round", "ms per 1K rows", "dual-cache round / this",
+                      "peak GiB"],
                      [[r["policy"], str(r["batch"]), fmt(r["round_ms"]), fmt(r["forwards_per_round"]),
-                       fmt(r["rows_per_round"]), ratio(r["speedup_vs_dual_cache"]), fmt(r["peak_gib"])]
+                       fmt(r["rows_per_round"]), fmt(r.get("ms_per_1k_rows")), ratio(r["speedup_vs_dual_cache"]),
+                       fmt(r["peak_gib"])]
                       for r in rows])  # fmt: skip
     if case in ("rounds", "rounds-e2e"):
         return table(["method", "context", "gen", "batch", "policy", *COMMON, "timed blocks", "peak GiB"],

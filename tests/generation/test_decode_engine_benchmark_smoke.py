@@ -147,7 +147,7 @@ def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict])
     per round, as for 16 dual-cache ones."""
     _, data = report
     rows = {r["policy"]: r for r in by_case(data, "mixed")}
-    assert set(rows) == {"dual-cache", "mixed"}
+    assert set(rows) == {"dual-cache", "none", "mixed"}
     assert set(rows["mixed"]["policies"].split(",")) == {
         "none",
         "dual-cache",
