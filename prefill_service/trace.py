@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-PHASES = ("prefill", "score", "select", "build", "decode")
-
 
 @dataclass
 class Trace:

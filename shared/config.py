@@ -14,17 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, get_args
+from typing import Any
 
 from pdllm.shared import settings
 from pdllm.shared.settings import ChunkBoundary, KVMode, PrefillAttention, RetentionScore, ScoreMode
 
 # The settings, their defaults, bounds, choices and help are declared once, in `shared/settings.py`.
-KV_MODES = get_args(KVMode)
-SCORE_MODES = get_args(ScoreMode)
-PREFILL_ATTENTIONS = get_args(PrefillAttention)
-RETENTION_SCORES = get_args(RetentionScore)
-CHUNK_BOUNDARIES = get_args(ChunkBoundary)
 
 _DEFAULTS = settings.EngineSettings()
 

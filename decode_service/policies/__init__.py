@@ -30,7 +30,7 @@ from pdllm.shared.decode_policy import DecodePolicyConfig
 from .base import CachePolicy, RowSelector, StepContext, StepPlan
 from .fast_dllm import DualCache, PrefixCache
 from .polestar import Polestar
-from .runner import CacheStats, PolicyLogits, PolicySession, denoise_with_policy, make_policy, run_policy
+from .runner import CacheStats, PolicyLogits, denoise_with_policy, make_policy, run_policy
 from .sparse_dllm import SaliencyKeep, SparseDLLM
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "DualCache",
     "PolicyLogits",
     "Polestar",
-    "PolicySession",
     "PrefixCache",
     "RowSelector",
     "SaliencyKeep",

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -89,12 +88,6 @@ class CachePolicy(Protocol):
     name: str
 
     def plan(self, ctx: StepContext) -> StepPlan: ...
-
-
-class AttachableHook(Protocol):
-    """A ``rows_hook`` that needs the model around the forward (layer inputs, layer weights)."""
-
-    def attach(self, model: Any, positions: Any) -> AbstractContextManager[None]: ...
 
 
 def vanilla_local_rows(

@@ -8,9 +8,8 @@ instead, so that all of them run the very same code and an answer over gRPC equa
 - :func:`compute_skip_logits`: the policy's logits function over any method's local rows and attention
   backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`; pdllm:
   the static chunk KV backend, ``decode_service.policy_sessions.static_compute_skip_logits``);
-- :func:`compute_skip_session`: a ``DenoiseSession`` stepping it (the decode worker steps it alone, one step
-  per scheduler turn); FOCUS must be driven by its session, which hands the sampler the eligible rows;
-- :func:`run_compute_skip`: that loop to the end (the engine, ``generate_vanilla``);
+- :func:`run_compute_skip`: that loop to the end (the engine, ``generate_vanilla``); FOCUS is driven by its
+  session, which hands the sampler the eligible rows;
 - :func:`compute_skip_sdar_session`: SDAR (block diffusion): FOCUS block by block over the exact cache, over
   the whole prompt (vanilla; :func:`generate_compute_skip_sdar` runs it to the end) or over pdllm's
   block-causal prefix (``sdar_decode.py``); DyLLM is refused (its caches assume full bidirectional
@@ -27,15 +26,15 @@ import torch
 
 from pdllm.decode_service.block_diffusion import BlockDiffusionSession, BlockKVCache, run_to_end
 from pdllm.shared.decode_policy import DecodePolicyConfig
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 
 from .base import vanilla_local_rows
 from .dyllm import DyLLMLogits
 from .dyllm_base import DyLLMBase
-from .focus_reference import FocusBlockSession, FocusLogits, FocusSession, run_focus
-from .runner import PolicySession, run_policy
+from .focus_reference import FocusBlockSession, FocusLogits, run_focus
+from .runner import run_policy
 
 ComputeSkipLogits = DyLLMBase | FocusLogits
 
@@ -70,13 +69,6 @@ def vanilla_compute_skip_logits(
     """The vanilla step under DyLLM / FOCUS: local rows prompt + response, dense attention over them."""
     local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
     return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
-
-
-def compute_skip_session(logits_fn: ComputeSkipLogits) -> DenoiseSession:
-    """The session that steps ``logits_fn`` (FOCUS's own, which passes the sampler its eligible rows)."""
-    if isinstance(logits_fn, FocusLogits):
-        return FocusSession(logits_fn)
-    return PolicySession(logits_fn)
 
 
 @torch.inference_mode()

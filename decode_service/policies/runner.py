@@ -19,7 +19,7 @@ import torch
 
 from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.shared.decode_policy import DecodePolicyConfig
-from pdllm.shared.generation.sampler import DenoiseSession, GenerationConfig, GenerationResult, denoise
+from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -160,24 +160,6 @@ class CountedLogits(Protocol):
     def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor: ...
 
     def summary(self) -> dict[str, int | str]: ...
-
-
-class PolicySession(DenoiseSession):
-    """One request's policy loop (:class:`PolicyLogits`, or DyLLM's) advanced one step at a time: the
-    decode worker steps it once per scheduler turn, alone (the reference loop is not batched with other
-    requests); its result carries the policy's name and counters, as :func:`run_policy`'s does."""
-
-    def __init__(self, logits_fn: CountedLogits) -> None:
-        config = logits_fn.model.config
-        super().__init__(
-            logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
-        )
-        self.policy_logits = logits_fn
-
-    def result(self) -> GenerationResult:
-        result = super().result()
-        result.cache = self.policy_logits.summary()
-        return result
 
 
 @torch.inference_mode()

@@ -98,7 +98,6 @@ class EvalSettings:
         )
 
 
-Answerer = Callable[[Sample], str]
 # (sample, generation settings, decode policy) -> answer token ids, trimmed at EOS.
 Decoder = Callable[[AnySample, GenerationConfig, DecodePolicyConfig], list[int]]
 
@@ -167,17 +166,6 @@ def make_decoder(
         return out.token_ids
 
     return pdllm
-
-
-def make_answerer(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Answerer:
-    """A function sample -> decoded answer text for ``method`` on ``loaded`` (under the settings' policy)."""
-    decode = make_decoder(loaded, method, settings, train_length)  # settings are checked per sample
-
-    def answer(sample: AnySample) -> str:
-        gen = generation(settings, loaded.tokenizer, sample)
-        return loaded.tokenizer.decode(decode(sample, gen, settings.decode_policy), skip_special_tokens=True)
-
-    return answer
 
 
 def exact_match(prediction: str, answer: str) -> bool:

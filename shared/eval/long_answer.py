@@ -209,18 +209,6 @@ def score_passage(tokenizer: Any, prediction: str, answer: str) -> PassageScore:
     return PassageScore(exact=exact, token_accuracy=hits / len(want) if want else float(not got))
 
 
-def summarize(scores: Sequence[PassageScore]) -> dict[str, float]:
-    """Exact-passage rate and mean token accuracy over samples."""
-    if not scores:
-        raise ValueError("no scores to summarize")
-    n = len(scores)
-    return {
-        "samples": n,
-        "exact_passage_rate": sum(s.exact for s in scores) / n,
-        "token_accuracy": sum(s.token_accuracy for s in scores) / n,
-    }
-
-
 def token_agreement(got: Sequence[int], reference: Sequence[int]) -> float:
     """Share of positions where two decodings (token ids, trimmed at EOS) hold the same token, over the
     longer of the two: a policy that stops early or runs on disagrees there. Two empty answers agree."""

@@ -1,7 +1,7 @@
 """KV tier: chunk-KV value format, in-process CPU LRU store, Redis store, stacked tiers."""
 
 from pdllm.shared.kv_tier.base import KVStore
-from pdllm.shared.kv_tier.chunks import ChunkKeySpace, ChunkStore, KVTierConfig, build_kv_store
+from pdllm.shared.kv_tier.chunks import KVTierConfig, build_kv_store
 from pdllm.shared.kv_tier.cpu_store import CPUStore, CPUStoreConfig
 from pdllm.shared.kv_tier.format import KVCorruptError, KVFormatError, KVMeta, KVMismatchError, KVVersionError
 from pdllm.shared.kv_tier.keys import chunk_key
@@ -12,8 +12,6 @@ from pdllm.shared.kv_tier.tiered import TieredStore
 __all__ = [
     "CPUStore",
     "CPUStoreConfig",
-    "ChunkKeySpace",
-    "ChunkStore",
     "KVCorruptError",
     "KVFormatError",
     "KVMeta",

@@ -121,10 +121,6 @@ class KvSender(workers_pb2_grpc.KvTransferServicer):
         out.host_id = self.host_id
         return out
 
-    def withdraw(self, transfer_id: str) -> None:
-        with self._lock:
-            self._take(transfer_id)
-
     @property
     def held_bytes(self) -> int:
         return self._held

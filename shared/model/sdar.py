@@ -40,12 +40,6 @@ def block_causal_mask(
     return (kb[:, None, None, :] <= qb[:, None, :, None]).contiguous()
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A boolean mask as 0 / -inf (the form transformers' eager attention adds to its scores)."""
-    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return out.masked_fill_(~mask, float("-inf"))
-
-
 @dataclass
 class BlockCausalAttention:
     """Block-causal attention over (optionally) cached K/V of earlier tokens plus the forward's own tokens.

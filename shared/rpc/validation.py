@@ -30,14 +30,6 @@ METHODS = settings.choices(MethodSettings, "method")
 
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 
-# MethodParams field -> EngineConfig field, for the method settings whose unset wire value keeps a worker's
-# own setting; top_b is left out: unset means "keep all" on the wire, whatever the worker's default.
-METHOD_FIELDS = {
-    name: engine
-    for name in MethodSettings.model_fields
-    if (engine := settings.engine_name(MethodSettings, name)) and name != "top_b"
-}
-
 
 class RequestDefaults(GenerationFields, MethodSettings, DecodePolicySettings):
     """Values for the settings a request leaves unset, and the model name (method settings follow
@@ -236,12 +228,3 @@ def resolve_generate_request(
         method_config=resolve_method(req.method, limits, defaults, rid),
         policy_config=resolve_decode_policy(req.decode_policy, defaults, rid),
     )
-
-
-def validate_generate_request(
-    req: pb.GenerateRequest,
-    limits: ValidationLimits | None = None,
-    defaults: RequestDefaults | None = None,
-) -> None:
-    """Raise InvalidRequestError (INVALID_ARGUMENT) describing the first problem with `req`, if any."""
-    resolve_generate_request(req, limits, defaults)

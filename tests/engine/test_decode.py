@@ -9,7 +9,6 @@ import torch
 from pdllm.decode_service.attention import BufferedAttention, SegmentedAttention
 from pdllm.decode_service.build import rotate_keys
 from pdllm.decode_service.decode import StaticPolicy, decode
-from pdllm.prefill_service.trace import PHASES
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.config import EngineConfig
@@ -95,7 +94,9 @@ def test_trace_reports_every_phase_and_is_json() -> None:
     engine = PrefillingEngine(model("dream"), None, EngineConfig(chunk_size=12, top_k=2, top_b=5))
     result, trace = engine.generate(tokens(40, 1), tokens(5, 2), GEN)
     d = json.loads(json.dumps(trace.to_dict()))
-    assert set(d["timings"]) == set(PHASES) and all(t >= 0 for t in d["timings"].values())
+    assert set(d["timings"]) == {"prefill", "score", "select", "build", "decode"} and all(
+        t >= 0 for t in d["timings"].values()
+    )
     assert d["num_chunks"] == 4 and d["context_tokens"] == 40 and len(d["chunk_scores"]) == 4
     assert d["selected"] == sorted(d["selected"]) and len(d["selected"]) == 2
     assert all(k <= 5 for k in d["kept_tokens"])

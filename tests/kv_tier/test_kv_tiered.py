@@ -1,11 +1,11 @@
-"""CPU tier in front of Redis: read-through, write-through, degradation; ChunkStore and the factory."""
+"""CPU tier in front of Redis: read-through, write-through, degradation; the factory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdllm.shared.kv_tier.chunks import ChunkKeySpace, ChunkStore, KVTierConfig, build_kv_store
+from pdllm.shared.kv_tier.chunks import KVTierConfig, build_kv_store
 from pdllm.shared.kv_tier.cpu_store import CPUStore, CPUStoreConfig
 from pdllm.shared.kv_tier.redis_store import RedisStore, RedisStoreConfig
 from pdllm.shared.kv_tier.tiered import TieredStore
@@ -69,30 +69,6 @@ def test_tiered_rejects_bad_stacks() -> None:
     cpu = CPUStore(CPUStoreConfig(capacity_bytes=10))
     with pytest.raises(ValueError, match="distinct"):
         TieredStore([cpu, CPUStore(CPUStoreConfig(capacity_bytes=10))])
-
-
-def test_chunk_store_round_trip_and_token_count_check(redis_server: str) -> None:
-    space = ChunkKeySpace(model_id="tiny@r1", dtype=torch.float32, chunk_size=8, position_scheme="local")
-    store = ChunkStore(build_kv_store(KVTierConfig(redis=RedisStoreConfig(url=redis_server)), meta()), space)
-    chunks = [[1, 5, 6, 7], torch.tensor([1, 9, 9])]
-    kvs = [chunk_kv(meta(), 4), chunk_kv(meta(), 3, seed=1)]
-    assert store.missing(chunks) == [0, 1]
-    assert store.put(chunks, kvs) == 2
-    assert store.missing(chunks + [[1, 2]]) == [2]
-    got = store.get(chunks)
-    assert all(torch.equal(g, k) for g, k in zip(got, kvs))
-    assert store.keys([[1, 5, 6, 7]]) == [space.key(torch.tensor([1, 5, 6, 7]))]
-    with pytest.raises(ValueError, match="does not hold 5 chunk tokens"):
-        store.put([[1, 2, 3, 4, 5]], [kvs[0]])
-    with pytest.raises(ValueError, match="2 chunks but 1"):
-        store.put(chunks, kvs[:1])
-
-
-def test_chunk_store_treats_a_wrong_token_count_as_a_miss() -> None:
-    space = ChunkKeySpace(model_id="tiny@r1", dtype=torch.float32, chunk_size=8, position_scheme="local")
-    cpu = CPUStore(CPUStoreConfig(capacity_bytes=1 << 20))
-    cpu.put_many([(space.key([1, 2, 3]), chunk_kv(meta(), 4))])  # a bug elsewhere stored 4 tokens' KV
-    assert ChunkStore(cpu, space).get([[1, 2, 3]]) == [None]
 
 
 def test_build_kv_store_variants(redis_server: str) -> None:

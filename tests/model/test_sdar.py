@@ -13,10 +13,16 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from pdllm.shared.model.attention import DenseAttention, PrefixAttention, RecordKV
 from pdllm.shared.model.config import SDAR_DEFAULT_BLOCK_SIZE, SDAR_MASK_ID
 from pdllm.shared.model.loader import CheckpointError, load_model, save_checkpoint
-from pdllm.shared.model.sdar import BlockCausalAttention, additive_mask, block_causal_mask
+from pdllm.shared.model.sdar import BlockCausalAttention, block_causal_mask
 from pdllm.shared.model.transformer import DiffusionLM
 
 from .helpers import tiny_model
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean mask as 0 / -inf (the form transformers' eager attention adds to its scores)."""
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~mask, float("-inf"))
 
 
 def _hf_qwen3(

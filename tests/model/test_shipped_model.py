@@ -9,11 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.app.eval import EvalSettings, exact_match, make_answerer
+from pdllm.shared.app.eval import EvalSettings, exact_match, generation, make_decoder
 from pdllm.shared.eval.tasks import ci_samples
 from pdllm.shared.model.loader import DEFAULT_MODEL_DIR, load_model
 
 TRAIN_LENGTH = 1024
+
+
+def make_answerer(loaded, method, settings, train_length):
+    """A function sample -> decoded answer text for ``method`` on ``loaded`` (under the settings' policy)."""
+    decode = make_decoder(loaded, method, settings, train_length)  # settings are checked per sample
+
+    def answer(sample):
+        gen = generation(settings, loaded.tokenizer, sample)
+        return loaded.tokenizer.decode(decode(sample, gen, settings.decode_policy), skip_special_tokens=True)
+
+    return answer
 
 
 @pytest.fixture(scope="module")

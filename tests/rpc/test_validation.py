@@ -14,7 +14,6 @@ from pdllm.shared.rpc.validation import (
     RequestDefaults,
     ValidationLimits,
     resolve_generate_request,
-    validate_generate_request,
 )
 from tests.rpc.cases import BAD_INPUTS, valid_request
 from tests.rpc.fake_generation import MODEL
@@ -78,7 +77,7 @@ def test_threshold_makes_steps_a_cap_not_an_even_split() -> None:
     req = valid_request()
     req.generation.steps = 6  # 4 blocks: rejected for the fixed schedule ...
     with pytest.raises(InvalidRequestError):
-        validate_generate_request(req, LIMITS)
+        resolve_generate_request(req, LIMITS)
     req.generation.threshold = 0.9  # ... but fine as the cap of a confidence-threshold schedule
     assert resolve_generate_request(req, LIMITS).steps == 6
 
@@ -95,10 +94,10 @@ def test_pseudo_label_bounds_only_apply_to_pseudo_label_scoring() -> None:
 )
 def test_bad_input_is_rejected_with_its_kind(kind: str, edit, phrase: str) -> None:
     req = valid_request()
-    validate_generate_request(req, LIMITS)  # the baseline is valid, so the edit alone causes the error
+    resolve_generate_request(req, LIMITS)  # the baseline is valid, so the edit alone causes the error
     edit(req)
     with pytest.raises(InvalidRequestError) as info:
-        validate_generate_request(req, LIMITS)
+        resolve_generate_request(req, LIMITS)
     assert info.value.kind == kind
     assert phrase in info.value.message
     assert info.value.code.name == "INVALID_ARGUMENT"
