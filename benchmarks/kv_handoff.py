@@ -31,9 +31,10 @@ from pathlib import Path
 import grpc
 import torch
 
+from pdllm.decode_service.kv_receiver import KvReceiver, TransferState
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
-from pdllm.shared.kv_transfer import KvReceiver, KvSender, SenderConfig, TransferConfig, TransferState
+from pdllm.shared.kv_transfer import KvSender, SenderConfig, TransferConfig
 from pdllm.shared.kv_transfer.pages import WIRE_PAGE, PageTarget, num_tiles, to_tiles
 from pdllm.shared.rpc.server import ServerConfig, build_server, service_spec
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool, PooledKV
+from pdllm.decode_service.kv_receiver import KvReceiver, Transfer, TransferState
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.kv_transfer.pages import WIRE_PAGE, PageTarget
 from pdllm.shared.kv_transfer.payload import DECODE_KV, unpack_segments, unpack_static
-from pdllm.shared.kv_transfer.receiver import KvReceiver, Transfer, TransferState
 from pdllm.shared.layout import DecodeLayout
 from pdllm.shared.static_kv import StaticKV
 

@@ -15,10 +15,10 @@ import torch
 
 from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.kv_pool import PooledKV
+from pdllm.decode_service.kv_receiver import Transfer
 from pdllm.decode_service.policies import CachePolicy
 from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
-from pdllm.shared.kv_transfer.receiver import Transfer
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from pdllm.decode_service.handoff import start_pull, use_pulled
+from pdllm.decode_service.kv_receiver import KvReceiver
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
 from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started, StaticDecode
 from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
@@ -37,7 +38,6 @@ from pdllm.shared.kv_transfer.payload import (
     decode_kv_scheme,
     model_kv_spec,
 )
-from pdllm.shared.kv_transfer.receiver import KvReceiver
 from pdllm.shared.layout import Request, decode_layout
 from pdllm.shared.rpc.convert import decode_policy_config, engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError

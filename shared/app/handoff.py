@@ -83,6 +83,6 @@ def make_sender(args: argparse.Namespace, device: Any, registry: CollectorRegist
 def make_receiver(
     args: argparse.Namespace, device: Any, channel: Callable[[str], Any], registry: CollectorRegistry
 ) -> Any:
-    from pdllm.shared.kv_transfer import KvReceiver
+    from pdllm.decode_service.kv_receiver import KvReceiver
 
     return KvReceiver(transfer_config(args), channel, device, registry)

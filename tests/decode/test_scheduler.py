@@ -225,8 +225,8 @@ def test_builds_in_pieces_run_one_piece_per_round_and_answer_exactly() -> None:
 
 
 def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() -> None:
+    from pdllm.decode_service.kv_receiver import Transfer, TransferState
     from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
-    from pdllm.shared.kv_transfer.receiver import Transfer, TransferState
 
     m = model("dream")
     sched = _scheduler(m)
@@ -258,9 +258,9 @@ def test_a_handoff_job_holds_its_pages_and_builds_only_once_its_pull_finished() 
 
 
 def test_a_cancelled_pull_still_writing_keeps_its_pages_until_it_has_finished() -> None:
+    from pdllm.decode_service.kv_receiver import Transfer, TransferState
     from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
     from pdllm.shared.kv_transfer.pages import PageTarget
-    from pdllm.shared.kv_transfer.receiver import Transfer, TransferState
 
     m = model("dream")
     sched = _scheduler(m)

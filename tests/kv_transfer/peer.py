@@ -16,11 +16,12 @@ import time
 import grpc
 import torch
 
+from pdllm.decode_service.kv_receiver import KvReceiver
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.kv_transfer import KvReceiver, KvSender, SenderConfig, TransferConfig
+from pdllm.shared.kv_transfer import KvSender, SenderConfig, TransferConfig
 from pdllm.shared.kv_transfer.pairs import PairGroup
 from pdllm.shared.kv_transfer.payload import pack_static
 from pdllm.shared.layout import Request, decode_layout

@@ -15,12 +15,13 @@ import torch
 
 from pdllm.decode_service.handoff import pull_target
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
+from pdllm.decode_service.kv_receiver import KvReceiver, Transfer, TransferState
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.kernels.paged_kv import ChunkPages
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.kv_transfer import KvReceiver, KvSender, SenderConfig, Transfer, TransferState
+from pdllm.shared.kv_transfer import KvSender, SenderConfig
 from pdllm.shared.kv_transfer.pages import (
     WIRE_PAGE,
     PageTarget,

@@ -12,9 +12,10 @@ import grpc
 import pytest
 import torch
 
+from pdllm.decode_service.kv_receiver import KvReceiver, TransferState
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
-from pdllm.shared.kv_transfer import KvReceiver, KvSender, SenderConfig, TransferState
+from pdllm.shared.kv_transfer import KvSender, SenderConfig
 from pdllm.shared.rpc.server import ServerConfig, build_server, service_spec
 from tests.kv_transfer.peer import CONFIG, fixed_build
 

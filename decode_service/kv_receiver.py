@@ -1,15 +1,15 @@
 """The receiving side of a KV handoff: a decode worker pulls the KV a prefill worker holds for a request.
 
 :meth:`KvReceiver.start` returns a :class:`Transfer` at once and pulls on a thread of its own: open (or
-reuse) a two-rank group with the sender (``KvTransfer.Connect``, ``pairs.py``), ask it to send
+reuse) a two-rank group with the sender (``KvTransfer.Connect``, ``shared/kv_transfer/pairs.py``), ask it to send
 (``KvTransfer.Send``), receive onto this worker's device: a decode KV given a :class:`PageTarget` (the
-request's reserved pool pages) lands straight in them (``pages.py`` says how and when a buffer is still
+request's reserved pool pages) lands straight in them (``shared/kv_transfer/pages.py`` says how and when a buffer is still
 needed), anything else in a new tensor (``Transfer.kv``). The transfer goes WAITING ->
 TRANSFERRING -> DONE, or FAILED with the reason (sender gone, offer expired, timeout); the caller then builds
 the KV itself. A failure drops the group with that sender (the next pull opens a new one). Pulls from one
 sender run one at a time (its point-to-point ops are ordered); pulls from different senders in parallel.
 From a sender on the same host, a CUDA receiver skips the group: it maps the sender's KV through CUDA IPC
-(``cuda_ipc.py``), copies it (into the pages, for a decode KV with a target) and tells the sender to
+(``shared/kv_transfer/cuda_ipc.py``), copies it (into the pages, for a decode KV with a target) and tells the sender to
 ``Release`` it.
 """
 
