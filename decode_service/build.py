@@ -24,6 +24,7 @@ import torch
 
 from pdllm.decode_service.attention import SegmentedAttention
 from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention
+from pdllm.kernels.rope import rotate_half
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.layout import DecodeLayout, Request, keep_top_b
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, sdpa
@@ -120,11 +121,6 @@ class KernelRetentionProbe:
         return out.transpose(0, 1)[None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def rotate_keys(model: DiffusionLM, segment: torch.Tensor, delta: int) -> torch.Tensor:
     """Chunk KV with K moved ``delta`` positions further (pure rotation: RoPE's scaling is already in K)."""
     if delta == 0:
@@ -132,7 +128,7 @@ def rotate_keys(model: DiffusionLM, segment: torch.Tensor, delta: int) -> torch.
     inv_freq = model.model.rotary_emb.inv_freq.float()
     angles = torch.cat([delta * inv_freq, delta * inv_freq])
     k = segment[:, 0].float()
-    k = k * angles.cos() + _rotate_half(k) * angles.sin()
+    k = k * angles.cos() + rotate_half(k) * angles.sin()
     return torch.stack([k.to(segment.dtype), segment[:, 1]], dim=1)
 
 

@@ -40,7 +40,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError("q/k and cos/sin must share dtypes")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
@@ -51,7 +51,7 @@ def apply_rope_reference(
     """The model's eager ``apply_rope`` on q and k."""
     _check(q, k, cos, sin)
     c, s = cos[:, None], sin[:, None]
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
 if triton is not None:

@@ -20,6 +20,7 @@ from pdllm.kernels import HAS_TRITON
 from pdllm.kernels.resources import smem_limit
 from pdllm.kernels.rms_norm import rms_norm
 from pdllm.kernels.rope import apply_rope as apply_rope_fused
+from pdllm.kernels.rope import rotate_half
 from pdllm.kernels.silu_mul import silu_mul_fused
 from pdllm.kernels.skinny_gemm import pick_config, skinny_linear, skinny_silu_mul
 from pdllm.shared.stepwise import Steps, drain
@@ -124,14 +125,9 @@ def _rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(attention_scaling)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, T, D]; cos/sin: [B, T, D]."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class SelfAttention(nn.Module):
