@@ -47,10 +47,6 @@ from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
-BATCHED_POLICIES = ("prefix-cache", "dual-cache", "sparse-dllm", "polestar")
-"""The caching decode policies whose sessions join the batched rounds (:func:`batch_session` picks the
-kind; FOCUS's sessions are ``focus_rounds.py``'s)."""
-
 
 def cache_slots(
     query_tokens: int,
@@ -243,7 +239,7 @@ def batch_session(
 
 
 def session_kind(policy: str) -> type[PolicyBatchSession]:
-    """The batched session class that runs decode policy ``policy`` (one of :data:`BATCHED_POLICIES`)."""
+    """The batched session class that runs decode policy ``policy`` (prefix-cache, dual-cache, sparse-dllm or polestar)."""
     if policy == "polestar":
         from pdllm.decode_service.polestar_rounds import PolestarBatchSession  # it builds on this module
 

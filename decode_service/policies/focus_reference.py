@@ -293,7 +293,8 @@ class FocusLogits:
 
 
 class FocusSession(DenoiseSession):
-    """A :class:`FocusLogits` request advanced one step at a time (a ``DenoiseSession``); its result carries FOCUS's counters."""
+    """A :class:`FocusLogits` request advanced one step at a time (a ``DenoiseSession``); its result
+    carries FOCUS's counters."""
 
     def __init__(self, logits_fn: FocusLogits) -> None:
         config = logits_fn.model.config

@@ -287,9 +287,8 @@ LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class DenoiseSession:
     """A :class:`DenoiseState` bound to its logits function, advanced one step at a time.
 
-    :func:`denoise` runs one to completion. The decode worker steps the session of each vanilla request
-    alone, once per scheduler iteration, next to the batched round of its pdllm requests (those are
-    advanced together by ``decode_service.rounds``, not through this class).
+    :func:`denoise` runs one to completion (the reference loops; the decode worker advances its requests
+    together in ``decode_service.rounds``, not through this class).
     """
 
     def __init__(
@@ -315,10 +314,6 @@ class DenoiseSession:
         picked = self.state.update(self.logits_fn(self.state.tokens, self.state.positions()))
         self.seconds += time.perf_counter() - start
         return picked
-
-    def partial(self) -> list[int]:
-        """Response slots so far, -1 where still masked."""
-        return [-1 if t == self.state.mask_id else t for t in self.state.tokens.tolist()]
 
     def result(self) -> GenerationResult:
         if self.device.type == "cuda":

@@ -31,11 +31,6 @@ class KVStats:
     resident_bytes: int = 0  # gauge: bytes held (CPU tier only)
     resident_values: int = 0  # gauge: values held (CPU tier only)
 
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
-
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

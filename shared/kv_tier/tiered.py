@@ -17,8 +17,8 @@ from pdllm.shared.kv_tier.stats import KVStats, StatsRecorder
 
 
 class TieredStore:
-    """``stats()`` counts lookups and puts as the caller sees them; ``tier_stats()`` has each tier's own
-    counters (bytes, errors, corruption, evictions)."""
+    """``stats()`` counts lookups and puts as the caller sees them; each of ``tiers`` keeps its own counters
+    (bytes, errors, corruption, evictions)."""
 
     def __init__(self, tiers: Sequence[KVStore], name: str = "tiered") -> None:
         if not tiers:
@@ -80,9 +80,6 @@ class TieredStore:
 
     def stats(self) -> KVStats:
         return self._stats.snapshot()
-
-    def tier_stats(self) -> dict[str, KVStats]:
-        return {tier.name: tier.stats() for tier in self.tiers}
 
     def healthy(self) -> bool:
         return all(tier.healthy() for tier in self.tiers)
