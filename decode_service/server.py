@@ -103,10 +103,10 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             kv_tokens = 0
             if request.method.method == "vanilla":
                 ids = self._vanilla_prompt(request)
-                start: Callable[[], Started] = lambda: sessions.vanilla(ids, gen, policy, entry.cancelled)  # noqa: E731
+                start: Callable[[], Started] = lambda: sessions.vanilla(ids, gen, policy)  # noqa: E731
                 cache_tokens = sessions.pool_slots(policy, len(ids), gen, static=False)
             elif sessions.block_diffusion:  # its block-causal cache is built here: no handoff pulled
-                start = lambda: sessions.sdar(_request(request), gen, policy, entry.cancelled)  # noqa: E731
+                start = lambda: sessions.sdar(_request(request), gen, policy)  # noqa: E731
                 prompt_tokens = len(request.instruction_ids) + len(request.question_ids)
                 prompt_tokens += sum(len(c.token_ids) for c in request.chunks)
                 cache_tokens = sessions.pool_slots(policy, prompt_tokens, gen, static=True)

@@ -13,7 +13,6 @@ model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from pdllm.decode_service import sdar_decode
@@ -100,7 +99,6 @@ class SessionMaker:
         prompt: list[int],
         gen: GenerationConfig,
         policy: DecodePolicyConfig | None,
-        cancelled: threading.Event,
     ) -> Started:
         """A vanilla request over ``prompt`` (its BOS included)."""
         model = self.model
@@ -118,7 +116,6 @@ class SessionMaker:
         request: Request,
         gen: GenerationConfig,
         policy: DecodePolicyConfig | None,
-        cancelled: threading.Event,
         prefix: BlockKVCache | None = None,
     ) -> Started:
         """A pdllm request on SDAR: exact block diffusion over ``[instruction, chunks, query]`` (its chunks:

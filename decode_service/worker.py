@@ -172,14 +172,13 @@ class DecodeWorker:
         progress: bool = False,
     ) -> GenerationResult:
         """A vanilla request (``prompt``: BOS included, if any) through the decode server's scheduler: in the
-        rounds with its whole prompt as local rows, or the session its policy or model family steps alone
-        (``sessions.py``)."""
+        rounds with its whole prompt as local rows (``sessions.py``)."""
         gen.validate()
         if self.sessions.block_diffusion:
             sdar_decode.check_generation(gen, self.model)
         cancelled = threading.Event()
         slots = self.sessions.pool_slots(decode_policy, len(prompt), gen, static=False)
-        start = lambda: self.sessions.vanilla(list(prompt), gen, decode_policy, cancelled)  # noqa: E731
+        start = lambda: self.sessions.vanilla(list(prompt), gen, decode_policy)  # noqa: E731
         return self.local.run(start, 0, slots, gen, progress, cancelled)
 
     def sdar(
@@ -195,5 +194,5 @@ class DecodeWorker:
         cancelled = threading.Event()
         prompt = len(request.instruction) + sum(map(len, request.chunks)) + len(request.query)
         slots = self.sessions.pool_slots(decode_policy, prompt, gen, static=True)
-        start = lambda: self.sessions.sdar(request, gen, decode_policy, cancelled, prefix)  # noqa: E731
+        start = lambda: self.sessions.sdar(request, gen, decode_policy, prefix)  # noqa: E731
         return self.local.run(start, 0, slots, gen, progress, cancelled)

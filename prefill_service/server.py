@@ -106,11 +106,9 @@ class PrefillServicer(workers_pb2_grpc.PrefillServicer):
         self.chunks.labels("computed").inc(sel.trace.cache_misses)
         self.written.inc(sel.trace.chunks_written)
         self.tokens.inc(len(request.context_ids))
-        return self._response(request, sel, cfg, queue_s)
+        return self._response(sel, cfg, queue_s)
 
-    def _response(
-        self, request: wpb.PrefillRequest, sel: Selection, cfg: EngineConfig, queue_s: float
-    ) -> wpb.PrefillResponse:
+    def _response(self, sel: Selection, cfg: EngineConfig, queue_s: float) -> wpb.PrefillResponse:
         spec = model_kv_spec(self.worker.model, sel.position_scheme, cfg.chunk_size)
         chosen = set(sel.selected)
         scores = []

@@ -137,11 +137,11 @@ def _check(cls: type[settings.S], values: dict[str, Any], group: str, rid: str) 
 
 
 def resolve_generation(
-    gen: pb.GenerationParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str = ""
+    gen: pb.GenerationParams, defaults: RequestDefaults, rid: str = ""
 ) -> GenerationSettings:
-    """The request's generation settings, unset ones from ``defaults`` (``limits``: unused, the bounds are
-    the schema's). A default block or step count that does not fit the request's length becomes one block,
-    one step per token."""
+    """The request's generation settings, unset ones from ``defaults`` (the bounds are the schema's). A
+    default block or step count that does not fit the request's length becomes one block, one step per
+    token."""
     given = set_fields(gen, GenerationSettings.model_fields)
     values = {name: getattr(defaults, name) for name in GenerationSettings.model_fields} | given
     length = values["gen_length"]
@@ -160,9 +160,7 @@ def resolve_generation(
     return _check(GenerationSettings, values, "generation", rid)
 
 
-def resolve_method(
-    m: pb.MethodParams, limits: ValidationLimits, defaults: RequestDefaults, rid: str = ""
-) -> MethodSettings:
+def resolve_method(m: pb.MethodParams, defaults: RequestDefaults, rid: str = "") -> MethodSettings:
     values = {name: getattr(defaults, name) for name in MethodSettings.model_fields}
     return _check(MethodSettings, values | set_fields(m, MethodSettings.model_fields), "method", rid)
 
@@ -224,7 +222,7 @@ def resolve_generate_request(
         context=req.context,
         question=req.question,
         instruction=req.instruction if req.HasField("instruction") else None,
-        generation=resolve_generation(req.generation, limits, defaults, rid),
-        method_config=resolve_method(req.method, limits, defaults, rid),
+        generation=resolve_generation(req.generation, defaults, rid),
+        method_config=resolve_method(req.method, defaults, rid),
         policy_config=resolve_decode_policy(req.decode_policy, defaults, rid),
     )
