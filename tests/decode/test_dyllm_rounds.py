@@ -23,7 +23,7 @@ from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policies.compute_skip import run_compute_skip
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
 from pdllm.decode_service.policy_sessions import static_compute_skip_logits
-from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
+from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Status
 from pdllm.decode_service.rounds import BatchSession, decode_round
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import rounds_policy
@@ -168,3 +168,32 @@ def test_the_scheduler_steps_dyllm_requests_in_its_one_forward_per_iteration() -
     assert results["vanilla"] == generate_vanilla(m, PROMPT, VANILLA_GEN, policy=_dyllm(KNOBS[0])).raw_tokens
     assert results["plain"] == alone(m, CASES[3], 3)
     assert results["dual"] == reference(m, POLICY_CASES[0], 0, dual)[0]
+
+
+def test_a_session_that_cannot_start_fails_its_request_and_the_others_go_on() -> None:
+    """A DyLLM request given no pages for its rows' K/V (its session refuses to start) gets that error;
+    its pages go back and a plain request beside it still answers. Planted: the session started outside a
+    try -> ``run_once`` raises and the request stays BUILDING forever."""
+    m = tiny_model("dream", seed=2, num_layers=4)
+    pool = pool_for(m, pages=64)
+    sched = DecodeScheduler(m, pool, round_forward("eager", m, pool), start_thread=False)
+    long = GenerationConfig(gen_length=32, steps=32, block_length=8)  # more rows than a page's slack
+    bad = replace(dyllm_built(m, POLICY_CASES[1], 1, KNOBS[0]), gen=long)
+    plain = static_decode(m, CASES[3], 3)
+    jobs = [
+        DecodeRequest("bad", lambda: bad, threading.Event(), False, bad.kv_tokens, cache_tokens=0),
+        DecodeRequest("plain", lambda: plain, threading.Event(), False, plain.kv_tokens, cache_tokens=0),
+    ]
+    free = pool.num_free
+    for j in jobs:
+        sched.submit(j)
+    for _ in range(64):
+        if not sched.depth:
+            break
+        sched.run_once()
+    assert not sched.depth
+    events = {j.request_id: [j.events.get_nowait() for _ in range(j.events.qsize())] for j in jobs}
+    assert [type(e) for e in events["bad"]] == [ValueError] and "pages" in str(events["bad"][0])
+    assert jobs[0].status is Status.FAILED and pool.num_free == free
+    finals = [e for e in events["plain"] if isinstance(e, Final)]
+    assert len(finals) == 1 and finals[0].result.raw_tokens == alone(m, CASES[3], 3)
