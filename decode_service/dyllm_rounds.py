@@ -32,18 +32,17 @@ from pdllm.decode_service.layer_edits import PartEdit
 from pdllm.decode_service.policies.dyllm_base import DyLLMConfig, DyLLMStats, context_cosine, step_kind
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.decode_service.rounds import CachingSession, RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
 
 @dataclass
-class DyLLMBatchSession(BatchSession):
+class DyLLMBatchSession(CachingSession):
     """A Dream/LLaDA request under DyLLM in the rounds (host sampler). Made by :meth:`begin`."""
 
     dyllm: DyLLMConfig = field(default_factory=DyLLMConfig)
-    page_size: int = 64
     lead: int = 0  # 1: a row's logits come from the row before it (Dream)
     threshold: float = 1.0
     contexts: torch.Tensor | None = None  # [layers, N, Hq * D]
@@ -80,11 +79,6 @@ class DyLLMBatchSession(BatchSession):
     @property
     def rows(self) -> int:
         return len(self.query) + self.state.config.gen_length
-
-    def slot(self, row: int) -> tuple[int, int]:
-        """(page, slot in page) of local row ``row``'s cached K/V."""
-        at = self.kv_tokens + row
-        return self.pages[at // self.page_size], at % self.page_size
 
     def round_parts(self) -> list[RoundRows]:
         """The next step's rows: all of them (a FullStep), or ``[first, N)`` over the cached rows before."""

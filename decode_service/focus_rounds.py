@@ -36,7 +36,7 @@ from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusS
 from pdllm.decode_service.policies.focus_fast import importance_batched, select_batched
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.decode_service.rounds import CachingSession, RoundRows
 from pdllm.decode_service.split_rounds import SplitRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
@@ -49,11 +49,10 @@ def focus_slots(gen: GenerationConfig) -> int:
 
 
 @dataclass
-class FocusBatchSession(BatchSession):
+class FocusBatchSession(CachingSession):
     """A Dream/LLaDA request under FOCUS in the rounds (host sampler). Made by :meth:`begin`."""
 
     focus: FocusConfig = field(default_factory=FocusConfig)
-    page_size: int = 64
     lead: int = 0  # 1: a row's logits come from the row before it (Dream)
     deep: int = 0  # layers past the split
     device: torch.device = torch.device("cpu")
@@ -79,11 +78,6 @@ class FocusBatchSession(BatchSession):
             page_size=page_size, lead=1 if c.shift_logits else 0, deep=c.num_layers - 2,
             device=next(model.parameters()).device,
         )  # fmt: skip
-
-    def slot(self, j: int) -> tuple[int, int]:
-        """(page, slot in page) of pool slot ``j`` after the static KV (region ``j < B``, store after)."""
-        at = self.kv_tokens + j
-        return self.pages[at // self.page_size], at % self.page_size
 
     def stored(self, r: int) -> tuple[int, int]:
         """(page, slot in page) of block row ``r``'s stored K/V."""

@@ -73,7 +73,7 @@ class PolestarBatchSession(PolicyBatchSession):
             self.span = (lo, hi)
             cached, n = ctx.rows - (hi - lo), ctx.rows
             slot_of = [*range(lo), *range(cached, cached + hi - lo), *range(lo, cached)]
-            slots = [self._slot(j) for j in slot_of]
+            slots = [self.slot(j) for j in slot_of]
             pages = [p for p, _ in slots]
             self.row_slots = to_device(pages + [o for _, o in slots], torch.long, self.device).view(2, n)
             self.paged = to_device([self.kv_tokens + n, *self.pages], torch.int32, self.device)

@@ -39,9 +39,9 @@ import torch
 from pdllm.decode_service.device_state import DeviceDenoiseState
 from pdllm.decode_service.policies import CachePolicy, CacheStats, DualCache, StepContext, StepPlan
 from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
-from pdllm.decode_service.request import BlockDecode, RoundsStart
+from pdllm.decode_service.request import BlockDecode, Started
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.decode_service.rounds import BatchSession, CachingSession, RoundRows
 from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
@@ -66,14 +66,13 @@ def cache_slots(
 
 
 @dataclass
-class PolicyBatchSession(BatchSession):
+class PolicyBatchSession(CachingSession):
     """A batched session under a row-range decode policy (:attr:`runs`); ``pages`` hold its
     static KV, then room for :func:`cache_slots` cached rows (``page_size`` slots per page). Made by
     :meth:`start_policy`."""
 
     runs: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache", "sparse-dllm")
     policy: CachePolicy = DualCache()
-    page_size: int = 64
     lead: int = 0  # rows before the block whose hidden states its logits need (1: shifted logits)
     row_bytes: int = 0  # K/V bytes of one local row, all layers
     cached_rows: int = 0  # valid cache slots (after the static KV)
@@ -153,11 +152,6 @@ class PolicyBatchSession(BatchSession):
             raise ValueError(f"decode policy {self.policy.name!r} planned a step the rounds cannot batch")
         return plan
 
-    def _slot(self, j: int) -> tuple[int, int]:
-        """(page, slot in page) of cache slot ``j``."""
-        at = self.kv_tokens + j
-        return self.pages[at // self.page_size], at % self.page_size
-
     def round_rows(self) -> RoundRows:
         """The next step's rows; a refresh also stores the rows the block's cached steps will read."""
         ctx = self.context()
@@ -181,7 +175,7 @@ class PolicyBatchSession(BatchSession):
         self.cached_rows = len(kept)
         # The pool slots reserved for the cache (one per local row), like the reference's full cache.
         self.stats.cache_bytes = ctx.rows * self.row_bytes
-        writes = tuple((row, *self._slot(j)) for j, row in enumerate(kept))
+        writes = tuple((row, *self.slot(j)) for j, row in enumerate(kept))
         return RoundRows(0, ctx.rows, self.kv_tokens, writes)
 
     def _record_salient(self, ctx: StepContext, keep: SaliencyKeep) -> RoundRows:
@@ -190,7 +184,7 @@ class PolicyBatchSession(BatchSession):
         device = self.device
         if self.lead and self.drop is None:
             self.drop = torch.zeros(self.row_layers, dtype=torch.int32, device=device)
-        slots = [self._slot(j) for j in range(kept)]
+        slots = [self.slot(j) for j in range(kept)]
         at = to_device([p for p, _ in slots] + [o for _, o in slots], torch.long, device).view(2, -1)
         store = SalientStore(
             keep, ctx.rows, ctx.block_start - self.lead if self.lead else -1, at[0], at[1], self.drop
@@ -207,7 +201,7 @@ class PolicyBatchSession(BatchSession):
 
 def batch_session(
     model: DiffusionLM,
-    built: RoundsStart,
+    built: Started,
     pages: list[int],
     page_size: int,
     device_sampler: bool = True,

@@ -78,8 +78,9 @@ class BlockDecode:
     focus: FocusConfig | None = None  # FOCUS's knobs: its steps in the rounds (``sdar_focus_rounds.py``)
 
 
-RoundsStart = StaticDecode | BlockDecode
-"""What joins the batched rounds once built (its ``static`` placed in its pool pages)."""
+Started = StaticDecode | BlockDecode
+"""What a request's ``start`` returns: what joins the batched rounds once built (its ``static`` placed in its
+pool pages)."""
 
 
 class Session(Protocol):
@@ -95,10 +96,6 @@ class Session(Protocol):
     def partial(self) -> list[int]: ...
 
     def result(self) -> GenerationResult: ...
-
-
-# What a request's ``start`` returns: a request for the rounds.
-Started = RoundsStart
 
 
 class Status(enum.Enum):

@@ -109,6 +109,18 @@ class BatchSession:
         self.state.apply(tokens, confidence)
 
 
+@dataclass
+class CachingSession(BatchSession):
+    """A session whose pages hold, after its static KV, local rows' K/V (``page_size`` slots per page)."""
+
+    page_size: int = 64
+
+    def slot(self, j: int) -> tuple[int, int]:
+        """(page, slot in page) of pool slot ``j`` after the static KV."""
+        at = self.kv_tokens + j
+        return self.pages[at // self.page_size], at % self.page_size
+
+
 @dataclass(frozen=True)
 class RoundRows:
     """One session's part of a round: local rows ``[lo, hi)`` (query + response coordinates) forwarded,
