@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy
+from pdllm.decode_service.decode import StaticPolicy, static_policy_logits
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
-from pdllm.decode_service.policy_sessions import static_policy_logits
 from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig

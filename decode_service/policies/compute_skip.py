@@ -7,7 +7,7 @@ instead, so that all of them run the very same code and an answer over gRPC equa
 
 - :func:`compute_skip_logits`: the policy's logits function over any method's local rows and attention
   backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`; pdllm:
-  the static chunk KV backend, ``decode_service.policy_sessions.static_compute_skip_logits``);
+  the static chunk KV backend, ``decode_service.decode.static_compute_skip_logits``);
 - :func:`run_compute_skip`: that loop to the end (the engine, ``generate_vanilla``); FOCUS is driven by its
   session, which hands the sampler the eligible rows;
 - :func:`compute_skip_sdar_session`: SDAR (block diffusion): FOCUS block by block over the exact cache, over

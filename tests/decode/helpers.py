@@ -6,11 +6,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy
+from pdllm.decode_service.decode import StaticPolicy, static_policy_logits
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
-from pdllm.decode_service.policy_sessions import static_policy_logits
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, RoundForward, decode_round
 from pdllm.decode_service.scheduler import StaticDecode

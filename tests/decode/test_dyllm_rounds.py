@@ -17,12 +17,12 @@ from dataclasses import replace
 
 import pytest
 
+from pdllm.decode_service.decode import static_compute_skip_logits
 from pdllm.decode_service.dyllm_rounds import DyLLMBatchSession
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policies.compute_skip import run_compute_skip
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
-from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Status
 from pdllm.decode_service.rounds import BatchSession, decode_round
 from pdllm.decode_service.scheduler import DecodeScheduler

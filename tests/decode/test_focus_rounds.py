@@ -22,12 +22,12 @@ from dataclasses import replace
 
 import pytest
 
+from pdllm.decode_service.decode import static_compute_skip_logits
 from pdllm.decode_service.focus_rounds import FocusBatchSession, focus_slots
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policies.compute_skip import run_compute_skip
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
-from pdllm.decode_service.policy_sessions import static_compute_skip_logits
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
 from pdllm.decode_service.rounds import BatchSession, decode_round
 from pdllm.decode_service.scheduler import DecodeScheduler
@@ -208,7 +208,7 @@ def test_focus_requests_over_grpc_share_rounds_and_equal_their_references(family
     """Through the servicer (``DecodeServicer.Decode``, its scheduler thread): pdllm and vanilla FOCUS
     requests decoded concurrently with a plain and a dual-cache one share rounds (FOCUS's rows with the
     others' in one forward), and each answers as its reference loop, FOCUS's counters in the trace."""
-    from pdllm.decode_service.policy_sessions import static_compute_skip_logits as focus_logits
+    from pdllm.decode_service.decode import static_compute_skip_logits as focus_logits
     from pdllm.decode_service.rounds import EagerRoundForward
     from pdllm.decode_service.server import DecodeServicer
     from pdllm.decode_service.worker import DecodeWorker

@@ -31,7 +31,7 @@ from tests.engine.helpers import model
 @pytest.mark.parametrize("family", ["dream", "llada"])
 @pytest.mark.parametrize("name", ["dual-cache", "prefix-cache"])
 @pytest.mark.parametrize("kind", ["eager", "padded"])
-def test_policy_sessions_in_rounds_equal_the_reference_loop(family: str, name: str, kind: str) -> None:
+def test_decode_in_rounds_equal_the_reference_loop(family: str, name: str, kind: str) -> None:
     m = model(family)
     policy = DecodePolicyConfig(name=name)
     want = [reference(m, case, seed, policy) for seed, case in enumerate(POLICY_CASES)]

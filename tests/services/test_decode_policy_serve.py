@@ -108,7 +108,7 @@ def test_no_policy_is_named_none_in_the_trace(deployment) -> None:
     assert trace.decode_policy.policy == "none" and trace.decode_policy.forwards == 0
 
 
-def test_policy_sessions_interleave_with_batched_rounds(deployment, loaded) -> None:
+def test_decode_interleave_with_batched_rounds(deployment, loaded) -> None:
     """Policy requests decode beside plain ones (batched) and each other, every answer unchanged."""
     asks = [{}, {"decode_policy": "dual-cache"}, {}, {"decode_policy": "sparse-dllm"}] * 2
     with ThreadPoolExecutor(len(asks)) as pool:
