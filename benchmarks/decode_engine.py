@@ -38,11 +38,10 @@ Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and `
   compute-skip   DyLLM and FOCUS (their library loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
-  focus-batched  FOCUS's batched fast path (``generate_focus_batched``: one packed forward per step for every
-                 request) on SDAR-8B shapes at ``--focus-batches`` (1, 16; the old script also ran 64), gen
-                 ``--focus-gen`` (32; it ran 64), against the same packed forward with nothing evicted and no
-                 delayed cache (plain decoding: the ``vanilla`` baseline of these rows); tokens/s = batch x
-                 gen / seconds, the prompts' prefill included; warm-up: one block of the same configuration.
+  focus-batched  FOCUS in the decode worker's rounds (``focus-rounds``: the scheduler, every request
+                 submitted at once) against plain block diffusion in the same rounds (``plain-rounds``), on
+                 SDAR-8B shapes at ``--focus-batches`` (1, 16), gen ``--focus-gen`` (32); tokens/s = batch x
+                 gen / seconds, the prompts' builds included; warm-up: one block of the same configuration.
   polestar       Polestar-Cache's step cost against the dual cache in the loop, at the paper's knobs, with
                  update threshold 0 and with exact (``none``) residuals; gen ``--polestar-gen`` (32: one
                  block; the old script's 256 makes the threshold-0 run alone ~1 min).

@@ -2,7 +2,7 @@
 
 A :class:`FocusBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow FOCUS (``policies/
 focus.py``; its reference loop, ``focus_reference.FocusLogits``, is the specification; the selection is
-``focus_fast``'s vectorized one). Its local rows are the plain session's (query or prompt, then the
+``focus_select``'s vectorized one). Its local rows are the plain session's (query or prompt, then the
 response); its pool pages hold its static KV, then ``B`` *region* slots, then ``B`` *store* slots (``B``:
 the block length, :func:`focus_slots`). The store keeps, per layer, the K/V of the block's rows from the
 last step that forwarded them (slot ``B + r`` for block row ``r``), written by the round for every block
@@ -13,7 +13,7 @@ row it forwards. Per step, in a round that may hold any other sessions:
   pool slots besides its own rows, so its keys are the context and every block row, each once;
 - after layer 1, :class:`FocusRound` computes the importance delta of every FOCUS session of the round
   from the block rows' queries and stored keys of layers 0 and 1 and selects their rows
-  (``focus_fast.importance_batched`` / ``select_batched``, one host read for all); the forward keeps the
+  (``focus_select.importance_batched`` / ``select_batched``, one host read for all); the forward keeps the
   context and the selected rows (``split_rounds.py``);
 - **layers >= 2**: the block rows ``[0, reach)`` that are not selected are copied into the region at each
   layer (the entry reads ``static + that many`` slots), the selected ones are forwarded and stored;
@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
-from pdllm.decode_service.policies.focus_fast import importance_batched, select_batched
+from pdllm.decode_service.policies.focus_select import importance_batched, select_batched
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import CachingSession, RoundRows

@@ -1,5 +1,5 @@
-"""The ``focus-batched`` case: FOCUS's batched fast path and FOCUS in the decode worker's rounds against plain
-block diffusion, on SDAR shapes."""
+"""The ``focus-batched`` case: FOCUS in the decode worker's rounds against plain block diffusion in the same
+rounds, on SDAR shapes."""
 
 from __future__ import annotations
 
@@ -17,76 +17,36 @@ from pdllm.decode_service import block_rounds
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies.focus import FocusConfig
-from pdllm.decode_service.policies.focus_batch import FocusDecodeBatch, generate_focus_batched
 from pdllm.decode_service.request import DecodeRequest, Final, Status
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sdar_focus_rounds import sdar_focus_slots
-from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import GenerationConfig
 
 
 def case_focus_batched(bench: Bench) -> None:
     a, case = bench.args, "focus-batched"
     model = bench.use("sdar")
-    counter = bench.counter
-    assert counter is not None
     rng = torch.Generator().manual_seed(1)
-    plain = FocusConfig(budget=a.block, delayed_cache=False)
     for batch in a.focus_batches:
         prompts = [[model.config.bos_token_id, *random_ids(a.vanilla_context + QUERY_TOKENS, model.config.vocab_size,
                                                             rng)] for _ in range(batch)]  # fmt: skip
-        base = None
-        for name, focus in (("plain-batched", plain), ("focus", FocusConfig())):
-            where = {"policy": name, "batch": batch, "gen_length": a.focus_gen}
-            if bench.left() <= 0:
-                bench.skip(case, where, "time budget spent")
-                continue
-            try:
-                generate_focus_batched(model, prompts, bench.gen(a.block), focus)  # warm-up: one block
-                gen = bench.gen(a.focus_gen)
-                reset_peak(bench.device)
-                sync(bench.device)
-                start = time.perf_counter()
-                # SDAR's prompt prefill is in the time (as before) but its forwards are not rounds'
-                with counter.tally() as tally, counter.excluding(FocusDecodeBatch, "block_diffusion"):
-                    results: list[GenerationResult] = generate_focus_batched(model, prompts, gen, focus)
-                sync(bench.device)
-                seconds = time.perf_counter() - start
-            except Exception as exc:
-                bench.error(case, where, exc)
-                continue
-            rounds = max(r.steps for r in results)
-            speed = batch * a.focus_gen / seconds
-            base = speed if name == "plain-batched" else base
-            done = sum(r.cache["rows_forwarded"] for r in results)  # type: ignore[misc]
-            total = sum(r.cache["rows_plain"] for r in results)  # type: ignore[misc]
-            fpr = per_round(tally.forwards, rounds)
-            bench.add({"case": case, "policy": name, "method": "vanilla", "context_tokens": a.vanilla_context,
-                       "gen_length": a.focus_gen, "batch": batch, "tokens_per_s": speed,
-                       "round_ms": results[0].decode_seconds / rounds * 1e3, "forwards_per_round": fpr,
-                       "tpf": tpf_of(a.focus_gen, tally.forwards), "speedup_vs_vanilla": speedup(speed, base),
-                       "peak_gib": peak_gib(bench.device), "model": model.config.model_id,
-                       "rows_frac": done / total if total else None, "seconds": seconds,
-                       "forwards": tally.forwards, "rounds": rounds})  # fmt: skip
         plain_rounds = None
         for focus in (None, FocusConfig()):
-            speed = sdar_rounds_row(bench, case, model, prompts, batch, base, focus, plain_rounds)
+            speed = sdar_rounds_row(bench, case, model, prompts, batch, focus, plain_rounds)
             plain_rounds = speed if focus is None else plain_rounds
     bench.meta(case)["setup"] = (
         f"{model.config.model_id} (model block {model.config.block_size}), generation block {a.block}, prompt "
-        f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, one token per step; "
-        "speedup_vs_vanilla: vs plain-batched at the same batch; round_ms: the batch's stepping seconds / "
-        "rounds (prefill out); forwards include SDAR's per-request record pass of each finished block. "
+        f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, one token per step. "
         "plain-rounds: plain block diffusion in the decode worker's rounds (the scheduler, graph buckets, "
         "split-S attention over the pool; a finished block's record rides in the next round); focus-rounds: "
-        "FOCUS in the same rounds (eager: its selection is made inside the forward); the prompts' prefill (the "
-        "builds) in the time as for the other rows."
+        "FOCUS in the same rounds (eager: its selection is made inside the forward); all requests submitted "
+        "at once, the prompts' prefill (the builds) in the time; round_ms: seconds / rounds."
     )
 
 
 def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]], batch: int,
-                    base: float | None, focus: FocusConfig | None = None,
-                    plain_rounds: float | None = None) -> float | None:  # fmt: skip
+                    focus: FocusConfig | None = None, plain_rounds: float | None = None) -> float | None:  # fmt: skip
     """Block diffusion of ``prompts`` through the decode scheduler's rounds, all submitted at once: plain, or
     under FOCUS (``focus``; ``plain_rounds``: the plain run's tokens/s, for its ratio). Its tokens/s (None:
     not run)."""
@@ -141,7 +101,7 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
     bench.add({"case": case, "policy": name, "method": "vanilla", "context_tokens": a.vanilla_context,
                "gen_length": a.focus_gen, "batch": batch, "tokens_per_s": speed, "round_ms": seconds / rounds * 1e3,
                "forwards_per_round": per_round(tally.forwards, rounds), "tpf": tpf_of(a.focus_gen, tally.forwards),
-               "speedup_vs_vanilla": speedup(speed, base), "peak_gib": peak_gib(bench.device),
+               "speedup_vs_vanilla": None, "peak_gib": peak_gib(bench.device),
                "model": model.config.model_id, "rows_frac": done / total if total else None, "seconds": seconds,
                "forwards": tally.forwards, "rounds": rounds,
                "speedup_vs_plain_rounds": speedup(speed, plain_rounds) if focus is not None else None})  # fmt: skip

@@ -39,7 +39,7 @@ rows, every other local row being context forwarded as in plain decoding):
 
 This module holds the per-request host state and the paper's equations written plainly (the reference,
 used by ``focus_reference.py``; the knobs, :class:`FocusConfig`, are ``shared/decode_policy.py``'s);
-``focus_fast.py`` runs the same decisions vectorized over several requests and is held to them.
+``focus_select.py`` runs the same decisions vectorized over several requests (the rounds) and is held to them.
 """
 
 from __future__ import annotations
