@@ -10,9 +10,10 @@ from pdllm.decode_service.decode import StaticPolicy, static_policy_logits
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
+from pdllm.decode_service.request import DecodeRequest
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, RoundForward, decode_round
-from pdllm.decode_service.scheduler import StaticDecode
+from pdllm.decode_service.scheduler import DecodeScheduler, StaticDecode
 from pdllm.prefill_service.worker import Selection
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -174,3 +175,46 @@ def policy_session(
     out = batch_session(m, built, pages, pool.page_size, device_sampler)
     assert isinstance(out, PolicyBatchSession)
     return out
+
+
+class Forwards:
+    """Counts the model's forwards (its embedding's calls)."""
+
+    def __init__(self, m: DiffusionLM) -> None:
+        self.n = 0
+        m.model.embed_tokens.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+
+
+def rounds_with_arrivals(
+    m: DiffusionLM,
+    forward: RoundForward,
+    order: list[BatchSession],
+    kind: type[BatchSession],
+    others: int = 1,
+) -> int:
+    """Decode ``order`` to the end, one arrival per round (sessions join in the middle of others'
+    blocks), asserting one model forward per round; returns the rounds where a ``kind`` session shared
+    the forward with more than ``others`` other sessions."""
+    order, forwards, active, mixed = list(order), Forwards(m), [], 0
+    while order or active:
+        if order:
+            active.append(order.pop(0))
+        before = forwards.n
+        decode_round(forward, active)
+        assert forwards.n == before + 1  # one model forward per round
+        mixed += any(isinstance(s, kind) for s in active) and len(active) > others
+        active = [s for s in active if not s.done]
+    return mixed
+
+
+def schedule_arrivals(m: DiffusionLM, sched: DecodeScheduler, arrivals: dict[int, DecodeRequest]) -> None:
+    """Submit ``arrivals`` (iteration -> request) while the scheduler runs, until every request is done;
+    every iteration runs exactly one round, one model forward (builds are not model forwards here)."""
+    forwards, iteration = Forwards(m), 0
+    while iteration <= max(arrivals) or sched.depth:
+        if iteration in arrivals:
+            sched.submit(arrivals[iteration])
+        before, rounds = forwards.n, sched.rounds
+        sched.run_once()
+        iteration += 1
+        assert forwards.n - before == sched.rounds - rounds == 1

@@ -24,7 +24,7 @@ from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policies.compute_skip import run_compute_skip
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Status
-from pdllm.decode_service.rounds import BatchSession, decode_round
+from pdllm.decode_service.rounds import BatchSession
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import rounds_policy
 from pdllm.decode_service.vanilla import generate_vanilla
@@ -40,10 +40,12 @@ from tests.decode.helpers import (
     prefill,
     reference,
     round_forward,
+    rounds_with_arrivals,
+    schedule_arrivals,
     session,
     static_decode,
 )
-from tests.decode.test_focus_rounds import Forwards, focus_built, focus_session
+from tests.decode.test_focus_rounds import focus_built, focus_session
 from tests.model.helpers import tiny_model
 
 KNOBS = [
@@ -102,16 +104,7 @@ def test_dyllm_sessions_share_mixed_rounds_and_equal_their_references(family: st
     focus = focus_session(pool, m, focus_built(m, POLICY_CASES[3], 3, {"focus_budget": 2}))
     # FOCUS first: its rows dropped after layer 1 move every later session's packed rows.
     order = [focus, dyllm[0], plain, others[0], dyllm[1], others[1], dyllm[3], others[2], dyllm[2]]
-    forwards, active, mixed = Forwards(m), [], 0
-    while order or active:
-        if order:  # one arrival per round: sessions join in the middle of others' blocks
-            active.append(order.pop(0))
-        before = forwards.n
-        decode_round(forward, active)
-        assert forwards.n == before + 1  # one model forward per round
-        mixed += any(isinstance(s, DyLLMBatchSession) for s in active) and len(active) > 1
-        active = [s for s in active if not s.done]
-    assert mixed > 10
+    assert rounds_with_arrivals(m, forward, order, DyLLMBatchSession) > 10
     for s, (tokens, cache) in zip(dyllm, want, strict=True):
         result = s.result()
         assert result.raw_tokens == tokens and result.steps == s.state.steps_taken
@@ -145,15 +138,7 @@ def test_the_scheduler_steps_dyllm_requests_in_its_one_forward_per_iteration() -
         job("dual", dual_built, cache_slots(len(dual_built.query), POLICY_CASES[0].gen)),
         job("dyllm-late", late, cache_slots(len(late.query), late.gen)),
     ]
-    arrivals = dict(zip((0, 2, 3, 5, 7), jobs, strict=True))  # in the middle of the others' blocks
-    forwards, iteration = Forwards(m), 0
-    while iteration <= max(arrivals) or sched.depth:
-        if iteration in arrivals:
-            sched.submit(arrivals[iteration])
-        before, rounds = forwards.n, sched.rounds
-        sched.run_once()
-        assert forwards.n - before == sched.rounds - rounds <= 1  # builds are not model forwards here
-        iteration += 1
+    schedule_arrivals(m, sched, dict(zip((0, 2, 3, 5, 7), jobs, strict=True)))  # mid-block arrivals
     results = {}
     for j in jobs:
         finals = []

@@ -29,7 +29,7 @@ from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policies.compute_skip import run_compute_skip
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
-from pdllm.decode_service.rounds import BatchSession, decode_round
+from pdllm.decode_service.rounds import BatchSession
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import rounds_policy
 from pdllm.decode_service.vanilla import generate_vanilla
@@ -45,6 +45,8 @@ from tests.decode.helpers import (
     prefill,
     reference,
     round_forward,
+    rounds_with_arrivals,
+    schedule_arrivals,
     session,
     static_decode,
 )
@@ -98,14 +100,6 @@ def focus_session(pool: DecodeKVPool, m: DiffusionLM, built: StaticDecode) -> Ba
     return s
 
 
-class Forwards:
-    """Counts the model's forwards (its embedding's calls)."""
-
-    def __init__(self, m: DiffusionLM) -> None:
-        self.n = 0
-        m.model.embed_tokens.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
-
-
 @pytest.mark.parametrize("family", ["dream", "llada"])
 @pytest.mark.parametrize("kind", ["eager", "padded"])
 def test_focus_sessions_share_mixed_rounds_and_equal_their_references(family: str, kind: str) -> None:
@@ -126,16 +120,7 @@ def test_focus_sessions_share_mixed_rounds_and_equal_their_references(family: st
     policies = [DecodePolicyConfig(n) for n in ("dual-cache", "sparse-dllm", "polestar")]
     others = [policy_session(m, pool, POLICY_CASES[4], 4, p) for p in policies]
     order = [focus[0], plain, others[0], focus[1], focus[3], others[1], focus[2], others[2], focus[4]]
-    forwards, active, mixed = Forwards(m), [], 0
-    while order or active:
-        if order:  # one arrival per round: sessions join in the middle of others' blocks
-            active.append(order.pop(0))
-        before = forwards.n
-        decode_round(forward, active)
-        assert forwards.n == before + 1  # one model forward per round
-        mixed += any(isinstance(s, FocusBatchSession) for s in active) and len(active) > 1
-        active = [s for s in active if not s.done]
-    assert mixed > 10
+    assert rounds_with_arrivals(m, forward, order, FocusBatchSession) > 10
     for s, (tokens, cache) in zip(focus, want, strict=True):
         result = s.result()
         assert result.raw_tokens == tokens and result.steps == s.state.steps_taken
@@ -170,15 +155,7 @@ def test_the_scheduler_steps_focus_requests_in_its_one_forward_per_iteration() -
             "focus-late", focus_built(m, POLICY_CASES[3], 3, FOCUS_KNOBS[1]), focus_slots(POLICY_CASES[3].gen)
         ),
     ]
-    arrivals = dict(zip((0, 2, 3, 5, 7), jobs, strict=True))  # in the middle of the others' blocks
-    forwards, iteration = Forwards(m), 0
-    while iteration <= max(arrivals) or sched.depth:
-        if iteration in arrivals:
-            sched.submit(arrivals[iteration])
-        before, rounds = forwards.n, sched.rounds
-        sched.run_once()
-        iteration += 1
-        assert forwards.n - before == sched.rounds - rounds == 1
+    schedule_arrivals(m, sched, dict(zip((0, 2, 3, 5, 7), jobs, strict=True)))  # mid-block arrivals
     want = [
         focus_reference(m, POLICY_CASES[1], 1, {}),
         vanilla_reference(m, PROMPTS[0], gen, {}),

@@ -29,11 +29,10 @@ from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.decode_service.policy_rounds import batch_session
 from pdllm.decode_service.request import DecodeRequest, Final
-from pdllm.decode_service.rounds import decode_round
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sdar_focus_rounds import SdarFocusSession, sdar_focus_slots
 from pdllm.shared.generation.sampler import GenerationConfig
-from tests.decode.helpers import pool_for, round_forward
+from tests.decode.helpers import pool_for, round_forward, rounds_with_arrivals
 from tests.model.helpers import tiny_model
 from tests.oracles.cases import ids
 
@@ -53,12 +52,6 @@ def _gen(n: int, steps: int, block: int, threshold: float | None, temperature: f
         gen_length=n, steps=steps, block_length=block, threshold=threshold, temperature=temperature,
         stop_at_eos=False, seed=n + steps,
     )  # fmt: skip
-
-
-class Forwards:
-    def __init__(self, m) -> None:  # type: ignore[no-untyped-def]
-        self.n = 0
-        m.model.embed_tokens.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
 
 
 def _session(m, pool, prompt: list[int], g: GenerationConfig, knobs: dict | None):  # type: ignore[no-untyped-def]
@@ -94,16 +87,8 @@ def test_sdar_focus_sessions_share_mixed_rounds_and_equal_their_references(kind:
     assert all(isinstance(s, SdarFocusSession) for s in focus)
     assert all(type(s) is BlockBatchSession for s in plain)
     order = [focus[0], plain[0], focus[1], focus[2], plain[1], focus[3], focus[4]]
-    forwards, active, mixed = Forwards(m), [], 0
-    while order or active:
-        if order:  # one arrival per round: sessions join in the middle of others' blocks
-            active.append(order.pop(0))
-        before = forwards.n
-        decode_round(forward, active)
-        assert forwards.n == before + 1  # one model forward per round, records included
-        mixed += any(isinstance(s, SdarFocusSession) for s in active) and len(active) > 2
-        active = [s for s in active if not s.done]
-    assert mixed > 10
+    # one model forward per round, records included
+    assert rounds_with_arrivals(m, forward, order, SdarFocusSession, others=2) > 10
     for s, ref in zip(focus, want, strict=True):
         result = s.result()
         assert result.raw_tokens == ref.raw_tokens and result.steps == ref.steps
