@@ -140,23 +140,21 @@ class DyLLMRound:
         member = [i for i, n in enumerate(sizes) for _ in range(n)]
         exact = [e.full or not e.session.dyllm.approximate_attention for e in edits]
         every = [e.full or e.session.threshold >= 1.0 for e in edits]
+        per_row = [(x, a) for x, a, m in zip(exact, every, sizes, strict=True) for _ in range(m)]
+        salient = [int(f) for e in edits for f in e.salient]
         longs = to_device(
-            [*packed, *(p for p, _ in slots), *(o for _, o in slots), *member, *(0, *sizes)],
+            [*packed, *(p for p, _ in slots), *(o for _, o in slots), *member, *(0, *sizes), *salient,
+             *(int(x) for x, _ in per_row), *(int(a) for _, a in per_row)],
             torch.long,
             device,
-        )
+        )  # fmt: skip
         n, b = len(packed), len(edits)
         self.rows, self.pages, self.offsets = longs[:n], longs[n : 2 * n], longs[2 * n : 3 * n]
         self.member = longs[3 * n : 4 * n]
-        self.q_offsets = longs[4 * n :].cumsum(0).to(torch.int32)
-        flags = to_device([f for e in edits for f in e.salient], torch.bool, device)
-        self.salient = flags  # this layer's incoming salient rows
-        self.exact = to_device(
-            [x for x, m in zip(exact, sizes, strict=True) for _ in range(m)], torch.bool, device
-        )
-        self.every = to_device(
-            [x for x, m in zip(every, sizes, strict=True) for _ in range(m)], torch.bool, device
-        )
+        self.q_offsets = longs[4 * n : 4 * n + b + 1].cumsum(0).to(torch.int32)
+        flags = longs[4 * n + b + 1 :].view(3, n).bool()
+        self.salient = flags[0]  # this layer's incoming salient rows
+        self.exact, self.every = flags[1], flags[2]
         self.threshold = to_device(
             [e.session.threshold for e, m in zip(edits, sizes, strict=True) for _ in range(m)],
             torch.float32,
@@ -164,15 +162,26 @@ class DyLLMRound:
         )
         self.approximate = not all(exact)
         self.entries = to_device([e for e, _, _ in members], torch.long, device)
+        self.entry_meta: tuple[PagedBatchAttention, torch.Tensor, torch.Tensor] | None = None
         self.sizes, self.max_q = sizes, max(sizes)
         self.edits = edits
         self.counts = torch.zeros(2, b, dtype=torch.long, device=device)
         self.layers = s0.contexts.shape[0]
         self.old_v: torch.Tensor | None = None
+        self.new_k: torch.Tensor | None = None
         self.chosen: torch.Tensor | None = None
 
     def remap(self, index: list[int]) -> None:
         self.rows = to_device(index, torch.long, self.rows.device).index_select(0, self.rows)
+
+    def _entries_of(self, attention: PagedBatchAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The DyLLM entries' page tables and KV lengths in ``attention`` (selected once per attention: a
+        round has one, and one more past a split)."""
+        if self.entry_meta is None or self.entry_meta[0] is not attention:
+            entries = self.entries
+            table = attention.page_table.index_select(0, entries)
+            self.entry_meta = (attention, table, attention.kv_lens.index_select(0, entries))
+        return self.entry_meta[1], self.entry_meta[2]
 
     def _cached(self, which: str, layer: int) -> list[torch.Tensor]:
         """Each session's cached contexts or FFN outputs of its queried rows at ``layer`` (views)."""
@@ -201,12 +210,13 @@ class DyLLMRound:
         before = torch.cat(self._cached("contexts", layer))
         context = exact
         if self.approximate:
-            assert self.old_v is not None
+            assert self.old_v is not None and self.new_k is not None
+            table, kv_lens = self._entries_of(attention)
             previous = attention.paged(
                 layer,
                 q.index_select(0, self.rows),
-                attention.page_table.index_select(0, self.entries),
-                attention.kv_lens.index_select(0, self.entries),
+                table,
+                kv_lens,
                 self.q_offsets,
                 self.max_q,
                 attention.max_kv_len,

@@ -355,7 +355,7 @@ class DecodeScheduler:
         if not ready and idle:
             building[0].build.done.synchronize()  # type: ignore[union-attr]
             ready = [building[0]]
-        joined, dropped, failed = [], [], []
+        joined, dropped = [], []
         for req in ready:
             made = req.build.made  # type: ignore[union-attr]
             assert made is not None
@@ -364,8 +364,7 @@ class DecodeScheduler:
                 req.session = batch_session(self.model, made, req.pages, self.pool.page_size)
             except Exception as exc:
                 _log.exception("decode session failed to start", extra={"request_id": req.request_id})
-                req.events.put(exc)
-                failed.append(req)
+                self._fail(req, exc)
                 continue
             req.build = None
             req.build_s = time.perf_counter() - req.build_started
@@ -379,7 +378,6 @@ class DecodeScheduler:
             self._building = [r for r in self._building if r not in ready]
             self._active += joined
         self._retire(dropped, Status.CANCELLED)
-        self._retire(failed, Status.FAILED)
 
     def _round(self) -> None:
         """One step of every RUNNING request in one batched forward; then partial outputs, and finished
