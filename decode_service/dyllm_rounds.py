@@ -76,15 +76,11 @@ class DyLLMBatchSession(CachingSession):
             counts=torch.zeros(2, dtype=torch.long, device=weight.device),
         )  # fmt: skip
 
-    @property
-    def rows(self) -> int:
-        return len(self.query) + self.state.config.gen_length
-
     def round_parts(self) -> list[RoundRows]:
         """The next step's rows: all of them (a FullStep), or ``[first, N)`` over the cached rows before."""
         assert isinstance(self.state, DenoiseState)
         tokens = self.query + self.state.tokens.tolist()
-        n, q = self.rows, len(self.query)
+        n, q = self.local_rows, len(self.query)
         kind = step_kind(self.stats.forwards, self.dyllm)
         full = kind == "full"
         first = 0 if kind != "response" else q - self.lead
@@ -134,9 +130,9 @@ class DyLLMRound:
         s0 = edits[0].session
         assert s0.contexts is not None
         device = s0.contexts.device
-        sizes = [e.session.rows - e.first for e in edits]
+        sizes = [e.session.local_rows - e.first for e in edits]
         packed = [first + j for (_, first, _), n in zip(members, sizes, strict=True) for j in range(n)]
-        slots = [e.session.slot(r) for e in edits for r in range(e.first, e.session.rows)]
+        slots = [e.session.slot(r) for e in edits for r in range(e.first, e.session.local_rows)]
         member = [i for i, n in enumerate(sizes) for _ in range(n)]
         exact = [e.full or not e.session.dyllm.approximate_attention for e in edits]
         every = [e.full or e.session.threshold >= 1.0 for e in edits]

@@ -90,7 +90,7 @@ class FocusBatchSession(CachingSession):
         if state.block != self.memory.block:
             masked = (state.tokens[a:b] == state.mask_id).tolist()
             self.memory.start_block(state.block, masked, self.focus.delayed_cache)
-        lo, hi, n = q + a, q + b, q + state.config.gen_length
+        lo, hi, n = q + a, q + b, self.local_rows
         frozen = self.memory.frozen
         active = [r for r in range(b - a) if not frozen[r]]
         rows = (*range(lo), *(lo + r for r in active), *range(hi, n))
@@ -254,7 +254,7 @@ class FocusRound:
         """A session's rows past layer 1 from its selection ``sel`` (block rows), with the visible block
         rows it does not forward; its counters, as the fast path's."""
         s, lo, hi = split.session, split.lo, split.hi
-        mem, n = s.memory, len(s.query) + s.state.config.gen_length
+        mem, n = s.memory, s.local_rows
         kept = set(sel)
         s.reach = max(mem.reach, sel[-1] + 1)
         hidden = [r for r in range(s.reach) if r not in kept]

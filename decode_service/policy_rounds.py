@@ -134,7 +134,7 @@ class PolicyBatchSession(CachingSession):
             step_in_block=state.step_in_block,
             block_start=start,
             block_end=start + block,
-            rows=len(self.query) + state.config.gen_length,
+            rows=self.local_rows,
             lead=self.lead,
             unmasked=block - masked,
             # pdllm's question (``StepContext.protected``); a session without static KV (vanilla: its query

@@ -93,9 +93,14 @@ class BatchSession:
             decode_seconds=self.seconds,
         )
 
+    @property
+    def local_rows(self) -> int:
+        """Its local rows: the query (vanilla: the whole prompt), then the response."""
+        return len(self.query) + self.state.config.gen_length
+
     def round_rows(self) -> RoundRows:
         """What this session puts into the next round: every local row, over its static KV."""
-        return RoundRows(0, len(self.query) + self.state.config.gen_length, self.kv_tokens)
+        return RoundRows(0, self.local_rows, self.kv_tokens)
 
     def round_parts(self) -> list[RoundRows]:
         """The next round's attention entries of this session, called once as the round is packed: parts

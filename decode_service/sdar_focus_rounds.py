@@ -95,7 +95,7 @@ class SdarFocusSession(BlockBatchSession):
     def region(self, m: int) -> list[int]:
         """The key region's pages of the window's model block ``m``."""
         n = region_pages(self.model_block, self.page_size)
-        first = -(-(len(self.query) + self.state.config.gen_length) // self.page_size) + m * n
+        first = -(-self.local_rows // self.page_size) + m * n
         return self.pages[first : first + n]
 
     def entry(self, m: int, a: int, hidden: list[int]) -> tuple[int, tuple[int, ...], list]:
