@@ -1,7 +1,7 @@
 """The static decode KV: what the KV build (step 6) hands to the denoising loop (step 7).
 
-Both decode paths read it: the in-process engine's single-request loop (``decode_service.decode``) and
-the decode worker's batched rounds (``decode_service.scheduler``), which copy it into their KV pool.
+The decode worker's batched rounds (``decode_service.scheduler``, in the worker and in process) copy it
+into their KV pool; the single-request reference loops (``decode_service.decode``) read it directly.
 """
 
 from __future__ import annotations

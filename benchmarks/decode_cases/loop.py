@@ -251,5 +251,5 @@ def case_polestar(bench: Bench) -> None:
         bench.add(row)
     bench.meta(case)["setup"] = (
         f"vanilla {ctx}-token context + {QUERY_TOKENS}-token question, gen {gen}, block {a.block}, batch 1, "
-        "the eager library loop (`generate_vanilla`, the loop the engine steps a Polestar request with)."
+        "the eager library loop (`generate_vanilla`, the reference the rounds are held to)."
     )

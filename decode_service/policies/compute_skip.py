@@ -1,14 +1,14 @@
-"""The compute-skipping decode policies (``dyllm``, ``focus``) behind one entry point.
+"""The compute-skipping decode policies' (``dyllm``, ``focus``) reference loops behind one entry point.
 
 They are not :class:`~.base.CachePolicy`\\ s (a cache policy plans which local rows a step forwards; these
 skip work *inside* the forward: DyLLM per layer and row, FOCUS past layer 1), so ``make_policy`` returns
-None for them and every caller (``generate_vanilla``, the engine, the decode worker) builds their loop here
-instead, so that all of them run the very same code and an answer over gRPC equals the in-process one:
+None for them and their one-request loops are built here (``generate_vanilla``, ``decode.py``'s
+static-KV loops and ``sdar_decode.decode`` call them):
 
 - :func:`compute_skip_logits`: the policy's logits function over any method's local rows and attention
   backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`; pdllm:
   the static chunk KV backend, ``decode_service.decode.static_compute_skip_logits``);
-- :func:`run_compute_skip`: that loop to the end (the engine, ``generate_vanilla``); FOCUS is driven by its
+- :func:`run_compute_skip`: that loop to the end (``generate_vanilla``); FOCUS is driven by its
   session, which hands the sampler the eligible rows;
 - :func:`compute_skip_sdar_session`: SDAR (block diffusion): FOCUS block by block over the exact cache, over
   the whole prompt (vanilla; :func:`generate_compute_skip_sdar` runs it to the end) or over pdllm's

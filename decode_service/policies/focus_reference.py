@@ -6,8 +6,8 @@ LM head over the eligible rows only. It runs
 
 - for SDAR inside block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window
   over the exact cache of the earlier blocks), :class:`FocusBlockSession` (run to the end by
-  :func:`generate_focus_block_diffusion` and the pdllm engine's reference loop; the decode worker runs it
-  in the batched rounds instead, ``sdar_focus_rounds.py``), over the whole prompt (vanilla) or over
+  :func:`generate_focus_block_diffusion` and ``sdar_decode.decode``, the pdllm reference loop; the decode
+  worker and the engine run FOCUS in the batched rounds instead, ``sdar_focus_rounds.py``), over the whole prompt (vanilla) or over
   pdllm's block-causal prefix of the selected chunks (``sdar_decode.py``);
 - for Dream/LLaDA as a logits function (:class:`FocusLogits`) under ``denoise``'s semi-autoregressive
   blocks, over any method's backend (``inner``: dense attention for vanilla, pdllm's static chunk KV
