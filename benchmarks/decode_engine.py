@@ -18,9 +18,9 @@ full-mask), the question + answer local. Policies at the papers' knobs: Sparse-d
 delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyLLM and FOCUS their defaults.
 
 Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and ``serve``):
-  loop           the in-process denoising loop, batch 1 (``generate_vanilla``; pdllm: ``PrefillingEngine.
-                 generate``, ``decode_attention="buffer"``), per policy none / dual-cache / sparse-dllm /
-                 prefix-cache / polestar, vanilla 1K and pdllm 16K, and none / dual-cache on the whole 16K
+  loop           the in-process denoising loop, batch 1 (vanilla: ``tests/reference/vanilla.py``; pdllm:
+                 ``PrefillingEngine.generate``, ``decode_attention="buffer"``), per policy none / dual-cache /
+                 sparse-dllm / prefix-cache / polestar, vanilla 1K and pdllm 16K, and none / dual-cache on the whole 16K
                  prompt (what a user would run instead of pdllm). tokens/s = gen / the loop's seconds (pdllm's
                  prefill, scoring and build excluded, listed as fixed phases); warm-up: every policy's cached
                  steps (two blocks of four steps) at each shape. A vanilla ``none`` loop whose full run would

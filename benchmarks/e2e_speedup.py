@@ -5,7 +5,7 @@
 
 Model: Dream-7B shapes (Qwen2 layout, 28 layers, hidden 3584, 28/4 heads, head dim 128, vocab 152064),
 random bf16 weights. Prompt: random context of L tokens + a 24-token query suffix; 32 generated tokens,
-32 steps, greedy, no EOS stop. Vanilla = ``generate_vanilla`` (every step re-encodes prompt + response with
+32 steps, greedy, no EOS stop. Vanilla = ``generate_plain`` (every step re-encodes prompt + response with
 SDPA/FlashAttention in bf16; logits only for the masked rows). pdllm = ``PrefillingEngine`` with C=1024, K=4,
 pseudo-label scoring (P=4, R=2), full-mask KV build, chunk reuse off (a cold request), decode step replayed
 as a CUDA graph. The model runs packed (q/k/v and gate/up GEMMs) with the fused Triton elementwise kernels for
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
+from pdllm.shared.generation.plain import generate_plain
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.config import ModelConfig
 from pdllm.shared.model.transformer import DiffusionLM
@@ -140,7 +140,7 @@ def run_vanilla(model: DiffusionLM, prompt: list[int], gen: GenerationConfig, de
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t = time.perf_counter()
-    result = generate_vanilla(model, prompt, gen)
+    result = generate_plain(model, prompt, gen)
     sync(device)
     seconds = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0

@@ -8,8 +8,9 @@ models with peaked random weights.
 Cases: Dream and LLaDA; pdllm and vanilla requests; no decode policy, prefix / dual cache, Sparse-dLLM,
 Polestar-Cache; fixed-step greedy, threshold and sampled generation. Reference per case: pdllm without a
 policy -> the segmented-attention loop (``DecodeWorker.decode(policy=StaticPolicy("segments"))``), pdllm
-under a policy -> the policy's reference loop over the static KV (``static_policy_logits``), vanilla ->
-``generate_vanilla``. Writes engine_check.json and engine_check.md (cases equal / total, and any mismatch).
+under a policy -> the policy's reference loop over the static KV (``tests/reference/static_kv.py``), vanilla
+-> ``generate_vanilla`` (``tests/reference/vanilla.py``). Writes engine_check.json and engine_check.md
+(cases equal / total, and any mismatch).
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ from pathlib import Path
 
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy, static_policy_logits
+from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.config import ModelConfig
 from pdllm.shared.model.transformer import DiffusionLM
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the reference loops (tests/reference) importable
+    sys.path.insert(0, str(ROOT))
+
+from tests.reference.static_kv import static_policy_logits  # noqa: E402
+from tests.reference.vanilla import generate_vanilla  # noqa: E402
 
 POLICIES = ("none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar")
 GENS = {

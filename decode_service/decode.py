@@ -9,9 +9,8 @@ logits function that forwards ``[query suffix, response]`` at positions after th
 segment every step; methods that evict or pick static KV (FOCUS-style eviction, DyLLM-style salient
 tokens) would be other policies over the same :class:`StaticKV`. Reusing the KV of the forwarded rows
 themselves across steps (Fast-dLLM prefix / dual cache, Sparse-dLLM, Polestar-Cache) is not a static-KV
-policy: those are decode policies of ``decode_service/policies``, a loop around this attention
-backend that leaves the static KV as it is (:func:`static_policy_logits`, :func:`static_compute_skip_logits`:
-the policies' reference loops over a static KV).
+policy: those are decode policies of ``decode_service/policies``, whose reference loops run around this
+attention backend and leave the static KV as it is (``tests/reference/static_kv.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from typing import Protocol
 import torch
 
 from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention, SegmentedAttention
-from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, PolicyLogits
-from pdllm.decode_service.policies.compute_skip import ComputeSkipLogits, compute_skip_logits
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -130,53 +127,3 @@ def decode_logits_fn(
         return model(local[None], positions, backend, logits_at=(at + q)[None])[0]
 
     return logits_fn
-
-
-def static_policy_logits(
-    model: DiffusionLM,
-    query: list[int],
-    static: StaticKV,
-    gen: GenerationConfig,
-    cache_policy: CachePolicy,
-    decode_attention: str,
-    static_policy: DecodePolicy | None = None,
-) -> PolicyLogits:
-    """Step 7 of a pdllm request under ``cache_policy``: the policy's loop over the query + answer rows,
-    around the static-KV attention ``static_policy`` (default: every segment, in ``decode_attention``)."""
-    local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
-    # The question's rows are protected from eviction (``StepContext.protected``).
-    return PolicyLogits(model, local, positions, len(query), gen, cache_policy, inner, len(query))
-
-
-def static_compute_skip_logits(
-    model: DiffusionLM,
-    query: list[int],
-    static: StaticKV,
-    gen: GenerationConfig,
-    config: DecodePolicyConfig,
-    decode_attention: str,
-    static_policy: DecodePolicy | None = None,
-) -> ComputeSkipLogits:
-    """Step 7 of a pdllm request under a compute-skipping policy (DyLLM, FOCUS): its loop over the query +
-    answer rows around the same static-KV attention as :func:`static_policy_logits`."""
-    local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
-    return compute_skip_logits(model, local, positions, len(query), gen, config, inner)
-
-
-def static_local_rows(
-    model: DiffusionLM,
-    query: list[int],
-    static: StaticKV,
-    gen: GenerationConfig,
-    decode_attention: str,
-    static_policy: DecodePolicy | None,
-) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
-    """The local rows, their positions and the static-KV backend a decode policy's loop runs around."""
-    if static_policy is not None and not static_policy.step_invariant:
-        raise ValueError("a decode policy composes with step-invariant static-KV policies only")
-    local, positions = local_inputs(model, query, static, gen)
-    # The split-S kernel assumes as many local K/V rows as query rows, which a policy's step breaks
-    # (cached or skipped rows); "buffer" is its eager stand-in (same SDPA over static + local K/V).
-    inner = static_policy or StaticPolicy("buffer" if decode_attention == "triton" else decode_attention)
-    inner.begin(static, local.shape[0])
-    return local, positions, inner.backend(0, local)

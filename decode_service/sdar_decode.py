@@ -20,15 +20,12 @@ The decode must be exact block diffusion over the selected prompt ``[instruction
   the prompt's whole generation blocks, then decodes block by block, the prompt's partial last block with
   the first answer block, blocks aligned to absolute positions. The result equals plain block diffusion on
   the selected prompt. The decode worker and the in-process engine run it in the batched rounds
-  (``block_rounds.py``, the cache in pool pages); :func:`decode` is the reference loop
-  (:class:`~.block_diffusion.BlockDiffusionSession` to the end) the rounds are tested against.
-* Decode policy ``focus`` (FOCUS): step 7's session is a
-  :class:`~.policies.focus_reference.FocusBlockSession` over the same prefix (:func:`block_session`), so the
-  result equals vanilla FOCUS on the selected prompt (``generate_vanilla`` with the policy), its counters in
-  the result's ``cache`` (the decode worker runs such requests in the batched rounds instead,
-  ``decode_service/sdar_focus_rounds.py``, continuing the same prefix). The prefix itself is no FOCUS business:
-  FOCUS only skips rows of each block's window, and every finished block is still recorded from its final
-  tokens.
+  (``block_rounds.py``, the cache in pool pages); the reference loop they are tested against is
+  ``tests/reference/sdar.py``.
+* Decode policy ``focus`` (FOCUS): step 7 runs FOCUS over each block's window, continuing the same prefix
+  (``decode_service/sdar_focus_rounds.py``), so the result equals vanilla FOCUS on the selected prompt, its
+  counters in the result's ``cache``. The prefix itself is no FOCUS business: FOCUS only skips rows of each
+  block's window, and every finished block is still recorded from its final tokens.
 
 The prefix is always rebuilt from token ids, never taken from K/V another phase made: the prefill worker's
 step-3 chunk KV (chunk-local positions, causal or bidirectional inside a chunk) and the decode KV it can
@@ -44,17 +41,10 @@ from __future__ import annotations
 
 import torch
 
-from pdllm.decode_service.block_diffusion import (
-    BlockDiffusionSession,
-    BlockKVCache,
-    generation_block,
-    prefill_blocks,
-    run_to_end,
-)
-from pdllm.decode_service.policies.compute_skip import compute_skip_sdar_session
+from pdllm.decode_service.block_diffusion import BlockKVCache, generation_block, prefill_blocks
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
-from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import DecodeLayout, Request
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -124,37 +114,6 @@ def build_prefix(
     cache = BlockKVCache(prompt_len + gen.gen_length, model_block)
     prefill_blocks(model, cache, seq, end)
     return cache
-
-
-def block_session(
-    model: DiffusionLM,
-    prompt: torch.Tensor,
-    gen: GenerationConfig,
-    decode_policy: DecodePolicyConfig | None = None,
-    prefix: BlockKVCache | None = None,
-) -> BlockDiffusionSession:
-    """Block diffusion of ``prompt`` under ``decode_policy`` (None or ``none``: plain; ``focus``: FOCUS's
-    session, its counters in the result's ``cache``), continuing ``prefix`` when given: pdllm's step 7 here,
-    and the decode worker's vanilla SDAR session (no prefix, as ``generate_vanilla``)."""
-    check_decode_options(decode_policy, None, "block diffusion on SDAR models")
-    if decode_policy is not None and decode_policy.skips_compute:
-        return compute_skip_sdar_session(model, prompt, gen, decode_policy, prefix)
-    return BlockDiffusionSession(model, prompt, gen, prefix=prefix)
-
-
-def decode(
-    model: DiffusionLM,
-    request: Request,
-    layout: DecodeLayout,
-    prefix: BlockKVCache,
-    gen: GenerationConfig,
-    progress: bool = False,
-    decode_policy: DecodePolicyConfig | None = None,
-) -> GenerationResult:
-    """Step 7 to the end: block diffusion over the selected prompt under ``decode_policy``, continuing
-    ``prefix`` (filled further in place)."""
-    prompt = selected_prompt_tensor(model, request, layout)
-    return run_to_end(block_session(model, prompt, gen, decode_policy, prefix), gen, progress)
 
 
 def selected_prompt_tensor(model: DiffusionLM, request: Request, layout: DecodeLayout) -> torch.Tensor:

@@ -103,7 +103,7 @@ class SessionMaker:
         """A vanilla request over ``prompt`` (its BOS included)."""
         model = self.model
         tensor = prompt_tensor(model, prompt)
-        if self.block_diffusion:  # generate_vanilla's block diffusion (none / focus)
+        if self.block_diffusion:  # block diffusion, none or focus (reference: tests/reference/vanilla.py)
             if runtime(policy).sdar:
                 assert policy is not None
                 return start_block_decode(model, tensor, gen, focus=policy.focus_config())

@@ -13,6 +13,10 @@ document whose chunks are all stored skips step 3 entirely.
 bidirectional) or "varlen" (:class:`~pdllm.shared.model.attention.VarlenAttention`: the packed chunks
 through ``kernels/chunk_prefill_attention``, no padding, no mask); same KV. The decode worker uses
 "varlen" for bidirectional chunks on CUDA; ``benchmarks/results/prefill_kernels.md`` has both timed.
+
+With ``hand_over``, :func:`chunk_prefill_steps` yields each forward as a :class:`ChunkForward` instead of
+running it: its driver runs it alone, or (the all-in-one decode scheduler) packs its chunk rows into a decode
+round's forward, so the round's rows ride on the piece's weight reads (``decode_service/prefill_rows.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,32 @@ class WriteKV:
 
 
 @dataclass
+class ChunkForward:
+    """One batched chunk-prefill forward: chunks ``group`` (indices into ``chunks``, at positions 0..T-1
+    each, intra-chunk attention) whose K/V of every layer go to those rows of ``bank``."""
+
+    model: DiffusionLM
+    chunks: Sequence[Sequence[int]]
+    group: list[int]
+    bank: ChunkBank
+    attention: str
+    kernel: ChunkAttentionKernel
+
+    @property
+    def causal(self) -> bool:
+        return self.attention == "causal"
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.bank.lens[i] for i in self.group)
+
+    def run(self) -> None:
+        """The forward on its own (padded batch, :func:`encode_kv`)."""
+        device = self.bank.kv.device
+        _forward_group(self.model, self.chunks, self.group, self.bank, self.attention, device, self.kernel)
+
+
+@dataclass
 class PrefillStats:
     chunks: int = 0
     forwarded: int = 0
@@ -120,16 +150,17 @@ def chunk_prefill_steps(
     stop: Callable[[], bool] | None = None,
     publish: bool = True,
     tail: int = 0,
+    hand_over: bool = False,
 ) -> Steps[tuple[ChunkBank, PrefillStats]]:
     """:func:`chunk_prefill` in pieces: yields after each batched forward, which holds at most ``batch``
     chunks and, with ``max_tokens``, at most that many padded tokens (always at least one chunk).
     ``stop`` is asked before every forward; True raises :class:`PrefillStopped` (nothing is stored).
     ``publish``: write the computed chunks' KV to ``store`` at the end; False leaves the writes to the
     caller (the prefill worker writes after selection, by its write policy; the store is then only read).
-    ``tail``: free slots after each bank row (:func:`empty_bank`)."""
+    ``tail``: free slots after each bank row (:func:`empty_bank`). ``hand_over``: yield each forward as a
+    :class:`ChunkForward` for the driver to run, instead of running it and yielding None after it."""
     if kernel not in CHUNK_ATTENTION_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(CHUNK_ATTENTION_KERNELS)}; got {kernel!r}")
-    device = next(model.parameters()).device
     bank = empty_bank(model, [len(c) for c in chunks], tail)
     stats = PrefillStats(chunks=len(chunks))
     todo = list(range(len(chunks)))
@@ -157,10 +188,14 @@ def chunk_prefill_steps(
         group = todo[a : a + size]
         if stop is not None and stop():
             raise PrefillStopped(f"stopped after {stats.forwarded} of {len(todo)} chunk forwards")
-        _forward_group(model, chunks, group, bank, attention, device, kernel)
+        work = ChunkForward(model, chunks, group, bank, attention, kernel)
+        if hand_over:
+            yield work  # run by the driver before it resumes us
+        else:
+            work.run()
         stats.forwarded += len(group)
         a += size
-        if a < len(todo):
+        if not hand_over and a < len(todo):
             yield
     if publish and store is not None and keys is not None and todo:
         store.put_many([(keys[i], bank.segment(i).contiguous()) for i in sorted(todo)])

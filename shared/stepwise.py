@@ -3,6 +3,11 @@
 A ``Steps[T]`` generator does a bounded piece of device work per ``next()`` and returns its result ``T``
 when exhausted. :func:`drain` runs one to the end (what a process with one role does); the all-in-one
 decode scheduler instead advances the prefill worker's steps one piece per decode round.
+
+A generator may also yield a piece of device work it leaves to its driver (:class:`DeviceWork`: a chunk
+prefill forward, ``shared/chunk_prefill.py``), which the driver runs before the next ``next()``: alone
+(:func:`drain`), or inside a forward of its own (the all-in-one decode scheduler carries it in a round).
+A driver whose own forward failed throws the error into the generator instead.
 """
 
 from __future__ import annotations
@@ -10,22 +15,32 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Generator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 
 _log = logging.getLogger("pdllm.stepwise")
 
-Steps = Generator[None, None, T]
+
+
+class DeviceWork(Protocol):
+    """Device work a generator hands to its driver."""
+
+    def run(self) -> None: ...
+
+
+Steps = Generator[DeviceWork | None, None, T]
 
 
 def drain(steps: Steps[T]) -> T:
-    """Run ``steps`` to the end; its return value."""
+    """Run ``steps`` to the end, running the work it hands over; its return value."""
     while True:
         try:
-            next(steps)
+            work = next(steps)
         except StopIteration as stop:
             return stop.value
+        if work is not None:
+            work.run()
 
 
 def join_device_thread(thread: threading.Thread, what: str, report_every_s: float = 10.0) -> None:

@@ -11,7 +11,7 @@ from benchmarks.decode_cases.bench import Bench, Policy, per_round, speedup
 from benchmarks.e2e_speedup import QUERY_TOKENS
 from benchmarks.harness import peak_gib, reset_peak
 from benchmarks.shapes import sync
-from pdllm.decode_service.vanilla import generate_vanilla
+from tests.reference.vanilla import generate_vanilla
 
 # A cell's loop runs, most needed first.
 POLICIES = ("none", "dual-cache", "sparse-dllm", "prefix-cache", "polestar")
@@ -225,7 +225,7 @@ def case_compute_skip(bench: Bench) -> None:
         bench.add(row)
     bench.meta(case)["setup"] = (
         f"vanilla {ctx}-token context + {QUERY_TOKENS}-token question, gen {gen}, block {a.block}, batch 1; "
-        "the library loops (`generate_vanilla`). rows_frac: rows computed / plain."
+        "the reference loops (`generate_vanilla`, tests/reference). rows_frac: rows computed / plain."
     )
 
 
@@ -251,5 +251,5 @@ def case_polestar(bench: Bench) -> None:
         bench.add(row)
     bench.meta(case)["setup"] = (
         f"vanilla {ctx}-token context + {QUERY_TOKENS}-token question, gen {gen}, block {a.block}, batch 1, "
-        "the eager library loop (`generate_vanilla`, the reference the rounds are held to)."
+        "the eager reference loop (`generate_vanilla`, tests/reference, which the rounds are held to)."
     )

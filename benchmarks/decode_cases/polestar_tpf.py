@@ -6,9 +6,9 @@ from typing import Any
 
 from benchmarks.decode_cases.bench import ROOT, SHIPPED, Bench, per_round
 from pdllm.decode_service.policies import DecodePolicyConfig
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.generation.sampler import GenerationConfig
+from tests.reference.vanilla import generate_vanilla
 
 TPF_CELLS = (("needle", 1024, "vanilla"), ("needle", 1024, "pdllm"), ("needle", 16384, "pdllm"),
              ("long-answer", 1024, "vanilla"), ("long-answer", 1024, "pdllm"))  # fmt: skip

@@ -276,7 +276,7 @@ def _check_sdar(
     """SDAR: vanilla is block diffusion over the whole prompt, pdllm over the selected chunks (both exact;
     ``decode_service/sdar_decode.py``). Refuse what they do not run: a block length off the model's
     blocks; for pdllm chunk-only, top-B and decode policies other than none and focus (vanilla's policies:
-    ``generate_vanilla``)."""
+    ``DecodeWorker.vanilla``)."""
     sdar_decode.check_generation(gen, loaded.model)
     if "pdllm" in methods:
         sdar_decode.check_config(settings.engine_config(loaded, train_length, 16), None, loaded.model)

@@ -1,7 +1,7 @@
 """The plain vanilla loop: every step re-encodes prompt + response with full attention, no cache.
 
-The quality reference and the baseline every speedup is measured against; keep it plain. The decode side
-(``decode_service/vanilla.py``: ``generate_vanilla``) runs the same loop under a decode policy, and SDAR
+The quality reference and the baseline every speedup is measured against; keep it plain. The decode worker
+runs vanilla requests in its batched rounds (``DecodeWorker.vanilla``), under a decode policy too, and SDAR
 models block by block.
 """
 
@@ -38,13 +38,13 @@ def generate_plain(
     model: DiffusionLM, prompt_ids: torch.Tensor | list[int], config: GenerationConfig, progress: bool = False
 ) -> GenerationResult:
     """Generate ``config.gen_length`` tokens after ``prompt_ids`` (1-D), every step recomputing all rows.
-    Full attention only: block-diffusion (SDAR) models decode block by block (``generate_vanilla``)."""
+    Full attention only: block-diffusion (SDAR) models decode block by block (``DecodeWorker.vanilla``)."""
     prompt = prompt_tensor(model, prompt_ids)
     config.validate()
     if model.config.block_size is not None:
         raise ValueError(
             f"{model.config.family!r} is a block-diffusion model: the plain loop runs full attention; "
-            "decode it with pdllm.decode_service.vanilla.generate_vanilla"
+            "decode it block by block (pdllm.decode_service.worker.DecodeWorker.vanilla)"
         )
     return denoise_plain(model, prompt, config, progress)
 

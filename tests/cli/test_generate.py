@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 

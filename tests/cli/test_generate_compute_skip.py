@@ -9,7 +9,6 @@ import json
 import pytest
 
 from pdllm.decode_service.server import policy_trace
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -18,6 +17,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.trace_format import message_json
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 from .test_generate_policy import CONTEXT, QUESTION, _generate

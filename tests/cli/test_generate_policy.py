@@ -7,13 +7,13 @@ import json
 import pytest
 
 from pdllm.decode_service.server import policy_trace
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.trace_format import message_json
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy, static_policy_logits
+from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
@@ -21,6 +21,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
 from tests.model.helpers import tiny_model
+from tests.reference.static_kv import static_policy_logits
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from dataclasses import replace
 
 import pytest
 
-from pdllm.decode_service.decode import static_compute_skip_logits
 from pdllm.decode_service.dyllm_rounds import DyLLMBatchSession
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig
@@ -27,7 +26,6 @@ from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Sta
 from pdllm.decode_service.rounds import BatchSession
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import rounds_policy
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.decode.helpers import (
@@ -47,6 +45,8 @@ from tests.decode.helpers import (
 )
 from tests.decode.test_focus_rounds import focus_built, focus_session
 from tests.model.helpers import tiny_model
+from tests.reference.static_kv import static_compute_skip_logits
+from tests.reference.vanilla import generate_vanilla
 
 KNOBS = [
     {"dyllm_threshold": 0.99, "dyllm_full_steps": 2, "dyllm_full_sequence_interval": 3},

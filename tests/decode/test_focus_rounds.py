@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import pytest
 
-from pdllm.decode_service.decode import static_compute_skip_logits
 from pdllm.decode_service.focus_rounds import FocusBatchSession, focus_slots
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig
@@ -32,7 +31,6 @@ from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
 from pdllm.decode_service.rounds import BatchSession
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import rounds_policy
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.decode.helpers import (
@@ -51,6 +49,8 @@ from tests.decode.helpers import (
     static_decode,
 )
 from tests.model.helpers import tiny_model
+from tests.reference.static_kv import static_compute_skip_logits
+from tests.reference.vanilla import generate_vanilla
 
 FOCUS_KNOBS = [
     {},  # the paper's
@@ -185,13 +185,13 @@ def test_focus_requests_over_grpc_share_rounds_and_equal_their_references(family
     """Through the servicer (``DecodeServicer.Decode``, its scheduler thread): pdllm and vanilla FOCUS
     requests decoded concurrently with a plain and a dual-cache one share rounds (FOCUS's rows with the
     others' in one forward), and each answers as its reference loop, FOCUS's counters in the trace."""
-    from pdllm.decode_service.decode import static_compute_skip_logits as focus_logits
     from pdllm.decode_service.rounds import EagerRoundForward
     from pdllm.decode_service.server import DecodeServicer
     from pdllm.decode_service.worker import DecodeWorker
     from pdllm.shared.layout import Request
     from tests.decode.test_sdar_decode_worker import _decode, _generation, _pdllm_request
     from tests.engine.helpers import tokens
+    from tests.reference.static_kv import static_compute_skip_logits as focus_logits
 
     m = tiny_model(family, seed=3, num_layers=4)
     pool = pool_for(m, pages=64)

@@ -151,8 +151,8 @@ def test_sparse_dllm_sessions_in_rounds_equal_the_reference_loop(family: str, ki
 def test_vanilla_sparse_session_in_rounds_evicts_the_prompt_as_the_reference(family: str) -> None:
     """A session without static KV (the whole prompt as its query: vanilla) protects no row from Sparse-dLLM's
     eviction, as ``generate_vanilla``'s loop; only pdllm's question is protected."""
-    from pdllm.decode_service.vanilla import generate_vanilla
     from tests.engine.helpers import tokens
+    from tests.reference.vanilla import generate_vanilla
 
     m = model(family, seed=1)
     prompt = tokens(14, 5)

@@ -29,6 +29,7 @@ from pdllm.shared.layout import decode_layout
 from pdllm.shared.rpc.errors import PdllmError
 from tests.decode.helpers import pool_for
 from tests.engine.helpers import model, tokens
+from tests.reference import sdar
 
 BOS = 1
 # (seed, chunk size, K, instruction len, query len, generation); model block size 4.
@@ -43,10 +44,10 @@ CASES = [
 def _reference(
     engine: PrefillingEngine, sel, gen: GenerationConfig, policy: DecodePolicyConfig | None = None
 ):  # type: ignore[no-untyped-def]
-    """Steps 6-7 on SDAR by the reference loop (``sdar_decode.decode``), one request, no scheduler."""
+    """Steps 6-7 on SDAR by the reference loop (``tests/reference/sdar.py``), one request, no scheduler."""
     layout = decode_layout(sel.request, sel.selected, gen.gen_length)
     prefix = sdar_decode.build_prefix(engine.model, sel.request, layout, gen)
-    return sdar_decode.decode(engine.model, sel.request, layout, prefix, gen, False, policy)
+    return sdar.decode(engine.model, sel.request, layout, prefix, gen, False, policy)
 
 
 class _Context:

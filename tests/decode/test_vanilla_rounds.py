@@ -19,10 +19,10 @@ from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
 from tests.decode.helpers import CASES, alone, pool_for, static_decode
 from tests.engine.helpers import model, tokens
+from tests.reference.vanilla import generate_vanilla
 
 POLICIES = ["none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar"]
 GENS = [

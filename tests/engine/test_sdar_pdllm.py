@@ -24,6 +24,7 @@ from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import decode_layout
+from tests.reference import sdar
 
 from ..model.helpers import tiny_model
 from .helpers import model as tiny
@@ -199,7 +200,7 @@ def test_decode_continues_the_prefix_in_place(policy: DecodePolicyConfig | None)
     layout = decode_layout(sel.request, sel.selected, gen.gen_length)
     prefix = sdar_decode.build_prefix(model, sel.request, layout, gen)
     built = prefix.length
-    result = sdar_decode.decode(model, sel.request, layout, prefix, gen, decode_policy=policy)
+    result = sdar.decode(model, sel.request, layout, prefix, gen, decode_policy=policy)
     prompt = layout.static_len + layout.query_len
     last = answer_spans(prompt, gen.gen_length, 4)[-1][0]  # every answer block but the last is recorded
     assert built > 0 and prefix.length == prompt + last

@@ -20,11 +20,11 @@ from pdllm.decode_service.policies import (
     StepPlan,
     denoise_with_policy,
 )
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.plain import vanilla_logits_fn
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.settings import SettingError
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model
 from .straightforward_cache import straightforward_cache_loop

@@ -20,7 +20,6 @@ from pdllm.decode_service.policies.dyllm import (
     vanilla_dyllm_logits,
 )
 from pdllm.decode_service.policies.runner import run_policy
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -29,6 +28,7 @@ from pdllm.shared.generation.plain import vanilla_logits_fn
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import DenseAttention, PrefixAttention
 from pdllm.shared.model.transformer import DiffusionLM, apply_rope
+from tests.reference.vanilla import generate_vanilla
 
 from ..engine.helpers import tokens
 from ..model.helpers import tiny_model

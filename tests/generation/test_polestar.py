@@ -20,10 +20,10 @@ from pdllm.decode_service.policies.polestar_store import (
     spherical_kmeans,
     split_clusters,
 )
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.settings import SettingError
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model
 

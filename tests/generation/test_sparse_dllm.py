@@ -25,10 +25,10 @@ from pdllm.decode_service.policies import (
     denoise_with_policy,
 )
 from pdllm.decode_service.policies.sparse_dllm import saliency
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.settings import SettingError
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.generation.sampler import GenerationConfig
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.model.helpers import tiny_model
+from tests.reference.vanilla import generate_vanilla
 
 from .prefilling import PdllmCase, pdllm_case
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.app.serve import build_parser, start
 from pdllm.shared.config import EngineConfig
@@ -12,6 +11,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.client import PdllmClient
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 

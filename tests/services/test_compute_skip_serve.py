@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 import pytest
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.errors import InvalidRequestError
+from tests.reference.vanilla import generate_vanilla
 
 from .test_all_in_one import CONTEXT, QUESTION
 from .test_decode_policy_serve import GEN, METHOD, _ask, _engine_answer, deployment, loaded, tiny_dir  # noqa: F401

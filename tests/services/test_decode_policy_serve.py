@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import pytest
 
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
@@ -21,6 +20,7 @@ from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.client import PdllmClient
 from pdllm.shared.rpc.errors import InvalidRequestError
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 from .test_all_in_one import CONTEXT, QUESTION, serve_all

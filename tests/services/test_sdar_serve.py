@@ -18,7 +18,6 @@ import grpc
 import pytest
 
 from pdllm.decode_service.block_diffusion import answer_spans
-from pdllm.decode_service.vanilla import generate_vanilla
 from pdllm.shared.app.cli import main as cli_main
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -29,6 +28,7 @@ from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.client import PdllmClient
 from pdllm.shared.rpc.errors import InvalidRequestError
+from tests.reference.vanilla import generate_vanilla
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 from .test_all_in_one import CONTEXT, QUESTION, serve_all

@@ -1,6 +1,7 @@
-"""Vanilla generation under a decode policy: the plain loop (``shared/generation/plain.py``), a decode
-policy's loop over prompt + response (``policies``, e.g. Fast-dLLM's dual cache), or SDAR's block-by-block
-decoding (``block_diffusion.py``); the reference the decode worker's vanilla sessions are held to.
+"""Vanilla generation under a decode policy, one request (the reference): the plain loop
+(``shared/generation/plain.py``), a decode policy's loop over prompt + response (``policies``, e.g.
+Fast-dLLM's dual cache), or SDAR's block-by-block decoding (``block_diffusion.py``). The decode worker's
+vanilla sessions (``DecodeWorker.vanilla``, in the batched rounds) are held to it token for token.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def vanilla_policy_logits(
     model: DiffusionLM, prompt: torch.Tensor, config: GenerationConfig, policy: CachePolicy
 ) -> PolicyLogits:
     """The vanilla step under a decode policy: the local rows are prompt + response (dense attention over
-    them, no static KV). ``generate_vanilla`` and the decode worker's vanilla sessions both start here."""
+    them, no static KV)."""
     local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, config)
     return PolicyLogits(model, local, positions, prompt.numel(), config, policy, DenseAttention())
 

@@ -1,0 +1,12 @@
+"""The reference loops: one request at a time, plainly, the specification the decode engine is tested against.
+
+The decode worker, the in-process engine, ``generate`` and ``eval`` decode every request in the batched
+rounds (``decode_service/scheduler.py``, ``rounds.py`` and the policies' ``*_rounds.py``); the loops here
+are what those rounds must equal token for token (and counter for counter). They build on the runtime's
+own pieces (the sampler, the policies' plans and selections, the block cache), so they are no independent
+oracles (``tests/oracles/`` holds those); no runtime module imports them.
+
+- ``vanilla.py``: ``generate_vanilla``, vanilla generation under a decode policy (or SDAR's block diffusion);
+- ``static_kv.py``: a decode policy's loop over pdllm's static chunk KV;
+- ``sdar.py``: pdllm's step 7 on SDAR models, block diffusion continuing the block-causal prefix.
+"""
