@@ -35,7 +35,7 @@ Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and `
                  loop (tiny fp32 models; on a GPU a minute or two of compiles and captures).
   rounds-e2e     pdllm in the rounds, batch 1, end to end (fixed phases + gen / tokens/s) against Fast-dLLM's
                  dual cache on the whole prompt, at 8K / 16K / 32K and gen 32 / 256.
-  compute-skip   DyLLM and FOCUS (their library loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
+  compute-skip   DyLLM and FOCUS (their reference loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
   focus-batched  FOCUS in the decode worker's rounds (``focus-rounds``: the scheduler, every request

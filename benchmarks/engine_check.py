@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pdllm.decode_service.decode import StaticPolicy
-from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the reference loops (tests/reference) importable
     sys.path.insert(0, str(ROOT))
 
+from tests.reference.policy import run_policy  # noqa: E402
 from tests.reference.static_kv import static_policy_logits  # noqa: E402
 from tests.reference.vanilla import generate_vanilla  # noqa: E402
 

@@ -1,10 +1,11 @@
 """DyLLM (Dream / LLaDA) in the batched rounds: each request's step rides in the round's one forward.
 
 A :class:`DyLLMBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow DyLLM (``policies/
-dyllm.py`` says what the method does; its reference loop, ``DyLLMLogits``, is the specification). Its pool
-pages hold its static KV, then one cache slot per local row (query or prompt, then the response): every
-layer's K/V of that row as of the last forward that touched it. Its attention contexts and FFN outputs
-are two tensors of its own (``[layers, rows, .]``). Per step (:func:`~.policies.dyllm_base.step_kind`):
+dyllm_base.py`` says what the method does; its reference loop, ``tests/reference/dyllm.py``, is the
+specification). Its pool pages hold its static KV, then one cache slot per local row (query or prompt, then
+the response): every layer's K/V of that row as of the last forward that touched it. Its attention contexts
+and FFN outputs are two tensors of its own (``[layers, rows, .]``). Per step
+(:func:`~.policies.dyllm_base.step_kind`):
 
 - a **FullStep** forwards every local row over the static KV, stores each row's K/V in its cache slot and
   keeps every context and FFN output;

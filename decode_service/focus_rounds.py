@@ -1,12 +1,12 @@
 """FOCUS (Dream / LLaDA) in the batched rounds: each request's step rides in the round's one forward.
 
 A :class:`FocusBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow FOCUS (``policies/
-focus.py``; its reference loop, ``focus_reference.FocusLogits``, is the specification; the selection is
-``focus_select``'s vectorized one). Its local rows are the plain session's (query or prompt, then the
-response); its pool pages hold its static KV, then ``B`` *region* slots, then ``B`` *store* slots (``B``:
-the block length, :func:`focus_slots`). The store keeps, per layer, the K/V of the block's rows from the
-last step that forwarded them (slot ``B + r`` for block row ``r``), written by the round for every block
-row it forwards. Per step, in a round that may hold any other sessions:
+focus.py``; its reference loop, ``tests/reference/focus.py``'s ``FocusLogits``, is the specification; the
+selection is ``focus_select``'s vectorized one). Its local rows are the plain session's (query or prompt, then
+the response); its pool pages hold its static KV, then ``B`` *region* slots, then ``B`` *store* slots (``B``:
+the block length, :func:`focus_slots`). The store keeps, per layer, the K/V of the block's rows from the last
+step that forwarded them (slot ``B + r`` for block row ``r``), written by the round for every block row it
+forwards. Per step, in a round that may hold any other sessions:
 
 - **layers 0-1** (the part's rows): every local row but the block's frozen ones; the frozen rows' K/V are
   copied from the store into the region at each of those layers, and the entry reads ``static + frozen``

@@ -1,10 +1,11 @@
 """Polestar-Cache in the batched rounds: the dual cache's rounds, plus per-layer stores that cluster the
 cached rows' hidden states at a refresh and recompute the drifting ones at an update.
 
-A :class:`PolestarBatchSession` is a :class:`~.policy_rounds.PolicyBatchSession` under the dual cache's
-row ranges (Polestar-Cache is the dual cache with drift-triggered recomputation; its reference loop,
-``PolicyLogits`` with ``policies/polestar.PolestarStep``, is the specification). Its per-layer work is
-``PolestarState``'s, shared with the reference; only where the K/V live differs:
+A :class:`PolestarBatchSession` is a :class:`~.policy_rounds.PolicyBatchSession` under the dual cache's row
+ranges (Polestar-Cache is the dual cache with drift-triggered recomputation; its reference loop,
+``tests/reference/policy.py``'s ``PolicyLogits`` with ``policies/polestar.PolestarStep``, is the
+specification). Its per-layer work is ``PolestarState``'s, shared with the reference; only where the K/V live
+differs:
 
 - a **refresh** round stores the cached rows' K/V as the dual cache does and, at every layer,
   :class:`PolestarRecord` clusters those rows' layer inputs (read by a forward pre-hook), keeps the

@@ -2,10 +2,10 @@
 many requests.
 
 A :class:`PolicyBatchSession` is a :class:`~.rounds.BatchSession` whose steps follow a decode policy
-(``decode_service/policies``; its eager reference loop, ``PolicyLogits``, is the specification). Its
-local rows' K/V cache lives in the KV pool, in pages reserved after its static KV: the session's logical
-slots are ``[static KV][cached local rows]``, so the split-S kernel reads the cache like any paged KV and
-the round needs no other attention call.
+(``decode_service/policies``; its eager reference loop, ``tests/reference/policy.py``, is the specification).
+Its local rows' K/V cache lives in the KV pool, in pages reserved after its static KV: the session's logical
+slots are ``[static KV][cached local rows]``, so the split-S kernel reads the cache like any paged KV and the
+round needs no other attention call.
 
 - A **refresh** step (a block's first step, or every ``refresh_steps``) forwards every local row over the
   static KV, like a plain session, and stores the fresh K/V of the rows the block's cached steps will read

@@ -1,13 +1,13 @@
 """FOCUS on SDAR (block diffusion) in the batched rounds: each request's step rides in the round's one forward.
 
-An :class:`SdarFocusSession` is a :class:`~.block_rounds.BlockBatchSession` whose denoising steps follow
-FOCUS (its reference: ``focus_reference.FocusBlockSession``; FOCUS's block is the window, one generation
-block: the first one with the prompt's last partial block in it). Its pool pages hold slot = position, as
-a plain block-diffusion session's, then a *key region* of ``R`` pages per model block of a window
-(:func:`sdar_focus_slots`). The position slots are FOCUS's block store too: every row a round forwards
-writes its K/V at its own slot at every layer it is forwarded through, so each window row's slot holds
-the K/V of the last step that forwarded it (the reference's ``BlockKV``), and a finished block's record
-(forwarded ahead of the next window, as the plain session's) overwrites them with the exact K/V.
+An :class:`SdarFocusSession` is a :class:`~.block_rounds.BlockBatchSession` whose denoising steps follow FOCUS
+(its reference: ``tests/reference/focus.py``'s ``FocusBlockSession``; FOCUS's block is the window, one
+generation block: the first one with the prompt's last partial block in it). Its pool pages hold slot =
+position, as a plain block-diffusion session's, then a *key region* of ``R`` pages per model block of a window
+(:func:`sdar_focus_slots`). The position slots are FOCUS's block store too: every row a round forwards writes
+its K/V at its own slot at every layer it is forwarded through, so each window row's slot holds the K/V of the
+last step that forwarded it (the reference's ``BlockKV``), and a finished block's record (forwarded ahead of
+the next window, as the plain session's) overwrites them with the exact K/V.
 
 Each model block ``m`` of the window (rows ``[s, e)``) is an attention entry of its own, block-causal as
 the model: its queries are its forwarded rows, its keys the pool slots ``[0, s)`` (the cache, and the

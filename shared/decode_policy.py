@@ -254,7 +254,7 @@ class DecodePolicyConfig(DecodePolicySettings):
 
     @property
     def skips_compute(self) -> bool:
-        """Whether it is a compute-skipping policy (``decode_service/policies/compute_skip.py``), not a
+        """Whether it is a compute-skipping policy (DyLLM, FOCUS: work skipped inside the forward), not a
         cache policy."""
         return self.name in COMPUTE_SKIP
 

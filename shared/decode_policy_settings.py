@@ -20,9 +20,8 @@ from pdllm.shared.settings import Label, Ref, SettingError, Settings, Spec, vali
 
 DecodePolicyName = Literal["none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar", "dyllm", "focus"]
 CACHING = "prefix-cache, dual-cache, sparse-dllm or polestar"
-# Policies that skip computation inside a step instead of planning a KV cache
-# (``decode_service/policies/compute_skip.py``):
-# they have no cache to refresh, so cache_refresh_steps is refused under them as under none.
+# Policies that skip computation inside a step instead of planning a KV cache (DyLLM, FOCUS): they have no
+# cache to refresh, so cache_refresh_steps is refused under them as under none.
 COMPUTE_SKIP = ("dyllm", "focus")
 ResidualFormat = Literal["int8", "fp8", "none"]
 # A switch of a knob group: a string choice, so that flags, variables and the wire field (optional string)

@@ -10,27 +10,28 @@ every policy composes with every method. The config that names a policy and its 
 plain full step), or rows ``[lo, hi)`` over the cached K/V of the others (``decode_service/local_cache.py``);
 optionally ``keep`` (per layer, the rows the cache keeps, chosen inside the refresh forward), ``visible``
 (per layer, the rows its queries see) and ``rows_hook`` (per-layer recompute of cached rows). Policies are
-stateless (:class:`CachePolicy`); the loop (``runner.PolicyLogits``, a logits function ``denoise`` drives)
-owns the cache and the counters, and the sampler still decides what to unmask.
+stateless (:class:`CachePolicy`); the session running them (the decode worker's rounds,
+``policy_rounds.py``; the reference loop, ``tests/reference/policy.py``) owns the cache and the counters
+(:class:`CacheStats`), and the sampler still decides what to unmask.
 
 **Policies.** ``none`` (the plain loops), Fast-dLLM's ``prefix-cache`` / ``dual-cache`` (``fast_dllm.py``),
 ``sparse-dllm`` (``sparse_dllm.py``), ``polestar`` (``polestar.py``: the dual cache plus a drift-triggered
-recompute of cached rows). ``dyllm`` (``dyllm*.py``) and ``focus`` (``focus*.py``) skip work inside the
-forward instead: ``make_policy`` returns None for them and ``compute_skip.py`` builds their loops.
+recompute of cached rows). ``dyllm`` (``dyllm_base.py``) and ``focus`` (``focus*.py``) skip work inside the
+forward instead: :func:`make_policy` returns None for them.
 
-**On the decode worker** these loops are the reference. Caching policies (Polestar-Cache included) and
-plain sessions, vanilla or pdllm, run in the batched rounds (``policy_rounds.py``, ``polestar_rounds.py``);
-FOCUS too (``focus_rounds.py`` on Dream/LLaDA, ``sdar_focus_rounds.py`` on SDAR: its rows change after
-layer 1, ``split_rounds.py``); DyLLM too (``dyllm_rounds.py``: its cached K/V, contexts and FFN outputs
-edited inside each layer, ``layer_edits.py``).
+**On the decode worker** every policy runs in the batched rounds; the one-request reference loops they are
+tested against are ``tests/reference/``'s. Caching policies (Polestar-Cache included) and plain sessions,
+vanilla or pdllm, run in ``policy_rounds.py`` and ``polestar_rounds.py``; FOCUS in ``focus_rounds.py`` on
+Dream/LLaDA and ``sdar_focus_rounds.py`` on SDAR (its rows change after layer 1, ``split_rounds.py``);
+DyLLM in ``dyllm_rounds.py`` (its cached K/V, contexts and FFN outputs edited inside each layer,
+``layer_edits.py``).
 """
 
 from pdllm.shared.decode_policy import DecodePolicyConfig
 
-from .base import CachePolicy, RowSelector, StepContext, StepPlan
+from .base import CachePolicy, CacheStats, RowSelector, StepContext, StepPlan
 from .fast_dllm import DualCache, PrefixCache
 from .polestar import Polestar
-from .runner import CacheStats, PolicyLogits, denoise_with_policy, make_policy, run_policy
 from .sparse_dllm import SaliencyKeep, SparseDLLM
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "CacheStats",
     "DecodePolicyConfig",
     "DualCache",
-    "PolicyLogits",
     "Polestar",
     "PrefixCache",
     "RowSelector",
@@ -46,7 +46,21 @@ __all__ = [
     "SparseDLLM",
     "StepContext",
     "StepPlan",
-    "denoise_with_policy",
     "make_policy",
-    "run_policy",
 ]
+
+
+def make_policy(config: DecodePolicyConfig) -> CachePolicy | None:
+    """The policy a config names (None for ``none``, ``dyllm`` and ``focus``: no cache policy)."""
+    config.validate()
+    if config.name == "prefix-cache":
+        return PrefixCache(config.refresh_steps)
+    if config.name == "dual-cache":
+        return DualCache(config.refresh_steps)
+    if config.name == "sparse-dllm":
+        retention, kernel, delay = config.sparse()
+        return SparseDLLM(retention, kernel, delay, config.refresh_steps)
+    if config.name == "polestar":
+        knobs = {n.removeprefix("polestar_"): v for n, v in config.polestar_knobs().items()}
+        return Polestar(**knobs, refresh_steps=config.refresh_steps)
+    return None

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -88,6 +88,23 @@ class CachePolicy(Protocol):
     name: str
 
     def plan(self, ctx: StepContext) -> StepPlan: ...
+
+
+@dataclass
+class CacheStats:
+    """What a policy saved: forwards, refreshes among them (forwards whose K/V became the cache), local
+    rows forwarded in all, peak cache bytes; and for policies that recompute cached rows selectively
+    (Polestar-Cache), the steps that did and the cached rows they recomputed, summed over layers."""
+
+    forwards: int = 0
+    refreshes: int = 0
+    rows_forwarded: int = 0
+    cache_bytes: int = 0
+    updates: int = 0
+    rows_recomputed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 def vanilla_local_rows(

@@ -1,13 +1,52 @@
-"""DyLLM's step schedule, activation cache and the parts both of its paths share (``dyllm.py`` says what
-the method does and where the paper says it; its knobs, :class:`DyLLMConfig`, are
-``shared/decode_policy.py``'s).
+"""DyLLM (Lee et al., ``../shared/papers/dyllm.txt``): per layer, only the *salient* rows, whose attention
+context moved since the previous step, run the FFN and refresh their K/V; the others reuse cached
+activations and update their context approximately. The decode worker runs it in its batched rounds
+(``decode_service/dyllm_rounds.py``), held token for token to the reference loop
+(``tests/reference/dyllm.py``: the SparseStep below, row by row).
 
-Shared here: which kind a step is (:func:`step_kind`), the per-layer
-activation cache, the counters, the FullStep (a plain forward that also caches every layer's K/V, attention
-context and FFN output) and the per-layer projections written the way ``shared/model/transformer.py``
-writes them, so that a step with every row salient computes exactly what the plain forward computes. The
-sparse step is the reference loop's (``dyllm.py``); the decode worker's rounds implement it for many
-requests at once (``decode_service/dyllm_rounds.py``).
+The paper's text lost its formulas; where it is silent the released code (scale-snu/DyLLM: ``Attention``,
+``LLaDAAttention``, ``MLPcache``, ``model_runner.prepare_sparse``, the ``attention_sparse_varlen`` kernel)
+decides, and the docstrings say so.
+
+**Steps** (App. C.1). The decode's first ``full_steps`` forwards (§3.2: 4) are *FullSteps*: a plain
+forward of every local row that caches, per layer, K/V (after RoPE), the attention context ``C`` (before
+``o_proj``) and the FFN output ``F`` (App. C.2). Every later forward is a *SparseStep*. Response-only steps
+(§3.5): a SparseStep queries every local row on every ``full_sequence_interval``-th forward (4), else the
+response only (plus, on Dream, the row before it, whose hidden state predicts the first response token);
+rows not queried keep all their cached activations.
+
+**SparseStep, layer l** (App. C.3, §3.2-3.3), queried rows Q, incoming salient rows S ⊆ Q (layer 0: the
+rows whose token changed since the last forward, App. C.3; layer l > 0: the rows layer l - 1 selected):
+
+1. ``h = norm(x)`` for Q; queries of every row in Q; K/V recomputed for S only; every other local row
+   keeps its cached K/V. ``ΔV`` = the salient rows' new minus cached values (zero elsewhere).
+2. Contexts (eq. 3, ``ΔC = A_t ΔV + (A_t - A_{t-1}) V_{t-1}``): salient path, rows in S attend exactly
+   (``softmax(q K^T) V`` over the merged K/V; under pdllm also the static chunk KV, through ``inner``);
+   non-salient path, the other rows of Q keep their routing (``A_t ≈ A_{t-1}``) and take
+   ``C_t = C_{t-1} + A_t ΔV``: only the salient columns of A contribute. As in the released kernel, ``A_t``
+   is this step's softmax row over every key (static + local). Through an opaque backend ``inner`` this is
+   computed by linearity as ``inner(q, K, V_t) - inner(q, K, V_{t-1})``, so the static KV's share cancels;
+   the fused kernel instead reads only the salient columns of V. With ``approximate_attention`` off
+   (Table 1's "Salient") those rows attend exactly too.
+3. Saliency (§3.1-3.2): ``s = cos(C_t, C_{t-1})`` over all heads, for every row of Q; the layer's salient
+   set is ``{s < τ}`` (τ = 1: every row). The cache takes ``C_t``.
+4. ``x += o_proj(C_t)`` for all of Q; the FFN runs on the salient rows only and refreshes their cached
+   ``F``; every row of Q adds its (new or cached) ``F`` (§3.2: stable rows skip the FFN).
+5. The layer's salient set is the next layer's S (its rows' K/V and exact contexts are recomputed there).
+
+The logits come from the final norm of the queried rows. Knobs and defaults: :class:`DyLLMConfig`
+(τ: 0.995 Dream, 0.99 LLaDA, §4.2.3). Composition: ``inner`` is the method's backend (pdllm's static KV,
+``decode_service/decode.py``'s static-KV attention); DyLLM decides only about the local rows.
+
+**Exact identities** (tested): τ = 1 with ``full_sequence_interval`` 1 computes every row of every layer
+on every step, i.e. plain decoding; a forward whose tokens did not change computes no row and reproduces the
+previous logits.
+
+**This module**: which kind a step is (:func:`step_kind`), the per-layer activation cache, the counters,
+the FullStep (a plain forward that also caches every layer's K/V, attention context and FFN output) and
+the per-layer projections written the way ``shared/model/transformer.py`` writes them, so that a step with
+every row salient computes exactly what the plain forward computes. The knobs, :class:`DyLLMConfig`, are
+``shared/decode_policy.py``'s.
 """
 
 from __future__ import annotations
@@ -97,7 +136,7 @@ def context_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 
 class DyLLMBase:
-    """A sampler ``LogitsFn`` under DyLLM, with :class:`~.runner.PolicyLogits`'s constructor contract:
+    """A sampler ``LogitsFn`` under DyLLM, with ``PolicyLogits``'s constructor contract (``tests/reference``):
     ``local`` the local rows' tokens ``[N]`` (owned: the response part is overwritten every call),
     ``positions`` their position ids ``[1, N]``, ``response_start`` the local row of response token 0,
     ``inner`` the method's attention backend (vanilla: dense over the local rows; pdllm: the static chunk KV

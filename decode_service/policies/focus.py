@@ -37,9 +37,10 @@ rows, every other local row being context forwarded as in plain decoding):
 **Degenerate knobs**: ``budget >= block length`` keeps every masked row (nothing evicted); with
 ``delayed_cache=False`` too, every step forwards every row and equals plain decoding token for token.
 
-This module holds the per-request host state and the paper's equations written plainly (the reference,
-used by ``focus_reference.py``; the knobs, :class:`FocusConfig`, are ``shared/decode_policy.py``'s);
-``focus_select.py`` runs the same decisions vectorized over several requests (the rounds) and is held to them.
+This module holds the per-request host state and the paper's equations written plainly (the reference, used by
+the reference loop ``tests/reference/focus.py``; the knobs, :class:`FocusConfig`, are
+``shared/decode_policy.py``'s); ``focus_select.py`` runs the same decisions vectorized over several requests
+(the rounds) and is held to them.
 """
 
 from __future__ import annotations

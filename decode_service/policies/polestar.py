@@ -246,7 +246,7 @@ class PolestarStep:
         record: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.model is None or self.positions is None:
-            raise RuntimeError("polestar's rows hook runs attached to the model (PolicyLogits does it)")
+            raise RuntimeError("polestar's rows hook runs attached to the model (call attach() first)")
         state = self._state(cache)
         if record:
             if layer == 0:

@@ -276,7 +276,7 @@ class GenerationResult:
     steps: int
     decode_seconds: float
     timings: dict[str, float] = field(default_factory=dict)
-    # A decode policy's name and counters (``decode_service/policies/runner.CacheStats``); empty without one.
+    # A decode policy's name and counters (``decode_service/policies/base.CacheStats``); empty without one.
     cache: dict[str, int | str] = field(default_factory=dict)
 
 

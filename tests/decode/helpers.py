@@ -8,7 +8,7 @@ import torch
 
 from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.decode_service.policies import DecodePolicyConfig, make_policy, run_policy
+from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
 from pdllm.decode_service.request import DecodeRequest
 from pdllm.decode_service.round_graphs import GraphedRoundForward
@@ -21,6 +21,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
 from tests.model.helpers import tiny_model
+from tests.reference.policy import run_policy
 from tests.reference.static_kv import static_policy_logits
 
 

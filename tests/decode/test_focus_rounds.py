@@ -25,7 +25,6 @@ import pytest
 from pdllm.decode_service.focus_rounds import FocusBatchSession, focus_slots
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig
-from pdllm.decode_service.policies.compute_skip import run_compute_skip
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode
 from pdllm.decode_service.rounds import BatchSession
@@ -49,6 +48,7 @@ from tests.decode.helpers import (
     static_decode,
 )
 from tests.model.helpers import tiny_model
+from tests.reference.compute_skip import run_compute_skip
 from tests.reference.static_kv import static_compute_skip_logits
 from tests.reference.vanilla import generate_vanilla
 

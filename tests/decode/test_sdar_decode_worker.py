@@ -15,7 +15,6 @@ import torch
 
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import generate_block_diffusion
-from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.server import DecodeServicer
@@ -30,6 +29,7 @@ from pdllm.shared.rpc.errors import PdllmError
 from tests.decode.helpers import pool_for
 from tests.engine.helpers import model, tokens
 from tests.reference import sdar
+from tests.reference.focus import generate_focus_block_diffusion
 
 BOS = 1
 # (seed, chunk size, K, instruction len, query len, generation); model block size 4.

@@ -82,10 +82,10 @@ def sdar_focus_rounds() -> None:
     import torch
 
     from pdllm.decode_service.block_diffusion import generate_block_diffusion
-    from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
     from tests.decode.test_sdar_focus_rounds import FOCUS, PLAIN, _gen, _session
     from tests.model.helpers import tiny_model
     from tests.oracles.cases import ids
+    from tests.reference.focus import generate_focus_block_diffusion
 
     m = tiny_model("sdar", seed=1, num_layers=4)
     pool = pool_for(m, pages=256, page_size=8)

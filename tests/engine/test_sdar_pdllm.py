@@ -18,13 +18,13 @@ from pdllm.decode_service.block_diffusion import (
     generate_block_diffusion,
     prefill_blocks,
 )
-from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import decode_layout
 from tests.reference import sdar
+from tests.reference.focus import generate_focus_block_diffusion
 
 from ..model.helpers import tiny_model
 from .helpers import model as tiny

@@ -15,15 +15,14 @@ import torch
 from pdllm.decode_service.policies import (
     DecodePolicyConfig,
     DualCache,
-    PolicyLogits,
     StepContext,
     StepPlan,
-    denoise_with_policy,
 )
 from pdllm.shared.generation.plain import vanilla_logits_fn
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.settings import SettingError
+from tests.reference.policy import PolicyLogits, denoise_with_policy
 from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model

@@ -1,4 +1,5 @@
-"""DyLLM (``policies/dyllm.py``) on tiny fp32 Dream and LLaDA models: its reference path and its fast path.
+"""DyLLM (``policies/dyllm_base.py``) on tiny fp32 Dream and LLaDA models: its reference loop
+(``tests/reference/dyllm.py``) and its fast path (the decode worker's rounds).
 
 Exact identities: τ = 1 with every step querying the full sequence is plain decoding (tokens, and logits at
 every step), vanilla and over static KV (pdllm's composition); a forward whose tokens did not change
@@ -12,14 +13,6 @@ import pytest
 import torch
 
 from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn, local_inputs
-from pdllm.decode_service.policies.dyllm import (
-    DyLLMConfig,
-    DyLLMLogits,
-    denoise_with_dyllm,
-    step_kind,
-    vanilla_dyllm_logits,
-)
-from pdllm.decode_service.policies.runner import run_policy
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -28,6 +21,14 @@ from pdllm.shared.generation.plain import vanilla_logits_fn
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import DenseAttention, PrefixAttention
 from pdllm.shared.model.transformer import DiffusionLM, apply_rope
+from tests.reference.dyllm import (
+    DyLLMConfig,
+    DyLLMLogits,
+    denoise_with_dyllm,
+    step_kind,
+    vanilla_dyllm_logits,
+)
+from tests.reference.policy import run_policy
 from tests.reference.vanilla import generate_vanilla
 
 from ..engine.helpers import tokens
@@ -47,7 +48,7 @@ def _gen(gen: int, steps: int, block: int | None, threshold: float | None) -> Ge
 
 
 def _vanilla(model: DiffusionLM, gen: GenerationConfig, config: DyLLMConfig, fast: bool) -> GenerationResult:
-    """The library loop (``fast`` False) or the decode worker's rounds, in process."""
+    """The reference loop (``fast`` False) or the decode worker's rounds, in process."""
     if not fast:
         return run_policy(vanilla_dyllm_logits(model, torch.tensor(PROMPT), gen, config))
     knobs = {

@@ -18,16 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from pdllm.decode_service.policies.focus import FocusConfig
-from pdllm.decode_service.policies.focus_reference import (
-    FocusLogits,
-    generate_focus_block_diffusion,
-    run_focus,
-)
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention, PrefixAttention, RecordKV
 from pdllm.shared.model.transformer import DiffusionLM
+from tests.reference.focus import (
+    FocusLogits,
+    generate_focus_block_diffusion,
+    run_focus,
+)
 from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model

@@ -17,17 +17,16 @@ import torch
 from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
 from pdllm.decode_service.policies import (
     DecodePolicyConfig,
-    PolicyLogits,
     SaliencyKeep,
     SparseDLLM,
     StepContext,
     StepPlan,
-    denoise_with_policy,
 )
 from pdllm.decode_service.policies.sparse_dllm import saliency
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.settings import SettingError
+from tests.reference.policy import PolicyLogits, denoise_with_policy
 from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model

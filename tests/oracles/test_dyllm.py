@@ -1,7 +1,7 @@
-"""DyLLM against the from-scratch oracle (``dyllm.py``): the library loop (``generate_vanilla``), the
-decode worker's rounds in process (vanilla through ``DecodeWorker.vanilla``, pdllm through the engine;
-``dyllm_rounds.py``); tokens and every counter (forwards, FullSteps, response-only steps, FFN rows, K/V
-rows, rows in all) must be equal."""
+"""DyLLM against the from-scratch oracle (``dyllm.py``): the reference loop (``tests/reference``'s
+``generate_vanilla``), the decode worker's rounds in process (vanilla through ``DecodeWorker.vanilla``, pdllm
+through the engine; ``dyllm_rounds.py``); tokens and every counter (forwards, FullSteps, response-only steps,
+FFN rows, K/V rows, rows in all) must be equal."""
 
 from __future__ import annotations
 

@@ -28,7 +28,6 @@ import torch
 
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.decode_service.policies.focus_reference import generate_focus_block_diffusion
 from pdllm.decode_service.request import DecodeRequest, Final, Status
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
@@ -37,6 +36,7 @@ from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig, FocusConfig
+from tests.reference.focus import generate_focus_block_diffusion
 
 from .block_diffusion import block_diffusion
 from .cases import CHUNK, CONTEXT, INSTRUCTION, QUESTION, TOP_K, case_id, counters, gen, ids, model

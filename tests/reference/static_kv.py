@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from pdllm.decode_service.decode import DecodePolicy, StaticPolicy, local_inputs
-from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, PolicyLogits
-from pdllm.decode_service.policies.compute_skip import ComputeSkipLogits, compute_skip_logits
+from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
+from tests.reference.compute_skip import ComputeSkipLogits, compute_skip_logits
+from tests.reference.policy import PolicyLogits
 
 
 def static_policy_logits(

@@ -9,23 +9,18 @@ from __future__ import annotations
 import torch
 
 from pdllm.decode_service.block_diffusion import generate_block_diffusion
-from pdllm.decode_service.policies import (
-    CachePolicy,
-    DecodePolicyConfig,
-    PolicyLogits,
-    make_policy,
-    run_policy,
-)
+from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.decode_service.policies.base import vanilla_local_rows
-from pdllm.decode_service.policies.compute_skip import (
-    generate_compute_skip_sdar,
-    run_compute_skip,
-    vanilla_compute_skip_logits,
-)
 from pdllm.shared.generation.plain import denoise_plain, prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
+from tests.reference.compute_skip import (
+    generate_compute_skip_sdar,
+    run_compute_skip,
+    vanilla_compute_skip_logits,
+)
+from tests.reference.policy import PolicyLogits, run_policy
 
 
 def vanilla_policy_logits(

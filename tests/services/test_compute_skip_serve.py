@@ -1,4 +1,4 @@
-"""DyLLM and FOCUS (the compute-skipping decode policies, ``policies/compute_skip.py``) over gRPC
+"""DyLLM and FOCUS (the compute-skipping decode policies) over gRPC
 (`serve --role all` in process): a request naming one rides in the decode worker's batched rounds, and its answer equals the in-process engine's / ``generate_vanilla``'s
 token for token; the trace names the policy and carries its counters (``DecodePolicyTrace.counters``); bad
 knobs are INVALID_ARGUMENT naming the field."""

@@ -1,4 +1,5 @@
-"""FOCUS's reference path (``focus.py``): one request, its own per-layer loop over the model's modules.
+"""FOCUS's reference loop (``decode_service/policies/focus.py`` says what the method does): one request,
+its own per-layer loop over the model's modules.
 
 :class:`FocusReference` is one request's step, plainly: layers 0-1 over every unfrozen row, the delta and
 selection of ``focus.py`` (Python sets, Algorithm 1 line by line), layers >= 2 over the selected rows, the
@@ -6,13 +7,15 @@ LM head over the eligible rows only. It runs
 
 - for SDAR inside block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window
   over the exact cache of the earlier blocks), :class:`FocusBlockSession` (run to the end by
-  :func:`generate_focus_block_diffusion` and ``sdar_decode.decode``, the pdllm reference loop; the decode
-  worker and the engine run FOCUS in the batched rounds instead, ``sdar_focus_rounds.py``), over the whole prompt (vanilla) or over
-  pdllm's block-causal prefix of the selected chunks (``sdar_decode.py``);
+  :func:`generate_focus_block_diffusion` and ``tests/reference/sdar.py``), over the whole prompt (vanilla) or
+  over pdllm's block-causal prefix of the selected chunks (``decode_service/sdar_decode.py``);
 - for Dream/LLaDA as a logits function (:class:`FocusLogits`) under ``denoise``'s semi-autoregressive
   blocks, over any method's backend (``inner``: dense attention for vanilla, pdllm's static chunk KV
   backend), driven by :class:`FocusSession` (a ``DenoiseSession`` that hands the sampler the eligible
   rows: the sampler still decides what to unmask, among those only).
+
+The decode worker and the engine run FOCUS in the batched rounds (``decode_service/focus_rounds.py``,
+``sdar_focus_rounds.py``), held to these loops token for token and counter for counter.
 
 Layer 1 runs whole on every unfrozen row (the paper finishes it on the selected rows only, Algorithm 1
 line 21: the same values for them); the counters report layers >= 2, as the paper's Table 5 does.
@@ -32,12 +35,8 @@ from pdllm.decode_service.block_diffusion import (
     BlockStep,
     run_to_end,
 )
-from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
-from pdllm.shared.model.attention import AttentionBackend
-from pdllm.shared.model.transformer import DiffusionLM
-
-from .base import check_local_rows
-from .focus import (
+from pdllm.decode_service.policies.base import check_local_rows
+from pdllm.decode_service.policies.focus import (
     FocusConfig,
     FocusMemory,
     FocusStats,
@@ -46,7 +45,17 @@ from .focus import (
     importance,
     select,
 )
-from .focus_layers import BlockKV, RowsAttention, SdarRows, embed, inner_rows, keys_in_row_order
+from pdllm.decode_service.policies.focus_layers import (
+    BlockKV,
+    RowsAttention,
+    SdarRows,
+    embed,
+    inner_rows,
+    keys_in_row_order,
+)
+from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.model.attention import AttentionBackend
+from pdllm.shared.model.transformer import DiffusionLM
 
 
 @dataclass
@@ -199,8 +208,8 @@ class FocusBlockSession(BlockDiffusionSession):
     """SDAR under FOCUS, one denoising step per :meth:`step`: a :class:`BlockDiffusionSession` whose block
     step is FOCUS's (:func:`focus_block_step`); its result's ``cache`` holds FOCUS's counters. ``prefix``:
     as the plain session's (pdllm's block-causal cache of ``[instruction, selected chunks]``,
-    ``sdar_decode.py``). In process it runs to the end (``block_diffusion.run_to_end``: vanilla's
-    :func:`generate_focus_block_diffusion`, the pdllm engine's ``sdar_decode.decode``)."""
+    ``sdar_decode.py``). It runs to the end in ``run_to_end`` (vanilla's :func:`generate_focus_block_diffusion`,
+    pdllm's ``tests/reference/sdar.decode``)."""
 
     def __init__(
         self,
@@ -241,7 +250,7 @@ def generate_focus_block_diffusion(
 class FocusLogits:
     """Dream/LLaDA under FOCUS (reference): a logits function over the local rows (vanilla: prompt +
     response; pdllm: query suffix + response, ``inner`` reading the static chunk KV), like
-    ``runner.PolicyLogits``. Its ineligible rows' logits are zeros: drive it with :class:`FocusSession`,
+    ``tests/reference/policy.PolicyLogits``. Its ineligible rows' logits are zeros: drive it with :class:`FocusSession`,
     which hands the sampler :attr:`eligible` (a plain ``denoise`` would not, and is refused)."""
 
     def __init__(

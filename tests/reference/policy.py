@@ -1,4 +1,6 @@
-"""The plain single-request denoising loop under a decode policy (the reference path of every policy).
+"""The plain single-request denoising loop under a decode policy (the reference of every cache policy: the
+decode worker runs them in the batched rounds, ``decode_service/policy_rounds.py`` and ``polestar_rounds.py``,
+held to this loop token for token).
 
 :class:`PolicyLogits` is a :data:`~pdllm.shared.generation.sampler.LogitsFn`: the shared sampler
 (:func:`~pdllm.shared.generation.sampler.denoise`) drives it exactly as it drives the plain logits
@@ -12,54 +14,15 @@ logits of the masked positions.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
 
 from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
-from pdllm.shared.decode_policy import DecodePolicyConfig
+from pdllm.decode_service.policies.base import CachePolicy, CacheStats, StepContext, check_local_rows
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
-
-from .base import CachePolicy, StepContext, check_local_rows
-from .fast_dllm import DualCache, PrefixCache
-from .polestar import Polestar
-from .sparse_dllm import SparseDLLM
-
-
-def make_policy(config: DecodePolicyConfig) -> CachePolicy | None:
-    """The policy a config names (None for ``none``: the caller runs its plain loop)."""
-    config.validate()
-    if config.name == "prefix-cache":
-        return PrefixCache(config.refresh_steps)
-    if config.name == "dual-cache":
-        return DualCache(config.refresh_steps)
-    if config.name == "sparse-dllm":
-        retention, kernel, delay = config.sparse()
-        return SparseDLLM(retention, kernel, delay, config.refresh_steps)
-    if config.name == "polestar":
-        knobs = {n.removeprefix("polestar_"): v for n, v in config.polestar_knobs().items()}
-        return Polestar(**knobs, refresh_steps=config.refresh_steps)
-    return None
-
-
-@dataclass
-class CacheStats:
-    """What a policy saved: forwards, refreshes among them (forwards whose K/V became the cache), local
-    rows forwarded in all, peak cache bytes; and for policies that recompute cached rows selectively
-    (Polestar-Cache), the steps that did and the cached rows they recomputed, summed over layers."""
-
-    forwards: int = 0
-    refreshes: int = 0
-    rows_forwarded: int = 0
-    cache_bytes: int = 0
-    updates: int = 0
-    rows_recomputed: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class PolicyLogits:

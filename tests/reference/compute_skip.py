@@ -1,18 +1,18 @@
 """The compute-skipping decode policies' (``dyllm``, ``focus``) reference loops behind one entry point.
 
-They are not :class:`~.base.CachePolicy`\\ s (a cache policy plans which local rows a step forwards; these
-skip work *inside* the forward: DyLLM per layer and row, FOCUS past layer 1), so ``make_policy`` returns
-None for them and their one-request loops are built here (``generate_vanilla``, ``decode.py``'s
-static-KV loops and ``sdar_decode.decode`` call them):
+They are not ``CachePolicy``\\ s (a cache policy plans which local rows a step forwards; these skip work
+*inside* the forward: DyLLM per layer and row, FOCUS past layer 1), so ``make_policy`` returns None for
+them and their one-request loops are built here (``vanilla.py``, ``static_kv.py`` and ``sdar.py`` call
+them):
 
 - :func:`compute_skip_logits`: the policy's logits function over any method's local rows and attention
   backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`; pdllm:
-  the static chunk KV backend, ``decode_service.decode.static_compute_skip_logits``);
+  the static chunk KV backend, ``static_kv.static_compute_skip_logits``);
 - :func:`run_compute_skip`: that loop to the end (``generate_vanilla``); FOCUS is driven by its
   session, which hands the sampler the eligible rows;
 - :func:`compute_skip_sdar_session`: SDAR (block diffusion): FOCUS block by block over the exact cache, over
   the whole prompt (vanilla; :func:`generate_compute_skip_sdar` runs it to the end) or over pdllm's
-  block-causal prefix (``sdar_decode.py``); DyLLM is refused (its caches assume full bidirectional
+  block-causal prefix (``sdar.py``); DyLLM is refused (its caches assume full bidirectional
   attention over every local row).
 
 These are the policies' reference loops (one request). The decode worker and the engine run both in the
@@ -25,16 +25,15 @@ from __future__ import annotations
 import torch
 
 from pdllm.decode_service.block_diffusion import BlockDiffusionSession, BlockKVCache, run_to_end
+from pdllm.decode_service.policies.base import vanilla_local_rows
+from pdllm.decode_service.policies.dyllm_base import DyLLMBase
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
-
-from .base import vanilla_local_rows
-from .dyllm import DyLLMLogits
-from .dyllm_base import DyLLMBase
-from .focus_reference import FocusBlockSession, FocusLogits, run_focus
-from .runner import run_policy
+from tests.reference.dyllm import DyLLMLogits
+from tests.reference.focus import FocusBlockSession, FocusLogits, run_focus
+from tests.reference.policy import run_policy
 
 ComputeSkipLogits = DyLLMBase | FocusLogits
 
@@ -87,8 +86,8 @@ def compute_skip_sdar_session(
     prefix: BlockKVCache | None = None,
 ) -> BlockDiffusionSession:
     """SDAR (block diffusion) under a compute-skipping policy, one denoising step per ``step()``: FOCUS over
-    each block's window (:class:`~.focus_reference.FocusBlockSession`; ``prefix``: pdllm's block-causal
-    cache of the selected chunks, ``sdar_decode.py``); DyLLM is refused with a clear error."""
+    each block's window (:class:`~tests.reference.focus.FocusBlockSession`; ``prefix``: pdllm's block-causal
+    cache of the selected chunks, ``sdar.py``); DyLLM is refused with a clear error."""
     config.validate()
     if config.name == "focus":
         return FocusBlockSession(model, prompt, gen, config.focus_config(), prefix=prefix)
