@@ -17,6 +17,7 @@ from pdllm.shared.model.attention import sdpa
 
 if TYPE_CHECKING:
     from pdllm.decode_service.layer_edits import LayerEdits
+    from pdllm.decode_service.prefill_rows import PrefillRows
 
 ROUND_ATTENTIONS = ("torch", "triton")
 
@@ -58,6 +59,8 @@ class PagedBatchAttention:
         self.max_q_len, self.max_kv_len, self.kernel = max_q_len, max_kv_len, kernel
         self.writes, self.stores, self.drop = writes, stores or [], drop  # drop: [layers, sessions]
         self.edits: list[LayerEdits] = []  # a policy's edits of some parts' layers (``layer_edits.py``)
+        # A chunk-prefill forward's rows after the round's (``prefill_rows.py``): attended on their own.
+        self.prefill: PrefillRows | None = None
 
     @property
     def edit_ffn(self) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
@@ -76,6 +79,11 @@ class PagedBatchAttention:
         qt = q[0].transpose(0, 1)
         kl = k[0].transpose(0, 1)  # strided views: the kernel takes row strides, no copy
         vl = v[0].transpose(0, 1)
+        piece = None
+        if self.prefill is not None:
+            s = self.prefill.start
+            piece = self.prefill.attend(layer, qt[s:], kl[s:], vl[s:])
+            qt, kl, vl = qt[:s], kl[:s], vl[:s]
         if self.writes is not None:
             rows, pages, slots = self.writes
             self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)
@@ -90,6 +98,8 @@ class PagedBatchAttention:
         )
         for e in self.edits:
             out = e.after(layer, qt, kl, out, self)
+        if piece is not None:
+            out = torch.cat([out, piece])
         return out.transpose(0, 1)[None]
 
     def paged(

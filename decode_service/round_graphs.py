@@ -218,8 +218,9 @@ class GraphedRoundForward:
         self.replays = 0
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
-        if packed.stores or packed.splits or packed.edits:  # choices made inside the forward
-            # (Sparse-dLLM, Polestar-Cache, FOCUS, DyLLM): not capturable
+        if packed.stores or packed.splits or packed.edits or packed.piece is not None:
+            # choices made inside the forward (Sparse-dLLM, Polestar-Cache, FOCUS, DyLLM), or a chunk
+            # prefill's rows (shapes of their own): not capturable
             return self.eager(packed)
         shape = RoundShape.of(packed)
         graph = self._graphs.get(shape)

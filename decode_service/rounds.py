@@ -38,6 +38,7 @@ from pdllm.shared.model.transformer import DiffusionLM
 if TYPE_CHECKING:
     from pdllm.decode_service.layer_edits import PartEdit
     from pdllm.decode_service.split_rounds import RowSplit
+    from pdllm.shared.chunk_prefill import ChunkForward
 
 
 @dataclass
@@ -187,6 +188,14 @@ class PackedRound:
     edits: list[tuple[int, int, PartEdit]] = field(default_factory=list)  # (entry, first packed row, edit)
     device_ids: torch.Tensor | None = None
     device_rows: torch.Tensor | None = None
+    # A chunk-prefill forward carried after the round's rows (``prefill_rows.py``), or None.
+    piece: ChunkForward | None = None
+
+    @property
+    def carries_piece(self) -> bool:
+        """The forward carries ``piece`` in its own rows: not where a policy changes rows or K/V inside the
+        forward (its per-layer choices read packed rows that the piece's would shift or join)."""
+        return self.piece is not None and not (self.splits or self.edits or self.stores)
 
     @classmethod
     def pack(cls, sessions: list[BatchSession]) -> PackedRound:
@@ -293,12 +302,21 @@ class EagerRoundForward:
         self.model, self.pool, self.kernel = model, pool, kernel
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
+        if packed.piece is not None and not packed.carries_piece:
+            packed.piece.run()  # alone, before the round
         if packed.splits:
             from pdllm.decode_service.split_rounds import split_forward  # it builds on this module
 
             return split_forward(self, packed)
         ids, positions, rows = self.inputs(packed)
         attention = self.attention(packed)
+        if packed.carries_piece:
+            assert packed.piece is not None
+            from pdllm.decode_service.prefill_rows import PrefillRows  # it builds on this module
+
+            attention.prefill = PrefillRows.of(packed.piece, ids.shape[0], ids.device)
+            ids = torch.cat([ids, attention.prefill.ids])
+            positions = torch.cat([positions, attention.prefill.positions])
         if packed.edits:
             from pdllm.decode_service.layer_edits import group_edits  # it builds on this module
 
@@ -356,8 +374,12 @@ RoundForward = Callable[[PackedRound], torch.Tensor]
 
 
 @torch.inference_mode()
-def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> None:
+def decode_round(
+    forward: RoundForward, sessions: list[BatchSession], piece: ChunkForward | None = None
+) -> None:
     """One denoising step of every session in one ``forward``. Finished sessions must not be passed.
+    ``piece``: a chunk-prefill forward the round runs too, in the same forward where it can
+    (:attr:`PackedRound.carries_piece`), else alone before it.
 
     Device sessions are stepped without reading the device back where their schedule tells the host
     everything (:meth:`~pdllm.decode_service.device_state.DeviceDenoiseState.needs_readback`); host
@@ -366,6 +388,7 @@ def decode_round(forward: RoundForward, sessions: list[BatchSession]) -> None:
         return
     start = time.perf_counter()
     packed = PackedRound.pack(sessions)
+    packed.piece = piece
     on_device = [i for i, s in enumerate(sessions) if isinstance(s.state, DeviceDenoiseState)]
     on_host = [i for i, s in enumerate(sessions) if isinstance(s.state, DenoiseState)]
     spans = [0]

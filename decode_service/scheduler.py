@@ -12,8 +12,10 @@ CPU a build finishes before the round. gRPC handler threads only wait on their r
 
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
 batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
-per iteration while requests are decoding; with ``overlap_pieces`` (CUDA) a piece runs on a low-priority
-stream whose work overlaps the following rounds, the next piece launched once the previous one finished.
+per iteration while requests are decoding. A chunk-prefill piece the batch hands over as work
+(``ChunkForward``) rides in the next round's forward (``prefill_rows.py``): one forward for both; other
+pieces (scoring) run between rounds. With ``overlap_pieces`` (CUDA) those run on a low-priority stream
+whose work overlaps the following rounds, the next piece launched once the previous one finished.
 
 Admission: at most ``max_waiting`` requests wait; beyond that, and for a request larger than the whole KV
 pool, ``submit`` answers RESOURCE_EXHAUSTED (the router retries another worker).
@@ -45,6 +47,7 @@ from pdllm.decode_service.request import (
     Status,
 )
 from pdllm.decode_service.rounds import RoundForward, decode_round
+from pdllm.shared.chunk_prefill import ChunkForward
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.stepwise import Steps, join_device_thread
@@ -106,6 +109,9 @@ class DecodeScheduler:
         self._waiting: deque[DecodeRequest] = deque()
         self._building: list[DecodeRequest] = []
         self._foreign: deque[tuple[Steps, Future]] = deque()  # see run_between_rounds
+        self._carried: ChunkForward | None = (
+            None  # handed over by the first foreign steps, for the next round
+        )
         self._active: list[DecodeRequest] = []
         # Rounds on a high-priority stream, builds on a normal one: the GPU schedules a round's blocks
         # ahead of a build's (or the prefill worker's) pending blocks, so no round waits for a whole build.
@@ -209,9 +215,17 @@ class DecodeScheduler:
                 decoding = bool(self._waiting or self._building or self._active)
             if decoding and self._piece_done is not None and not self._piece_done.query():
                 return  # the last piece is still on the device: the rounds go on without waiting for it
+            carried, self._carried = self._carried, None
             try:
+                if carried is not None and carried.error is not None:  # the round that carried it failed
+                    steps.throw(carried.error)
                 with self._on(self.piece_stream):
-                    next(steps)
+                    work = next(steps)
+                    if isinstance(work, ChunkForward) and decoding:
+                        self._carried = work  # the next round's forward runs it
+                        return
+                    if work is not None:
+                        work.run()
                     if self.piece_stream is not None:
                         self._piece_done = torch.cuda.Event()
                         self._piece_done.record(self.piece_stream)
@@ -383,13 +397,18 @@ class DecodeScheduler:
         """One step of every RUNNING request in one batched forward; then partial outputs, and finished
         requests leave."""
         batched = [r for r in self.active if not r.cancelled.is_set()]
+        piece = self._carried
         if not batched:
+            if piece is not None:  # its round has nobody left: alone (a failure reaches its caller)
+                self._run_alone(piece)
             return
         start = time.perf_counter()
         try:
-            decode_round(self.forward, [r.session for r in batched])  # type: ignore[misc]
+            decode_round(self.forward, [r.session for r in batched], piece)  # type: ignore[misc]
         except Exception as exc:
             _log.exception("batched decode round failed")
+            if piece is not None:
+                piece.error = exc
             for req in batched:
                 req.events.put(exc)
             self._retire(batched, Status.FAILED)
@@ -411,6 +430,12 @@ class DecodeScheduler:
                 req.events.put(Final(session.result(), req.build_s, req.queue_s, peak))
                 finished.append(req)
         self._retire(finished, Status.FINISHED)
+
+    def _run_alone(self, piece: ChunkForward) -> None:
+        try:
+            piece.run()
+        except Exception as exc:
+            piece.error = exc
 
     def _retire(self, reqs: list[DecodeRequest], status: Status) -> None:
         """RUNNING (or PULLING / BUILDING) -> ``status``: out of the lists, pages back to the pool."""

@@ -185,10 +185,11 @@ class PrefillWorker:
         return drain(self.prefill_many_steps(jobs, max_tokens))
 
     def prefill_many_steps(
-        self, jobs: Sequence[PrefillJob], max_tokens: int | None = None
+        self, jobs: Sequence[PrefillJob], max_tokens: int | None = None, hand_over: bool = False
     ) -> Steps[list[Selection | Exception]]:
         """:meth:`prefill_many` in pieces: yields after every chunk-prefill forward (at most ``max_tokens``
-        padded tokens each, when given) and after every scoring group (``scoring.py``); same results. A
+        padded tokens each, when given) and after every scoring group (``scoring.py``); same results.
+        ``hand_over``: yields each chunk-prefill forward to the driver to run instead (``ChunkForward``). A
         group whose jobs are all cancelled stops before its next forward; a cancelled job stops being
         scored before its next scoring group (and builds no handoff KV)."""
         out: list[Selection | Exception] = [ValueError("not run")] * len(jobs)
@@ -213,7 +214,8 @@ class PrefillWorker:
                 with timer.phase("prefill", self.device, sync=False):
                     bank, stats = yield from chunk_prefill_steps(
                         self.model, chunks, "causal", chunk_size, batch, self.store, keys, max_tokens,
-                        stop=everyone_gone, publish=False,  # written below, once each job's top-K is known
+                        stop=everyone_gone, hand_over=hand_over,
+                        publish=False,  # written below, once each job's top-K is known
                         tail=max(score_tail(jobs[j].request, jobs[j].config, width) for j in members),
                     )  # fmt: skip
             except PrefillStopped as stopped:

@@ -85,6 +85,7 @@ class ChunkForward:
     bank: ChunkBank
     attention: str
     kernel: ChunkAttentionKernel
+    error: BaseException | None = None  # set by a driver whose forward carrying it failed
 
     @property
     def causal(self) -> bool:

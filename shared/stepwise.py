@@ -22,7 +22,6 @@ T = TypeVar("T")
 _log = logging.getLogger("pdllm.stepwise")
 
 
-
 class DeviceWork(Protocol):
     """Device work a generator hands to its driver."""
 

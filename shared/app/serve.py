@@ -314,7 +314,7 @@ def start(args: argparse.Namespace) -> Deployment:
     # at most --prefill-piece-tokens between decode rounds (no other thread launches work during a capture).
     steps = engine.prefill_worker.prefill_many_steps
     piece = piece_tokens(args, "all")
-    run_batch = lambda jobs: scheduler.run_between_rounds(steps(jobs, piece))  # noqa: E731
+    run_batch = lambda jobs: scheduler.run_between_rounds(steps(jobs, piece, args.fused_prefill))  # noqa: E731
     prefill, close_prefill = start_prefill(args, prefill_config, engine.prefill_worker, run_batch)
     args = argparse.Namespace(
         **{

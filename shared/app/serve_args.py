@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{PIECE_TOKENS['prefill']} with --role prefill)",
     )
     pb.add_argument(
+        "--fused-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("--fused-prefill", True, _env_bool),
+        help="--role all: a chunk prefill piece and the next decode round run as one forward (the round's rows "
+        "ride on the piece's weight reads); --no-fused-prefill: they take turns",
+    )
+    pb.add_argument(
         "--overlap-pieces",
         action=argparse.BooleanOptionalAction,
         default=_env_default("--overlap-pieces", False, _env_bool),
