@@ -1,8 +1,9 @@
 """Block diffusion (SDAR) in the batched rounds: each request's current block, one step per round.
 
 A block-diffusion model attends causally across model blocks and bidirectionally inside one
-(``shared/model/sdar.py``), so a finished block's K/V are an exact cache (``block_diffusion.py``, the
-reference loop this module is tested against). Here the cache is the request's pool pages, slot = position:
+(``shared/model/sdar.py``), so a finished block's K/V are an exact cache (``block_diffusion.py``; the
+reference loop this module is tested against is ``tests/reference/block_diffusion.py``). Here the cache is the
+request's pool pages, slot = position:
 
 - the build (:func:`start_block_decode`) records the prompt's whole generation blocks (continuing a pdllm
   request's block-causal prefix) and the scheduler places them in the request's pages;

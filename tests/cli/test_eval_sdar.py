@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from pdllm.decode_service.block_diffusion import generate_block_diffusion
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.app.eval import EvalSettings, main, make_decoder
 from pdllm.shared.decode_policy import DecodePolicyConfig
@@ -17,6 +16,7 @@ from pdllm.shared.eval.tasks import make_sample
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
+from tests.reference.block_diffusion import generate_block_diffusion
 from tests.reference.focus import generate_focus_block_diffusion
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint

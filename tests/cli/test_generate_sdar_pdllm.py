@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdllm.decode_service.block_diffusion import generate_block_diffusion
 from pdllm.shared.app.cli import main
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import split_context
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.prompt import encode_prompt
+from tests.reference.block_diffusion import generate_block_diffusion
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
 from .test_generate import CONTEXT, QUESTION

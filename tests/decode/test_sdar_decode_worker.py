@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pdllm.decode_service import sdar_decode
-from pdllm.decode_service.block_diffusion import generate_block_diffusion
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.server import DecodeServicer
@@ -29,6 +28,7 @@ from pdllm.shared.rpc.errors import PdllmError
 from tests.decode.helpers import pool_for
 from tests.engine.helpers import model, tokens
 from tests.reference import sdar
+from tests.reference.block_diffusion import generate_block_diffusion
 from tests.reference.focus import generate_focus_block_diffusion
 
 BOS = 1

@@ -23,7 +23,6 @@ import threading
 import pytest
 import torch
 
-from pdllm.decode_service.block_diffusion import generate_block_diffusion
 from pdllm.decode_service.block_rounds import BlockBatchSession, block_slots, start_block_decode
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policy_rounds import batch_session
@@ -34,6 +33,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from tests.decode.helpers import pool_for, round_forward, rounds_with_arrivals
 from tests.model.helpers import tiny_model
 from tests.oracles.cases import ids
+from tests.reference.block_diffusion import generate_block_diffusion
 from tests.reference.focus import generate_focus_block_diffusion
 
 # (prompt length, gen_length, steps, block_length, threshold, temperature, focus knobs)

@@ -81,10 +81,10 @@ def sdar_focus_rounds() -> None:
     of their own, some with no rows) beside a plain SDAR one, equal to their references."""
     import torch
 
-    from pdllm.decode_service.block_diffusion import generate_block_diffusion
     from tests.decode.test_sdar_focus_rounds import FOCUS, PLAIN, _gen, _session
     from tests.model.helpers import tiny_model
     from tests.oracles.cases import ids
+    from tests.reference.block_diffusion import generate_block_diffusion
     from tests.reference.focus import generate_focus_block_diffusion
 
     m = tiny_model("sdar", seed=1, num_layers=4)

@@ -15,7 +15,6 @@ from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import (
     BlockKVCache,
     answer_spans,
-    generate_block_diffusion,
     prefill_blocks,
 )
 from pdllm.shared.app.engine import PrefillingEngine
@@ -24,6 +23,7 @@ from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import decode_layout
 from tests.reference import sdar
+from tests.reference.block_diffusion import generate_block_diffusion
 from tests.reference.focus import generate_focus_block_diffusion
 
 from ..model.helpers import tiny_model

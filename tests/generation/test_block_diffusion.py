@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdllm.decode_service.block_diffusion import answer_spans, generate_block_diffusion
+from pdllm.decode_service.block_diffusion import answer_spans
 from pdllm.shared.app.cli import main
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.prompt import encode_prompt
+from tests.reference.block_diffusion import generate_block_diffusion
 from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model

@@ -28,13 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdllm.decode_service.block_diffusion import (
-    PREFILL_PIECE_TOKENS,
-    BlockDiffusionSession,
-    BlockKVCache,
-    BlockStep,
-    run_to_end,
-)
+from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
 from pdllm.decode_service.policies.base import check_local_rows
 from pdllm.decode_service.policies.focus import (
     FocusConfig,
@@ -56,6 +50,7 @@ from pdllm.decode_service.policies.focus_layers import (
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
+from tests.reference.block_diffusion import BlockDiffusionSession, BlockStep, run_to_end
 
 
 @dataclass
@@ -180,7 +175,7 @@ class FocusReference:
 
 
 def focus_block_step(reference: FocusReference, prompt_length: int) -> BlockStep:
-    """FOCUS's denoising step of an SDAR block (a :data:`~..block_diffusion.BlockStep`): ``reference``'s
+    """FOCUS's denoising step of an SDAR block (a :data:`~tests.reference.block_diffusion.BlockStep`): ``reference``'s
     step over the window against the exact cache of the earlier blocks, the sampler unmasking among the
     eligible rows only, which ``reference`` then observes."""
     block_size = reference.model.config.block_size
@@ -208,8 +203,8 @@ class FocusBlockSession(BlockDiffusionSession):
     """SDAR under FOCUS, one denoising step per :meth:`step`: a :class:`BlockDiffusionSession` whose block
     step is FOCUS's (:func:`focus_block_step`); its result's ``cache`` holds FOCUS's counters. ``prefix``:
     as the plain session's (pdllm's block-causal cache of ``[instruction, selected chunks]``,
-    ``sdar_decode.py``). It runs to the end in ``run_to_end`` (vanilla's :func:`generate_focus_block_diffusion`,
-    pdllm's ``tests/reference/sdar.decode``)."""
+    ``decode_service/sdar_decode.py``). It runs to the end in ``block_diffusion.run_to_end`` (vanilla's
+    :func:`generate_focus_block_diffusion`, pdllm's ``sdar.decode``)."""
 
     def __init__(
         self,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pdllm.decode_service.block_diffusion import BlockDiffusionSession, BlockKVCache, run_to_end
+from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.sdar_decode import check_decode_options, selected_prompt_tensor
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.layout import DecodeLayout, Request
 from pdllm.shared.model.transformer import DiffusionLM
+from tests.reference.block_diffusion import BlockDiffusionSession, run_to_end
 from tests.reference.compute_skip import compute_skip_sdar_session
 
 

@@ -1,20 +1,21 @@
 """Vanilla generation under a decode policy, one request (the reference): the plain loop
-(``shared/generation/plain.py``), a decode policy's loop over prompt + response (``policies``, e.g.
-Fast-dLLM's dual cache), or SDAR's block-by-block decoding (``block_diffusion.py``). The decode worker's
-vanilla sessions (``DecodeWorker.vanilla``, in the batched rounds) are held to it token for token.
+(``shared/generation/plain.py``), a decode policy's loop over prompt + response (``policy.py``, e.g.
+Fast-dLLM's dual cache), or SDAR's block-by-block decoding (``tests/reference/block_diffusion.py``). The
+decode worker's vanilla sessions (``DecodeWorker.vanilla``, in the batched rounds) are held to it token for
+token.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdllm.decode_service.block_diffusion import generate_block_diffusion
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
 from pdllm.decode_service.policies.base import vanilla_local_rows
 from pdllm.shared.generation.plain import denoise_plain, prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
+from tests.reference.block_diffusion import generate_block_diffusion
 from tests.reference.compute_skip import (
     generate_compute_skip_sdar,
     run_compute_skip,
