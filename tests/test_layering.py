@@ -6,6 +6,7 @@
   router or the composition.
 - ``router`` imports neither service nor the composition.
 - ``kernels`` and ``protos`` sit below everything: they import no service, router or composition either.
+- No runtime module imports ``tests`` (its reference loops and oracles are the tests' own).
 """
 
 from __future__ import annotations
@@ -25,20 +26,21 @@ FOLDERS = {
     "kernels": "pdllm.kernels",
     "shared": "pdllm.shared",
 }
-PREFILL, DECODE, ROUTER, APP = (
+PREFILL, DECODE, ROUTER, APP, TESTS = (
     "pdllm.prefill_service",
     "pdllm.decode_service",
     "pdllm.router",
     "pdllm.shared.app",
+    "tests",
 )
 # Layer -> packages its modules must not import.
 FORBIDDEN = {
-    "core": (PREFILL, DECODE, ROUTER, APP),
-    "prefill": (DECODE, ROUTER, APP),
-    "decode": (PREFILL, ROUTER, APP),
-    "router": (PREFILL, DECODE, APP),
-    "below": (PREFILL, DECODE, ROUTER, APP),  # kernels, protos
-    "app": (),
+    "core": (PREFILL, DECODE, ROUTER, APP, TESTS),
+    "prefill": (DECODE, ROUTER, APP, TESTS),
+    "decode": (PREFILL, ROUTER, APP, TESTS),
+    "router": (PREFILL, DECODE, APP, TESTS),
+    "below": (PREFILL, DECODE, ROUTER, APP, TESTS),  # kernels, protos
+    "app": (TESTS,),
 }
 
 
@@ -126,6 +128,8 @@ def test_every_module_imports_only_its_own_layer_and_below() -> None:
         ("pdllm.decode_service.server", "from pdllm.shared import app"),
         ("pdllm.router.server", "from pdllm.prefill_service.worker import Selection"),
         ("pdllm.kernels.rope", "from pdllm.decode_service import rounds"),
+        ("pdllm.decode_service.sessions", "from tests.reference.vanilla import generate_vanilla"),
+        ("pdllm.shared.app.engine", "def f():\n    import tests.reference"),
     ],
 )
 def test_the_check_sees_a_planted_violation(module: str, source: str) -> None:
