@@ -1,6 +1,6 @@
-"""FOCUS (``decode_service/policies/focus*.py``) on tiny fp32 models of 4 layers (layers >= 2 exist to
-evict from): SDAR block by block over its exact cache, Dream and LLaDA under the semi-AR blocks, vanilla and
-over a pdllm-style static KV backend.
+"""FOCUS (``decode_service/policies/focus.py``, its reference loop ``tests/reference/focus.py``) on tiny fp32
+models of 4 layers (layers >= 2 exist to evict from): SDAR block by block over its exact cache, Dream and
+LLaDA under the semi-AR blocks, vanilla and over a pdllm-style static KV backend.
 
 Identities: a budget of the block length evicts nothing; without the intra-block cache every step then
 forwards every row and equals plain decoding token for token, in the reference loop and in the decode

@@ -1,5 +1,6 @@
-"""FOCUS's SDAR attention (``policies/focus_layers.SdarRows``): whatever rows a step forwards, padding them
-to the window's shape attends exactly as the unpadded block-causal SDPA over those rows."""
+"""FOCUS's SDAR attention in its reference loop (``tests/reference/focus_layers.SdarRows``): whatever rows a
+step forwards, padding them to the window's shape attends exactly as the unpadded block-causal SDPA over those
+rows."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from pdllm.decode_service.block_diffusion import BlockKVCache, record_span
-from pdllm.decode_service.policies.focus_layers import SdarRows
 from pdllm.shared.model.attention import sdpa
 from pdllm.shared.model.sdar import block_causal_mask
+from tests.reference.focus_layers import SdarRows
 
 from ..model.helpers import tiny_model
 

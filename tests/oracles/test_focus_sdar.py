@@ -14,7 +14,7 @@ rounds):
 - ``sdar_focus_rounds.py``: the frozen rows not copied into the entries' key regions at layers 0-1
   -> 14 fail (every case with the delayed cache on);
 - ``sdar_focus_rounds.py``: the reach one short (``max(mem.reach, sel[-1])``) -> 3 fail;
-- ``policies/focus_layers.py`` (the reference's ``SdarRows``): the window bidirectional across its model
+- ``tests/reference/focus_layers.py`` (the reference's ``SdarRows``): the window bidirectional across its model
   blocks -> 9 fail (every reference case with windows of 2-3 model blocks);
 - ``policies/focus.py``: no AR-context preservation (predecessors of the top K) -> 9 fail.
 """

@@ -39,18 +39,12 @@ from pdllm.decode_service.policies.focus import (
     importance,
     select,
 )
-from pdllm.decode_service.policies.focus_layers import (
-    BlockKV,
-    RowsAttention,
-    SdarRows,
-    embed,
-    inner_rows,
-    keys_in_row_order,
-)
+from pdllm.decode_service.split_rounds import embed
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.reference.block_diffusion import BlockDiffusionSession, BlockStep, run_to_end
+from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, inner_rows, keys_in_row_order
 
 
 @dataclass

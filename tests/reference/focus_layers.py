@@ -1,5 +1,6 @@
-"""What FOCUS's forwards attend to (``focus.py``): the block rows' K/V kept across steps, and the method's
-attention given which rows query and which rows are keys.
+"""What FOCUS's reference forwards (``focus.py``) attend to: the block rows' K/V kept across steps, and the
+method's attention given which rows query and which rows are keys. (The rounds keep the block's K/V in pool
+pages instead: ``decode_service/focus_rounds.py``, ``sdar_focus_rounds.py``.)
 
 A FOCUS step forwards only some rows of the block past layer 1, and skips frozen rows at every layer; the
 rows it does not forward are still attended to through the K/V of the last step that forwarded them. So
@@ -106,16 +107,6 @@ class SdarRows:
         width, n, m = self.positions.numel(), q_rows.numel(), k_rows.numel()
         mask = F.pad(mask, (0, width - m, 0, width - n), value=False)
         return _MaskedPrefix(self.prefix, mask, width)
-
-
-def embed(
-    model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layer-0 input ``[1, n, H]`` and RoPE tables of ``tokens`` / ``positions`` ``[n]`` (the model's own
-    ``hidden_states`` steps, for chosen rows)."""
-    x = model.model.embed_tokens(tokens[None])
-    cos, sin = model.model.rotary_emb(positions[None], x.dtype)
-    return x, cos, sin
 
 
 def keys_in_row_order(
