@@ -1,18 +1,15 @@
-"""The decode-policy interface: the per-step plan a policy returns (the config that selects one is
-``shared/decode_policy.py``'s)."""
+"""The decode-policy interface: the per-step plan a policy returns and the counters of what it saved (the
+config that selects one is ``shared/decode_policy.py``'s)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from pdllm.decode_service.local_cache import RowsHook
-
-if TYPE_CHECKING:
-    from pdllm.shared.generation.sampler import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -105,27 +102,6 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-def vanilla_local_rows(
-    mask_token_id: int, prompt: torch.Tensor, gen: GenerationConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A vanilla request's local rows (prompt + masked response, on the prompt's device) and their
-    positions ``[1, N]`` from 0: what every decode loop runs on without static KV."""
-    mask = torch.full((gen.gen_length,), mask_token_id, dtype=torch.long, device=prompt.device)
-    local = torch.cat([prompt, mask])
-    return local, torch.arange(local.shape[0], device=prompt.device)[None]
-
-
-def check_local_rows(
-    local: torch.Tensor, positions: torch.Tensor, response_start: int, gen: GenerationConfig
-) -> None:
-    """A decode loop's local rows: tokens ``[N]``, positions ``[1, N]``, the response their last
-    ``gen_length`` rows after at least one other row (ValueError otherwise)."""
-    if local.dim() != 1 or positions.shape != (1, local.shape[0]):
-        raise ValueError(f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}")
-    if not 0 < response_start == local.shape[0] - gen.gen_length:
-        raise ValueError("the response must be the last gen_length local rows, after at least one row")
 
 
 def refresh_due(ctx: StepContext, refresh_steps: int | None) -> bool:

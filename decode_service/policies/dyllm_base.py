@@ -42,11 +42,9 @@ The logits come from the final norm of the queried rows. Knobs and defaults: :cl
 on every step, i.e. plain decoding; a forward whose tokens did not change computes no row and reproduces the
 previous logits.
 
-**This module**: which kind a step is (:func:`step_kind`), the per-layer activation cache, the counters,
-the FullStep (a plain forward that also caches every layer's K/V, attention context and FFN output) and
-the per-layer projections written the way ``shared/model/transformer.py`` writes them, so that a step with
-every row salient computes exactly what the plain forward computes. The knobs, :class:`DyLLMConfig`, are
-``shared/decode_policy.py``'s.
+**This module**: what the rounds and the reference loop share: which kind a step is (:func:`step_kind`),
+the counters (:class:`DyLLMStats`) and the saliency measure (:func:`context_cosine`). The knobs,
+:class:`DyLLMConfig`, are ``shared/decode_policy.py``'s.
 """
 
 from __future__ import annotations
@@ -56,11 +54,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdllm.shared.decode_policy import DyLLMConfig
-from pdllm.shared.generation.sampler import GenerationConfig
-from pdllm.shared.model.attention import AttentionBackend
-from pdllm.shared.model.transformer import DiffusionLM, SelfAttention, apply_rope
-
-from .base import check_local_rows
 
 
 def step_kind(step: int, config: DyLLMConfig) -> str:
@@ -89,150 +82,9 @@ class DyLLMStats:
         return asdict(self)
 
 
-@dataclass
-class DyLLMCache:
-    """Per layer, every local row's activations as of the last forward that touched them: ``keys`` and
-    ``values`` ``[1, Hkv, N, D]`` (K after RoPE), ``contexts`` ``[N, Hq * D]`` (attention output before
-    ``o_proj``), ``ffn`` ``[N, H]`` (MLP output)."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    contexts: list[torch.Tensor]
-    ffn: list[torch.Tensor]
-
-
-def project_q(attn: SelfAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Queries ``[1, Hq, T, D]`` of the normed inputs ``h`` ``[1, T, H]`` (RoPE at ``cos``/``sin``)."""
-    b, t, _ = h.shape
-    q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    return apply_rope(q.transpose(1, 2), cos, sin)
-
-
-def project_kv(
-    attn: SelfAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys (RoPE applied) and values ``[1, Hkv, T, D]`` of the normed inputs ``h`` ``[1, T, H]``."""
-    b, t, _ = h.shape
-    k = attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.k_norm is not None:
-        k = attn.k_norm(k)
-    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    return apply_rope(k.transpose(1, 2), cos, sin), v
-
-
-def flat(out: torch.Tensor) -> torch.Tensor:
-    """An attention output ``[1, Hq, T, D]`` as token-major contexts ``[T, Hq * D]`` (``o_proj``'s input)."""
-    return out[0].transpose(0, 1).reshape(out.shape[2], -1)
-
-
 def context_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per row, the cosine similarity of two ``[T, Hq * D]`` contexts over all heads, in float32, with the
     released kernel's guard against zero norms (§3.1's temporal cosine similarity)."""
     a, b = new.float(), old.float()
     dot, na, nb = (a * b).sum(-1), (a * a).sum(-1), (b * b).sum(-1)
     return dot * torch.rsqrt(na.clamp_min(1e-8)) * torch.rsqrt(nb.clamp_min(1e-8))
-
-
-class DyLLMBase:
-    """A sampler ``LogitsFn`` under DyLLM, with ``PolicyLogits``'s constructor contract (``tests/reference``):
-    ``local`` the local rows' tokens ``[N]`` (owned: the response part is overwritten every call),
-    ``positions`` their position ids ``[1, N]``, ``response_start`` the local row of response token 0,
-    ``inner`` the method's attention backend (vanilla: dense over the local rows; pdllm: the static chunk KV
-    plus the local rows), called with queries of some local rows and K/V of every local row.
-
-    Each call runs a FullStep or a SparseStep (:func:`step_kind`) and returns the logits of the masked
-    positions ``at``; subclasses implement ``_sparse``. Batch 1; bidirectional models (Dream, LLaDA).
-    """
-
-    name = "dyllm"
-
-    def __init__(
-        self,
-        model: DiffusionLM,
-        local: torch.Tensor,
-        positions: torch.Tensor,
-        response_start: int,
-        gen: GenerationConfig,
-        config: DyLLMConfig,
-        inner: AttentionBackend,
-    ) -> None:
-        check_local_rows(local, positions, response_start, gen)
-        if model.config.block_size is not None:
-            raise ValueError("DyLLM runs on bidirectional models (Dream, LLaDA), not block diffusion (SDAR)")
-        config.validate()
-        self.model, self.local, self.positions = model, local, positions
-        self.response_start, self.gen, self.config, self.inner = response_start, gen, config, inner
-        self.threshold = config.threshold_for(model.config.family)
-        self.all_salient = self.threshold >= 1.0
-        self.lead = 1 if model.config.shift_logits else 0
-        self.cache: DyLLMCache | None = None
-        self.previous: torch.Tensor | None = None  # the local tokens of the last forward
-        self.stats = DyLLMStats()
-        dtype = model.model.embed_tokens.weight.dtype
-        self.cos, self.sin = model.model.rotary_emb(positions, dtype)  # positions never change
-
-    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        self.local[self.response_start :] = response
-        kind = step_kind(self.stats.forwards, self.config)
-        if kind == "full":
-            logits = self._full(at)
-            self.stats.full_steps += 1
-        else:
-            first = 0 if kind == "sequence" else self.response_start - self.lead
-            logits = self._sparse(at, first)
-            self.stats.response_only_steps += int(kind == "response")
-        if self.previous is None:
-            self.previous = self.local.clone()
-        else:
-            self.previous.copy_(self.local)
-        self.stats.forwards += 1
-        self.stats.rows_total += self.local.shape[0] * len(self.model.model.layers)
-        return logits
-
-    def _sparse(self, at: torch.Tensor, first: int) -> torch.Tensor:
-        """A SparseStep querying local rows ``[first, N)``; returns the logits at ``at``."""
-        raise NotImplementedError
-
-    def _full(self, at: torch.Tensor) -> torch.Tensor:
-        """FullStep (App. C.2): the plain forward of every local row, keeping each layer's K/V, context
-        and FFN output as the cache."""
-        model, n = self.model, self.local.shape[0]
-        x = model.model.embed_tokens(self.local[None])
-        cache = DyLLMCache([], [], [], [])
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = project_q(attn, h, self.cos, self.sin)
-            k, v = project_kv(attn, h, self.cos, self.sin)
-            context = flat(self.inner(attn.layer, q, k, v))
-            x = x + attn.o_proj(context[None])
-            ffn = layer.mlp(layer.post_attention_layernorm(x))
-            x = x + ffn
-            for store, value in zip(
-                (cache.keys, cache.values, cache.contexts, cache.ffn), (k, v, context, ffn[0]), strict=True
-            ):
-                store.append(value)
-        self.cache = cache
-        layers = len(model.model.layers)
-        self.stats.rows_forwarded += n * layers
-        self.stats.kv_rows += n * layers
-        return self._logits(x, at, 0)
-
-    def _logits(self, x: torch.Tensor, at: torch.Tensor, first: int) -> torch.Tensor:
-        """Logits at response positions ``at`` from the residual stream ``x`` of local rows ``[first, N)``."""
-        hidden = self.model.model.norm(x)
-        return self.model.logits_from_hidden(hidden, (at + (self.response_start - first))[None])[0]
-
-    def first_salient(self, first: int) -> torch.Tensor:
-        """The first layer's incoming salient rows as a mask over the queried rows ``[first, N)``: the rows
-        whose token changed since the last forward (App. C.3: the tokens the last step unmasked; the others'
-        embeddings, hence their first-layer K/V, are unchanged); every row when τ = 1."""
-        if self.all_salient or self.previous is None:
-            return torch.ones(self.local.shape[0] - first, dtype=torch.bool, device=self.local.device)
-        return self.local[first:] != self.previous[first:]
-
-    def summary(self) -> dict[str, int | str]:
-        """The policy's name and counters (``GenerationResult.cache``)."""
-        return {"policy": self.name, **self.stats.as_dict()}

@@ -25,16 +25,14 @@ from __future__ import annotations
 import torch
 
 from pdllm.decode_service.block_diffusion import BlockKVCache
-from pdllm.decode_service.policies.base import vanilla_local_rows
-from pdllm.decode_service.policies.dyllm_base import DyLLMBase
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.reference.block_diffusion import BlockDiffusionSession, run_to_end
-from tests.reference.dyllm import DyLLMLogits
+from tests.reference.dyllm import DyLLMBase, DyLLMLogits
 from tests.reference.focus import FocusBlockSession, FocusLogits, run_focus
-from tests.reference.policy import run_policy
+from tests.reference.policy import run_policy, vanilla_local_rows
 
 ComputeSkipLogits = DyLLMBase | FocusLogits
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
-from pdllm.decode_service.policies.base import check_local_rows
 from pdllm.decode_service.policies.focus import (
     FocusConfig,
     FocusMemory,
@@ -45,6 +44,7 @@ from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.reference.block_diffusion import BlockDiffusionSession, BlockStep, run_to_end
 from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, inner_rows, keys_in_row_order
+from tests.reference.policy import check_local_rows
 
 
 @dataclass

@@ -19,10 +19,31 @@ from typing import Protocol
 import torch
 
 from pdllm.decode_service.local_cache import LocalCacheAttention, LocalKVCache
-from pdllm.decode_service.policies.base import CachePolicy, CacheStats, StepContext, check_local_rows
+from pdllm.decode_service.policies.base import CachePolicy, CacheStats, StepContext
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
+
+
+def vanilla_local_rows(
+    mask_token_id: int, prompt: torch.Tensor, gen: GenerationConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vanilla request's local rows (prompt + masked response, on the prompt's device) and their
+    positions ``[1, N]`` from 0: what every decode loop runs on without static KV."""
+    mask = torch.full((gen.gen_length,), mask_token_id, dtype=torch.long, device=prompt.device)
+    local = torch.cat([prompt, mask])
+    return local, torch.arange(local.shape[0], device=prompt.device)[None]
+
+
+def check_local_rows(
+    local: torch.Tensor, positions: torch.Tensor, response_start: int, gen: GenerationConfig
+) -> None:
+    """A decode loop's local rows: tokens ``[N]``, positions ``[1, N]``, the response their last
+    ``gen_length`` rows after at least one other row (ValueError otherwise)."""
+    if local.dim() != 1 or positions.shape != (1, local.shape[0]):
+        raise ValueError(f"need local [N] and positions [1, N], got {tuple(local.shape)}, {positions.shape}")
+    if not 0 < response_start == local.shape[0] - gen.gen_length:
+        raise ValueError("the response must be the last gen_length local rows, after at least one row")
 
 
 class PolicyLogits:
@@ -114,7 +135,7 @@ class PolicyLogits:
 
 class CountedLogits(Protocol):
     """A decode loop's logits function over its local rows that reports what it saved:
-    :class:`PolicyLogits`, DyLLM's (``dyllm_base.DyLLMBase``)."""
+    :class:`PolicyLogits`, DyLLM's (``dyllm.DyLLMBase``)."""
 
     model: DiffusionLM
     local: torch.Tensor

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
-from pdllm.decode_service.policies.base import vanilla_local_rows
 from pdllm.shared.generation.plain import denoise_plain, prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import DenseAttention
@@ -21,7 +20,7 @@ from tests.reference.compute_skip import (
     run_compute_skip,
     vanilla_compute_skip_logits,
 )
-from tests.reference.policy import PolicyLogits, run_policy
+from tests.reference.policy import PolicyLogits, run_policy, vanilla_local_rows
 
 
 def vanilla_policy_logits(
