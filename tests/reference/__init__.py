@@ -8,5 +8,9 @@ oracles (``tests/oracles/`` holds those); no runtime module imports them.
 
 - ``vanilla.py``: ``generate_vanilla``, vanilla generation under a decode policy (or SDAR's block diffusion);
 - ``static_kv.py``: a decode policy's loop over pdllm's static chunk KV;
-- ``sdar.py``: pdllm's step 7 on SDAR models, block diffusion continuing the block-causal prefix.
+- ``sdar.py``: pdllm's step 7 on SDAR models, block diffusion continuing the block-causal prefix;
+- ``policy.py``: the cache policies' loop (``PolicyLogits`` under the shared sampler) and the local rows;
+- ``compute_skip.py``: DyLLM's and FOCUS's loops behind one entry point (``dyllm.py``, ``focus.py``,
+  ``focus_layers.py``);
+- ``block_diffusion.py``: block diffusion, one denoising step at a time over the exact cache.
 """
