@@ -67,12 +67,12 @@ def check_model(model: Any, block_diffusion: bool) -> None:
     if block_diffusion and not is_sdar:
         raise ValueError(
             f"FOCUS block-diffusion decoding runs on SDAR models; {config.family!r} decodes under the "
-            "semi-autoregressive blocks of denoise (FocusLogits / FocusSession)"
+            "semi-autoregressive blocks of the shared sampler instead"
         )
     if not block_diffusion and is_sdar:
         raise ValueError(
             f"FOCUS on {config.family!r} (block diffusion) runs block by block over the exact cache "
-            "(generate_focus_block_diffusion), not over full bidirectional attention"
+            "instead, not over full bidirectional attention"
         )
 
 
