@@ -26,9 +26,9 @@ within a server.
 
 Layouts (``--layouts``; processes started once per layout, reused for all its cells, killed at the end or on
 error; ``parse_layout``):
-  all-in-one            one ``serve --role all`` on GPU 0 (gpus=1): a chunk prefill piece and the next decode
-                        round in one forward (its default).
-  all-in-one-turns      the same with ``--no-fused-prefill``: pieces and rounds take turns.
+  all-in-one            one ``serve --role all`` on GPU 0 (gpus=1).
+  all-in-one-fused      the same with ``--fused-prefill``: a chunk prefill piece and the next decode round
+                        in one forward.
   replicasN             ``--role all`` keeps its prefill/decode workers on private loopback ports that it
                         never prints, so a router cannot reach them: N replicas are N ``--role prefill`` + N
                         ``--role decode`` processes (prefill_i and decode_i share GPU i) behind one ``--role
@@ -132,7 +132,7 @@ from tests.services.cluster import ServeProcess  # noqa: E402
 
 LAYOUT_GPUS = {  # the named layouts (any NpMd[-build-on-SIDE|-auto] and replicasN parse too: parse_layout)
     "all-in-one": 1,
-    "all-in-one-turns": 1,
+    "all-in-one-fused": 1,
     "replicas": 2,
     "1p1d-build-on-decode": 2,
     "1p1d-build-on-prefill": 2,
@@ -140,7 +140,7 @@ LAYOUT_GPUS = {  # the named layouts (any NpMd[-build-on-SIDE|-auto] and replica
 }
 _SPLIT = re.compile(r"(?P<p>[1-9]\d*)p(?P<d>[1-9]\d*)d(?:-build-on-(?P<on>decode|prefill)|(?P<auto>-auto))?")
 _REPLICAS = re.compile(r"replicas(?P<n>[1-9]\d*)?")
-LAYOUT_SYNTAX = ("all-in-one; all-in-one-turns (prefill pieces and decode rounds not fused); replicasN (N pairs of prefill + decode workers, pair i on GPU i, one router; "
+LAYOUT_SYNTAX = ("all-in-one; all-in-one-fused (prefill pieces ride in the decode rounds' forwards); replicasN (N pairs of prefill + decode workers, pair i on GPU i, one router; "
                  "replicas = replicas2); NpMd (N prefill workers on GPUs 0..N-1, M decode workers on GPUs "
                  "N..N+M-1, one router), optionally -build-on-decode (the default), -build-on-prefill or -auto; "
                  "e.g. 3p1d, 2p2d-build-on-prefill")  # fmt: skip
@@ -177,8 +177,8 @@ def parse_layout(name: str) -> Layout:
     name = name.strip()
     if name == "all-in-one":
         return Layout(name)
-    if name == "all-in-one-turns":
-        return Layout(name, flags=("--no-fused-prefill",))
+    if name == "all-in-one-fused":
+        return Layout(name, flags=("--fused-prefill",))
     if m := _REPLICAS.fullmatch(name):
         n = int(m["n"] or 2)
         return Layout(name, n, n, "decode", True)

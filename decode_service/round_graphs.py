@@ -11,7 +11,10 @@ the first one): the kernels' work follows the bucket, so it stays close to the r
 no KV, padded tokens belong to no session (the attention kernel never reads or writes for them, and every
 other op is row-wise). So every round whose shape falls in a bucket replays that bucket's graph after
 copying its packed inputs into the graph's buffers: no capture per request or per step, no copy of any
-session's KV (the kernel reads the shared pool through the page table).
+session's KV (the kernel reads the shared pool through the page table). A round carrying a chunk prefill
+piece (``prefill_rows.py``) is a bucket of its own: the piece's rows padded to a multiple of 32 (one
+padding sequence after its chunks), its K/V staged in a buffer the buckets share and copied into the chunk
+bank after the replay.
 
 All graphs share one memory pool. A capture runs on the scheduler thread, which must be the only thread of
 the process using the device (captures concurrent with another thread's prefill work failed requests of
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.prefill_rows import CarriedPiece, PrefillRows
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound
 from pdllm.shared.generation.device_sampler import to_device
@@ -81,9 +85,14 @@ class RoundShape:
     kv_len: int  # the longest static / cached KV a session reads (the kernel's split plan follows it)
     writes: int = 0  # rows whose K/V the round stores in the pool (a decode policy's refresh)
     drops: bool = False  # some session reads fewer cached slots at some layers (Sparse-dLLM)
+    # a carried chunk forward (``prefill_rows.py``): its rows (with at least one of padding), its chunks
+    piece_rows: int = 0
+    piece_chunks: int = 0
+    piece_causal: bool = False
 
     @classmethod
     def of(cls, packed: PackedRound) -> RoundShape:
+        piece = packed.piece if packed.carries_piece else None
         return cls(
             batch=pow2(len(packed.kv_lens)),
             tokens=token_bucket(len(packed.ids)),
@@ -92,6 +101,9 @@ class RoundShape:
             kv_len=fine(max(packed.kv_lens), floor=64),
             writes=eighths(len(packed.writes)) if packed.writes else 0,
             drops=any(d is not None for d in packed.drops),
+            piece_rows=token_bucket(piece.tokens + 1) if piece else 0,
+            piece_chunks=len(piece.group) if piece else 0,
+            piece_causal=piece.causal if piece else False,
         )
 
 
@@ -106,11 +118,14 @@ class CapturedRound:
         shape: RoundShape,
         mempool: tuple | None,
         capture: bool,
+        staging: torch.Tensor | None = None,
     ) -> None:
+        """``staging``: a carried piece's K/V buffer (``shape.piece_rows`` rows; shared by the buckets)."""
         device = pool.kv.device
         self.model, self.shape = model, shape
-        self.ids = torch.zeros(shape.tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(shape.tokens, dtype=torch.long, device=device)
+        rows = shape.tokens + shape.piece_rows
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.q_offsets = torch.zeros(shape.batch + 1, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(shape.batch, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(shape.batch, shape.pages, dtype=torch.int32, device=device)
@@ -130,6 +145,15 @@ class CapturedRound:
             (self.writes[0], self.writes[1], self.writes[2]) if shape.writes else None,
             drop=self.drop,
         )
+        self.staging = staging
+        if shape.piece_rows:
+            assert staging is not None and staging.shape[2] == shape.piece_rows
+            # until the first call: every sequence non-empty, the last one the padding
+            cu = [*range(shape.piece_chunks + 1), shape.piece_rows]
+            self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+            self.attention.prefill = PrefillRows(
+                shape.tokens, self.cu_seqlens, shape.piece_rows, shape.piece_causal, staging, uniform=False
+            )
         self.graph: torch.cuda.CUDAGraph | None = None
         if not capture:
             return
@@ -181,11 +205,21 @@ class CapturedRound:
         longs = to_device(packed.positions + packed.ids + packed.rows, torch.long, device)
         self.positions[:t].copy_(longs[:t])
         self.ids[:t].copy_(longs[t : 2 * t] if packed.device_ids is None else packed.device_ids)
+        carried = None
+        if s.piece_rows:
+            assert packed.piece is not None and self.staging is not None
+            carried = CarriedPiece.of(packed.piece, device, rows=s.piece_rows)
+            self.ids[s.tokens :].copy_(carried.ids)
+            self.positions[s.tokens :].copy_(carried.positions)
+            self.cu_seqlens.copy_(carried.cu_seqlens)
         if self.graph is None:
             hidden = self._forward()
         else:
             self.graph.replay()
             hidden = self.hidden
+        if carried is not None:
+            assert self.staging is not None
+            carried.commit(self.staging)
         rows = longs[2 * t :] if packed.device_rows is None else packed.device_rows
         return self.model.logits_from_hidden(hidden, rows[None])[0]
 
@@ -214,18 +248,21 @@ class GraphedRoundForward:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.eager = EagerRoundForward(model, pool, kernel)
         self._graphs: OrderedDict[RoundShape, CapturedRound] = OrderedDict()
+        self._staging: dict[int, torch.Tensor] = {}  # carried pieces' K/V buffers by rows, shared
         self.captures = 0
         self.replays = 0
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
-        if packed.stores or packed.splits or packed.edits or packed.piece is not None:
-            # choices made inside the forward (Sparse-dLLM, Polestar-Cache, FOCUS, DyLLM), or a chunk
-            # prefill's rows (shapes of their own): not capturable
+        if packed.stores or packed.splits or packed.edits:  # choices made inside the forward
+            # (Sparse-dLLM, Polestar-Cache, FOCUS, DyLLM): not capturable (a piece runs alone, eagerly)
             return self.eager(packed)
         shape = RoundShape.of(packed)
         graph = self._graphs.get(shape)
         if graph is None:
-            graph = CapturedRound(self.model, self.pool, self.kernel, shape, self.mempool, self.capture)
+            staging = self._piece_staging(shape.piece_rows) if shape.piece_rows else None
+            graph = CapturedRound(
+                self.model, self.pool, self.kernel, shape, self.mempool, self.capture, staging
+            )
             self._graphs[shape] = graph
             self.captures += 1
             while len(self._graphs) > self.capacity:
@@ -234,3 +271,10 @@ class GraphedRoundForward:
             self._graphs.move_to_end(shape)
             self.replays += 1
         return graph(packed)
+
+    def _piece_staging(self, rows: int) -> torch.Tensor:
+        if rows not in self._staging:
+            c, kv = self.model.config, self.pool.kv
+            shape = (c.num_layers, 2, rows, c.num_kv_heads, c.head_dim)
+            self._staging[rows] = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+        return self._staging[rows]

@@ -310,13 +310,15 @@ class EagerRoundForward:
             return split_forward(self, packed)
         ids, positions, rows = self.inputs(packed)
         attention = self.attention(packed)
+        carried = None
         if packed.carries_piece:
             assert packed.piece is not None
-            from pdllm.decode_service.prefill_rows import PrefillRows  # it builds on this module
+            from pdllm.decode_service.prefill_rows import CarriedPiece  # it builds on this module
 
-            attention.prefill = PrefillRows.of(packed.piece, ids.shape[0], ids.device)
-            ids = torch.cat([ids, attention.prefill.ids])
-            positions = torch.cat([positions, attention.prefill.positions])
+            carried = CarriedPiece.of(packed.piece, ids.device)
+            attention.prefill = carried.rows(ids.shape[0])
+            ids = torch.cat([ids, carried.ids])
+            positions = torch.cat([positions, carried.positions])
         if packed.edits:
             from pdllm.decode_service.layer_edits import group_edits  # it builds on this module
 
@@ -327,6 +329,9 @@ class EagerRoundForward:
                 if attach is not None:
                     stack.enter_context(attach(self.model))
             hidden = self.model.hidden_states(ids[None], positions[None], attention)
+        if carried is not None:
+            assert attention.prefill is not None
+            carried.commit(attention.prefill.staging)
         return self.model.logits_from_hidden(hidden, rows[None])[0]
 
     def inputs(self, packed: PackedRound) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,8 +13,8 @@ CPU a build finishes before the round. gRPC handler threads only wait on their r
 In an all-in-one process this thread is the only one that uses the device: the prefill worker hands its
 batches over (:meth:`DecodeScheduler.run_between_rounds`) and they run in chunk-sized pieces, one piece
 per iteration while requests are decoding. A chunk-prefill piece the batch hands over as work
-(``ChunkForward``) rides in the next round's forward (``prefill_rows.py``): one forward for both; other
-pieces (scoring) run between rounds. With ``overlap_pieces`` (CUDA) those run on a low-priority stream
+(``ChunkForward``; ``serve --fused-prefill``) rides in the next round's forward (``prefill_rows.py``): one
+forward for both; other pieces (scoring) run between rounds. With ``overlap_pieces`` (CUDA) those run on a low-priority stream
 whose work overlaps the following rounds, the next piece launched once the previous one finished.
 
 Admission: at most ``max_waiting`` requests wait; beyond that, and for a request larger than the whole KV

@@ -83,12 +83,14 @@ def chunk_prefill_attention(
     scale: float | None = None,
     return_lse: bool = False,
     max_seqlen: int | None = None,
+    uniform: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Varlen block-diagonal attention; ``max_seqlen`` avoids a device sync when given."""
+    """Varlen block-diagonal attention; ``max_seqlen`` avoids a device sync when given. ``uniform=False``:
+    never take the equal-lengths shortcut (a captured call replays with other lengths in ``cu_seqlens``)."""
     _check(q, k, v, cu_seqlens)
     scale = q.shape[2] ** -0.5 if scale is None else scale
     n = cu_seqlens.numel() - 1
-    if not return_lse and max_seqlen is not None and max_seqlen * n == q.shape[0]:
+    if uniform and not return_lse and max_seqlen is not None and max_seqlen * n == q.shape[0]:
         # All sequences have max_seqlen tokens (known without a device sync): one batched SDPA call.
         # On the H100 that beat the flash varlen kernel by ~1.5x (benchmarks/results/attention.md).
         q4, k4, v4 = (x.view(n, max_seqlen, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))

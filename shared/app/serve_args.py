@@ -157,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument(
         "--fused-prefill",
         action=argparse.BooleanOptionalAction,
-        default=_env_default("--fused-prefill", True, _env_bool),
-        help="--role all: a chunk prefill piece and the next decode round run as one forward (the round's rows "
-        "ride on the piece's weight reads); --no-fused-prefill: they take turns",
+        default=_env_default("--fused-prefill", False, _env_bool),
+        help="--role all: a chunk prefill piece and the next decode round run as one forward (default: they "
+        "take turns; fused measured 0.92x at 4 and 1.03x at 16 concurrent 16K requests on an H100)",
     )
     pb.add_argument(
         "--overlap-pieces",

@@ -96,13 +96,15 @@ def _prefill_thread(sched: DecodeScheduler, m, results: list) -> threading.Threa
     return thread
 
 
-def test_the_scheduler_carries_each_chunk_forward_in_the_next_round() -> None:
+@pytest.mark.parametrize("forward_kind", ["eager", "padded"])
+def test_the_scheduler_carries_each_chunk_forward_in_the_next_round(forward_kind: str) -> None:
+    """Padded: chunks of 9, 16, 5 and 16 tokens share one bucket of piece rows, so one bucket replays
+    pieces of other lengths (its sequence offsets refreshed on every call)."""
     m = model("dream")
     expected, _ = chunk_prefill(m, CHUNKS, "causal", chunk_size=16, batch=8)
     pool = pool_for(m)
-    sched = DecodeScheduler(
-        m, pool, EagerRoundForward(m, pool, "torch"), SchedulerConfig(), start_thread=False
-    )
+    forward = round_forward(forward_kind, m, pool)
+    sched = DecodeScheduler(m, pool, forward, SchedulerConfig(), start_thread=False)
     jobs = [sched.submit(_job(m, seed)) for seed in (1, 3)]  # 8 and 10 steps: outlast the four pieces
     sched.run_once()  # the builds, the first round
     forwards = Forwards(m)
@@ -119,6 +121,9 @@ def test_the_scheduler_carries_each_chunk_forward_in_the_next_round() -> None:
     assert stats.forwarded == 4  # max_tokens=16: one chunk per forward
     _bank_equal(bank.kv, expected.kv, expected.lens)
     assert forwards.n == sched.rounds - rounds  # every piece rode in a round: no forward of its own
+    if forward_kind == "padded":
+        shapes = [shape for shape in sched.forward._graphs if shape.piece_rows]  # type: ignore[attr-defined]
+        assert {shape.piece_rows for shape in shapes} == {32}
     for seed, job in zip((1, 3), jobs, strict=True):
         final = [e for e in list(job.events.queue) if hasattr(e, "result")][-1]
         assert final.result.raw_tokens == alone(m, CASES[seed], seed)

@@ -107,3 +107,33 @@ def test_one_metrics_endpoint_exports_router_workers_and_kv_tier(tiny_dir) -> No
     assert roles == {"router", "prefill", "decode"}
     series = [(s.name, tuple(sorted(s.labels.items()))) for f in families.values() for s in f.samples]
     assert len(series) == len(set(series))  # the KV tier both workers share is exported once
+
+
+def test_fused_prefill_answers_equal_engine(tiny_dir) -> None:
+    """``--fused-prefill`` with one chunk per piece: requests arriving together, so pieces of some ride in
+    the rounds of others; every answer equals the engine's for its own document."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    contexts = [CONTEXT.replace("4821", code) for code in ("4821", "7310", "5562", "9047")]
+    gen, cfg = GenerationConfig(gen_length=16, steps=16), EngineConfig(chunk_size=32, top_k=2)
+    loaded = load_model(tiny_dir)
+    engine = PrefillingEngine(loaded.model, loaded.tokenizer, cfg)
+    expected = []
+    for context in contexts:
+        ids = encode_prompt(loaded.tokenizer, context, QUESTION)
+        expected.append(engine.generate(ids.context, ids.query, gen)[0].token_ids)
+    dep = serve_all(tiny_dir, "--fused-prefill", "--prefill-piece-tokens", "40")
+    try:
+
+        def ask(context: str) -> list[int]:
+            with PdllmClient(dep.address) as client:
+                response = client.generate(
+                    context=context, question=QUESTION, gen_length=16, steps=16, chunk_size=32, top_k=2
+                )
+            return list(response.token_ids)
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, contexts))
+    finally:
+        dep.stop()
+    assert answers == expected
