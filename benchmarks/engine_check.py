@@ -7,7 +7,7 @@ models with peaked random weights.
 
 Cases: Dream and LLaDA; pdllm and vanilla requests; no decode policy, prefix / dual cache, Sparse-dLLM,
 Polestar-Cache; fixed-step greedy, threshold and sampled generation. Reference per case: pdllm without a
-policy -> the segmented-attention loop (``DecodeWorker.decode(policy=StaticPolicy("segments"))``), pdllm
+policy -> the segmented-attention loop (``tests/reference/static_kv.decode``), pdllm
 under a policy -> the policy's reference loop over the static KV (``tests/reference/static_kv.py``), vanilla
 -> ``generate_vanilla`` (``tests/reference/vanilla.py``). Writes engine_check.json and engine_check.md
 (cases equal / total, and any mismatch).
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -36,7 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the reference loops (test
     sys.path.insert(0, str(ROOT))
 
 from tests.reference.policy import run_policy  # noqa: E402
-from tests.reference.static_kv import static_policy_logits  # noqa: E402
+from tests.reference.static_kv import StaticPolicy, decode, static_policy_logits  # noqa: E402
 from tests.reference.vanilla import generate_vanilla  # noqa: E402
 
 POLICIES = ("none", "prefix-cache", "dual-cache", "sparse-dllm", "polestar")
@@ -64,9 +63,9 @@ def ids(n: int, seed: int) -> list[int]:
 
 def reference_pdllm(engine: PrefillingEngine, context: list[int], query: list[int], gen, policy) -> list[int]:  # type: ignore[no-untyped-def]
     sel = engine.prefill(context, query, gen)
-    if policy.name == "none":
-        return engine.decode(sel, gen, policy=StaticPolicy("segments")).raw_tokens
     static = engine.build(sel, gen)
+    if policy.name == "none":
+        return decode(engine.model, sel.request.query, static, gen, StaticPolicy("segments")).raw_tokens
     cache = make_policy(policy)
     assert cache is not None
     loop = static_policy_logits(engine.model, sel.request.query, static, gen, cache, "segments")

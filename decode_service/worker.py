@@ -19,7 +19,6 @@ import torch
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.build import build_static_steps
-from pdllm.decode_service.decode import DECODE_ATTENTIONS, DecodePolicy, decode
 from pdllm.decode_service.local import LocalDecoder
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.request import StaticDecode
@@ -34,6 +33,9 @@ from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps, drain
 
+DECODE_ATTENTIONS = ("segments", "buffer", "triton")
+"""The decode attentions a worker accepts."""
+
 
 def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
     """Decode attention when none is named. "triton" for CUDA-graph decode: faster than "buffer" at every
@@ -47,10 +49,10 @@ def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
 
 class DecodeWorker:
     """``config``: the default settings of a request (a request may carry its own). ``store``: where the
-    chunk-only build finds step-3 chunk KV (None: always recomputed). ``decode_attention`` (default:
-    :func:`default_decode_attention`) and ``cuda_graph`` (replay the decode step, CUDA) apply to
-    :meth:`decode`: "segments" (split over static segments, LSE merge), "buffer" (one preallocated
-    contiguous buffer, SDPA) or "triton" (split-S kernel over paged static KV)."""
+    chunk-only build finds step-3 chunk KV (None: always recomputed). ``decode_attention`` (one of
+    :data:`DECODE_ATTENTIONS`, default :func:`default_decode_attention`): the rounds run the split-S kernel
+    over the paged KV on CUDA with Triton, and off it under Triton's interpreter when "triton" is named
+    (``TRITON_INTERPRET=1``), torch attention otherwise. ``cuda_graph``: replay the rounds as CUDA graphs."""
 
     def __init__(
         self,
@@ -146,18 +148,12 @@ class DecodeWorker:
         query_ids: list[int],
         static: StaticKV,
         gen: GenerationConfig,
-        policy: DecodePolicy | None = None,
         progress: bool = False,
         decode_policy: DecodePolicyConfig | None = None,
     ) -> GenerationResult:
         """Step 7 for one request over ``static`` under ``decode_policy`` (None: every row every step),
         through the decode server's scheduler (:class:`~.local.LocalDecoder`; the session it becomes:
-        ``sessions.py``). ``policy``: a static-KV attention policy instead, run by the reference loop
-        (``decode.py``), eagerly."""
-        if policy is not None:
-            if decode_policy is not None and decode_policy.name != "none":
-                raise ValueError("a static-KV attention policy runs without a decode policy")
-            return decode(self.model, query_ids, static, gen, policy, progress)
+        ``sessions.py``)."""
         gen.validate()
         built = StaticDecode(list(query_ids), static, gen, cache_policy=rounds_policy(decode_policy))
         cancelled = threading.Event()

@@ -36,7 +36,7 @@ rows whose token changed since the last forward, App. C.3; layer l > 0: the rows
 
 The logits come from the final norm of the queried rows. Knobs and defaults: :class:`DyLLMConfig`
 (τ: 0.995 Dream, 0.99 LLaDA, §4.2.3). Composition: ``inner`` is the method's backend (pdllm's static KV,
-``decode_service/decode.py``'s static-KV attention); DyLLM decides only about the local rows.
+read through the method's attention); DyLLM decides only about the local rows.
 
 **Exact identities** (tested): τ = 1 with ``full_sequence_interval`` 1 computes every row of every layer
 on every step, i.e. plain decoding; a forward whose tokens did not change computes no row and reproduces the

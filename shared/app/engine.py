@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from pdllm.decode_service import sdar_decode
-from pdllm.decode_service.decode import DecodePolicy
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
@@ -114,22 +113,19 @@ class PrefillingEngine:
         self,
         sel: Selection,
         gen: GenerationConfig,
-        policy: DecodePolicy | None = None,
         progress: bool = False,
         decode_policy: DecodePolicyConfig | None = None,
     ) -> GenerationResult:
         """Steps 6-7 (the decode worker's phase) for ``sel``; fills the build and decode fields of its
-        trace. ``policy``: which static KV the decode attends to; ``decode_policy``: which query/response
-        rows each step recomputes (``decode_service/policies``; None or ``none``: all of them)."""
+        trace. ``decode_policy``: which query/response rows each step recomputes (``decode_service/policies``;
+        None or ``none``: all of them)."""
         if self.block_diffusion:
-            return self._decode_block_diffusion(sel, gen, policy, progress, decode_policy)
+            return self._decode_block_diffusion(sel, gen, progress, decode_policy)
         static = self.build(sel, gen)
         sel.bank = None  # the step-3 KV is not needed past the build
         trace, device = sel.trace, self.device
-        with trace.phase("decode", device):  # the decode server's scheduler (``policy``: the reference loop)
-            result = self.decode_worker.decode(
-                sel.request.query, static, gen, policy, progress, decode_policy
-            )
+        with trace.phase("decode", device):  # the decode server's scheduler
+            result = self.decode_worker.decode(sel.request.query, static, gen, progress, decode_policy)
         trace.decode_steps = result.steps
         trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
         result.timings = dict(trace.timings)
@@ -139,7 +135,6 @@ class PrefillingEngine:
         self,
         sel: Selection,
         gen: GenerationConfig,
-        policy: DecodePolicy | None,
         progress: bool,
         decode_policy: DecodePolicyConfig | None,
     ) -> GenerationResult:
@@ -147,7 +142,7 @@ class PrefillingEngine:
         ``decode_policy`` is focus, its counters in the result's ``cache``); same trace fields as
         :meth:`decode` (every token of a selected chunk is kept: no top-B)."""
         sdar_decode.check_config(sel.config, gen, self.model)
-        sdar_decode.check_decode_options(decode_policy, policy)
+        sdar_decode.check_decode_options(decode_policy, None)
         trace, device = sel.trace, self.device
         request = sel.request  # the selected chunks, in order: what a decode worker is sent
         request = Request(request.instruction, [request.chunks[i] for i in sel.selected], request.query)

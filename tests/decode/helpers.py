@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
@@ -22,7 +21,7 @@ from pdllm.shared.model.transformer import DiffusionLM
 from tests.engine.helpers import tokens
 from tests.model.helpers import tiny_model
 from tests.reference.policy import run_policy
-from tests.reference.static_kv import static_policy_logits
+from tests.reference.static_kv import StaticPolicy, decode, static_policy_logits
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,8 @@ def alone(m: DiffusionLM, case: Case, seed: int) -> list[int]:
     """The case decoded on its own by the reference loop (segmented attention, no scheduler): the
     specification."""
     engine, sel = prefill(m, case, seed)
-    return engine.decode(sel, case.gen, policy=StaticPolicy("segments")).raw_tokens
+    static = engine.build(sel, case.gen)
+    return decode(m, sel.request.query, static, case.gen, StaticPolicy("segments")).raw_tokens
 
 
 def static_decode(m: DiffusionLM, case: Case, seed: int) -> StaticDecode:

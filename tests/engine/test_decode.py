@@ -1,4 +1,5 @@
-"""Decode-side pieces: segmented attention, RoPE re-rotation, pluggable policies, the trace."""
+"""Decode-side pieces: segmented attention, RoPE re-rotation, the reference loop's static-KV policies, the
+trace."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import torch
 
 from pdllm.decode_service.attention import BufferedAttention, SegmentedAttention
 from pdllm.decode_service.build import rotate_keys
-from pdllm.decode_service.decode import StaticPolicy, decode
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.chunk_prefill import chunk_prefill
 from pdllm.shared.config import EngineConfig
@@ -16,6 +16,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import PrefixAttention
 from pdllm.shared.static_kv import StaticKV
 from tests.engine.helpers import model, tokens
+from tests.reference.static_kv import StaticPolicy, decode
 
 GEN = GenerationConfig(gen_length=6, steps=3)
 
@@ -79,7 +80,7 @@ def test_policy_is_called_once_per_step_and_can_change_what_decode_sees() -> Non
     sel = engine.prefill(tokens(40, 1), tokens(5, 2), GEN)
     static = engine.build(sel, GEN)
     policy = _CountingPolicy()
-    result = engine.decode(sel, GEN, policy=policy)
+    result = decode(m, sel.request.query, static, GEN, policy)
     assert policy.steps == list(range(result.steps)) and result.steps == 3
     assert policy.masked == [6, 4, 2]  # the loop hands the policy the live tokens
     # A policy that drops the static KV is an honest variant: no context gives other logits.
@@ -117,7 +118,8 @@ def test_graphed_rounds_are_reused_by_a_new_request_of_the_same_shape() -> None:
     for doc in (1, 2, 3):
         context, question = tokens(48, doc), tokens(5, 10 + doc)
         got, _ = cached.generate(context, question, GEN)
-        want = plain.decode(plain.prefill(context, question, GEN), GEN, policy=StaticPolicy("segments"))
+        sel = plain.prefill(context, question, GEN)
+        want = decode(m, sel.request.query, plain.build(sel, GEN), GEN, StaticPolicy("segments"))
         assert got.raw_tokens == want.raw_tokens
         wants.append(want.raw_tokens)
     forward = cached.decode_worker.local.forward

@@ -8,11 +8,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdllm.decode_service.decode import StaticPolicy  # noqa: E402
 from pdllm.shared.app.engine import PrefillingEngine  # noqa: E402
 from pdllm.shared.config import EngineConfig  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
 from tests.engine.helpers import model, tokens  # noqa: E402
+from tests.reference.static_kv import StaticPolicy, decode  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     for doc in (1, 2):
         got, _ = cached.generate(tokens(48, doc), tokens(5, 10 + doc), gen)
         sel = plain.prefill(tokens(48, doc), tokens(5, 10 + doc), gen)
-        want = plain.decode(sel, gen, policy=StaticPolicy("segments"))
+        want = decode(m, sel.request.query, plain.build(sel, gen), gen, StaticPolicy("segments"))
         if got.raw_tokens != want.raw_tokens:
             raise SystemExit(f"graphed rounds (triton) doc {doc}: {got.raw_tokens} != {want.raw_tokens}")
     forward = cached.decode_worker.local.forward

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.decode_service.decode import StaticPolicy, decode_logits_fn, local_inputs
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
@@ -29,6 +28,7 @@ from tests.reference.dyllm import (
     vanilla_dyllm_logits,
 )
 from tests.reference.policy import run_policy
+from tests.reference.static_kv import StaticPolicy, decode_logits_fn, local_inputs
 from tests.reference.vanilla import generate_vanilla
 
 from ..engine.helpers import tokens
