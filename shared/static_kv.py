@@ -18,7 +18,7 @@ class StaticKV:
     ``segments``: chunk-KV-layout tensors ``[layers, 2, Hkv, L, D]`` (instruction first if any, then the
     selected chunks in document order, top-B already applied); ``query_start``: position of the first
     query-suffix token; ``contiguous``: the same KV as one tensor when a single build forward produced it
-    (lets ``BufferedAttention`` skip the merge), else None; ``kept_tokens``: tokens kept per selected chunk.
+    (lets :meth:`tensor` skip the concatenation), else None; ``kept_tokens``: tokens kept per selected chunk.
     """
 
     segments: list[torch.Tensor]

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from pdllm.decode_service.attention import BufferedAttention, SegmentedAttention
+from pdllm.decode_service.attention import SegmentedAttention
 from pdllm.decode_service.build import rotate_keys
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.chunk_prefill import chunk_prefill
@@ -16,6 +16,7 @@ from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.model.attention import PrefixAttention
 from pdllm.shared.static_kv import StaticKV
 from tests.engine.helpers import model, tokens
+from tests.reference.static_attention import BufferedAttention
 from tests.reference.static_kv import StaticPolicy, decode
 
 GEN = GenerationConfig(gen_length=6, steps=3)

@@ -7,7 +7,8 @@ own pieces (the sampler, the policies' plans and selections, the block cache), s
 oracles (``tests/oracles/`` holds those); no runtime module imports them.
 
 - ``vanilla.py``: ``generate_vanilla``, vanilla generation under a decode policy (or SDAR's block diffusion);
-- ``static_kv.py``: a decode policy's loop over pdllm's static chunk KV;
+- ``static_kv.py``: pdllm's step 7 over the static chunk KV, plain or under a decode policy (its buffered and
+  split-S attentions: ``static_attention.py``);
 - ``sdar.py``: pdllm's step 7 on SDAR models, block diffusion continuing the block-causal prefix;
 - ``policy.py``: the cache policies' loop (``PolicyLogits`` under the shared sampler) and the local rows;
 - ``compute_skip.py``: DyLLM's and FOCUS's loops behind one entry point (``dyllm.py``, ``focus.py``,

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from pdllm.decode_service.attention import BufferedAttention, PagedSplitSAttention, SegmentedAttention
+from pdllm.decode_service.attention import SegmentedAttention
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
 from pdllm.decode_service.worker import DECODE_ATTENTIONS
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
@@ -31,6 +31,7 @@ from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 from tests.reference.compute_skip import ComputeSkipLogits, compute_skip_logits
 from tests.reference.policy import PolicyLogits
+from tests.reference.static_attention import BufferedAttention, PagedSplitSAttention
 
 
 class DecodePolicy(Protocol):
