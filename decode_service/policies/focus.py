@@ -37,10 +37,10 @@ rows, every other local row being context forwarded as in plain decoding):
 **Degenerate knobs**: ``budget >= block length`` keeps every masked row (nothing evicted); with
 ``delayed_cache=False`` too, every step forwards every row and equals plain decoding token for token.
 
-This module holds the per-request host state and the paper's equations written plainly (the reference, used by
-the reference loop ``tests/reference/focus.py``; the knobs, :class:`FocusConfig`, are
-``shared/decode_policy.py``'s); ``focus_select.py`` runs the same decisions vectorized over several requests
-(the rounds) and is held to them.
+This module holds the per-request host state (:class:`FocusMemory`, :class:`FocusStats`; the knobs,
+:class:`FocusConfig`, are ``shared/decode_policy.py``'s). ``focus_select.py`` runs steps 1-3 vectorized over
+several requests (the rounds); the reference loop ``tests/reference/focus.py`` writes them out plainly for
+one request, and the rounds are held to it.
 """
 
 from __future__ import annotations
@@ -49,10 +49,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from pdllm.shared.decode_policy import FocusConfig
+
+__all__ = ["FocusConfig", "FocusMemory", "FocusStats", "check_model"]
 
 
 def check_model(model: Any, block_diffusion: bool) -> None:
@@ -140,61 +139,3 @@ class FocusMemory:
         self.steps += 1
         if delayed_cache:
             self.pending = self._stable()
-
-
-def budget(config: FocusConfig, k_hist: int, n_sigma: int, block_length: int, quota: int | None) -> int:
-    """Eq. 4's K (or the fixed ``budget``), raised to the fixed schedule's ``quota`` of this step."""
-    k = config.budget if config.budget is not None else min(block_length, max(k_hist, n_sigma))
-    return k if quota is None else max(k, quota)
-
-
-def importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Eq. 2 for one request: ``I_j`` ``[B]`` (float64) of the block's ``B`` key rows ``k`` ``[Hkv, B, D]``
-    from its query rows ``q`` ``[Hq, n, D]`` (query head h reads KV head h // (Hq / Hkv)). MaxPool1D runs
-    over the keys (stride 1, -inf padding: an edge key pools over its real neighbours only). Float64, so a
-    different summation order (the fast path's) cannot flip a selection."""
-    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
-    keys = k.double().repeat_interleave(heads // kv_heads, dim=0)
-    scores = q.double() @ keys.transpose(1, 2) / math.sqrt(dim)  # [Hq, n, B]
-    if kernel > 1:
-        b = scores.shape[-1]
-        scores = F.max_pool1d(scores.reshape(-1, 1, b), kernel, 1, kernel // 2).reshape(scores.shape)
-    return torch.softmax(scores, dim=-1).sum(dim=(0, 1))
-
-
-@dataclass(frozen=True)
-class Selection:
-    """One step's choice over the block's rows: ``rows`` forwarded past layer 1 (ascending), ``top`` the
-    K focused masked rows, ``reach`` the new visible prefix at layers >= 2, and Eq. 5's ``n_sigma``."""
-
-    rows: list[int]
-    top: list[int]
-    reach: int
-    n_sigma: int
-
-
-def select(
-    delta: torch.Tensor, memory: FocusMemory, config: FocusConfig, block_length: int, quota: int | None
-) -> Selection:
-    """Algorithm 1 lines 7-18 over the block's rows, written out (the reference)."""
-    d = delta.tolist()
-    masked = [r for r, m in enumerate(memory.masked) if m]
-    mean = sum(d) / len(d)
-    sigma = math.sqrt(sum((x - mean) ** 2 for x in d) / len(d))
-    n_sigma = sum(1 for j in masked if d[j] >= sigma)  # Eq. 5
-    k = budget(config, memory.k_hist(config.alpha), n_sigma, block_length, quota)
-    top = sorted(masked, key=lambda j: (-d[j], j))[:k]
-    chosen = set(top) | {i - 1 for i in top if i > 0}  # AR-context preservation (line 17)
-    last = max(chosen)
-    chosen |= {j for j in masked if memory.reach <= j < last}  # placeholder integrity (line 18)
-    # Decoded rows stay (context); frozen ones are read from their cached K/V instead.
-    chosen |= {r for r, m in enumerate(memory.masked) if not m and not memory.frozen[r]}
-    rows = sorted(chosen)
-    return Selection(rows, sorted(top), max(memory.reach, rows[-1] + 1), n_sigma)
-
-
-def eligible_rows(rows: list[int], masked: list[bool], lead: int) -> list[int]:
-    """Masked block rows the sampler may unmask: forwarded, and so is the row their logits come from
-    (``lead`` = 1 on Dream: row j - 1; the block's first row reads the context row before the block)."""
-    kept = set(rows)
-    return [j for j in rows if masked[j] and (lead == 0 or j == 0 or j - 1 in kept)]

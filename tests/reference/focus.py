@@ -2,8 +2,8 @@
 its own per-layer loop over the model's modules.
 
 :class:`FocusReference` is one request's step, plainly: layers 0-1 over every unfrozen row, the delta and
-selection of ``focus.py`` (Python sets, Algorithm 1 line by line), layers >= 2 over the selected rows, the
-LM head over the eligible rows only. It runs
+selection (:func:`importance`, :func:`select`: Eq. 2-5 and Algorithm 1 line by line, in Python sets), layers
+>= 2 over the selected rows, the LM head over the eligible rows only (:func:`eligible_rows`). It runs
 
 - for SDAR inside block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window
   over the exact cache of the earlier blocks), :class:`FocusBlockSession` (run to the end by
@@ -23,21 +23,15 @@ line 21: the same values for them); the counters report layers >= 2, as the pape
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
-from pdllm.decode_service.policies.focus import (
-    FocusConfig,
-    FocusMemory,
-    FocusStats,
-    check_model,
-    eligible_rows,
-    importance,
-    select,
-)
+from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
 from pdllm.decode_service.split_rounds import embed
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
@@ -45,6 +39,64 @@ from pdllm.shared.model.transformer import DiffusionLM
 from tests.reference.block_diffusion import BlockDiffusionSession, BlockStep, run_to_end
 from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, inner_rows, keys_in_row_order
 from tests.reference.policy import check_local_rows
+
+
+def budget(config: FocusConfig, k_hist: int, n_sigma: int, block_length: int, quota: int | None) -> int:
+    """Eq. 4's K (or the fixed ``budget``), raised to the fixed schedule's ``quota`` of this step."""
+    k = config.budget if config.budget is not None else min(block_length, max(k_hist, n_sigma))
+    return k if quota is None else max(k, quota)
+
+
+def importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Eq. 2 for one request: ``I_j`` ``[B]`` (float64) of the block's ``B`` key rows ``k`` ``[Hkv, B, D]``
+    from its query rows ``q`` ``[Hq, n, D]`` (query head h reads KV head h // (Hq / Hkv)). MaxPool1D runs
+    over the keys (stride 1, -inf padding: an edge key pools over its real neighbours only). Float64, so a
+    different summation order (the fast path's) cannot flip a selection."""
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
+    keys = k.double().repeat_interleave(heads // kv_heads, dim=0)
+    scores = q.double() @ keys.transpose(1, 2) / math.sqrt(dim)  # [Hq, n, B]
+    if kernel > 1:
+        b = scores.shape[-1]
+        scores = F.max_pool1d(scores.reshape(-1, 1, b), kernel, 1, kernel // 2).reshape(scores.shape)
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One step's choice over the block's rows: ``rows`` forwarded past layer 1 (ascending), ``top`` the
+    K focused masked rows, ``reach`` the new visible prefix at layers >= 2, and Eq. 5's ``n_sigma``."""
+
+    rows: list[int]
+    top: list[int]
+    reach: int
+    n_sigma: int
+
+
+def select(
+    delta: torch.Tensor, memory: FocusMemory, config: FocusConfig, block_length: int, quota: int | None
+) -> Selection:
+    """Algorithm 1 lines 7-18 over the block's rows, written out (the reference)."""
+    d = delta.tolist()
+    masked = [r for r, m in enumerate(memory.masked) if m]
+    mean = sum(d) / len(d)
+    sigma = math.sqrt(sum((x - mean) ** 2 for x in d) / len(d))
+    n_sigma = sum(1 for j in masked if d[j] >= sigma)  # Eq. 5
+    k = budget(config, memory.k_hist(config.alpha), n_sigma, block_length, quota)
+    top = sorted(masked, key=lambda j: (-d[j], j))[:k]
+    chosen = set(top) | {i - 1 for i in top if i > 0}  # AR-context preservation (line 17)
+    last = max(chosen)
+    chosen |= {j for j in masked if memory.reach <= j < last}  # placeholder integrity (line 18)
+    # Decoded rows stay (context); frozen ones are read from their cached K/V instead.
+    chosen |= {r for r, m in enumerate(memory.masked) if not m and not memory.frozen[r]}
+    rows = sorted(chosen)
+    return Selection(rows, sorted(top), max(memory.reach, rows[-1] + 1), n_sigma)
+
+
+def eligible_rows(rows: list[int], masked: list[bool], lead: int) -> list[int]:
+    """Masked block rows the sampler may unmask: forwarded, and so is the row their logits come from
+    (``lead`` = 1 on Dream: row j - 1; the block's first row reads the context row before the block)."""
+    kept = set(rows)
+    return [j for j in rows if masked[j] and (lead == 0 or j == 0 or j - 1 in kept)]
 
 
 @dataclass
