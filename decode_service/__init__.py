@@ -12,6 +12,6 @@ Beside it: ``worker`` (:class:`DecodeWorker`: chunk-only KV loading, the build, 
 ``local`` (the scheduler driven from the caller's thread: ``generate``, ``eval``), ``build`` (static decode
 KV, top-B retention), ``kv_pool`` (the active requests' paged KV), ``handoff`` (a prefill worker's KV pulled
 into the pool), ``policies`` (the decode policies), ``block_diffusion`` / ``sdar_decode`` (SDAR),
-``vanilla`` and ``decode`` (the reference loops the tests hold the rounds to), ``attention`` (the reference
-loops' static-KV attention).
+``attention`` (the build's segmented attention over the static KV). The one-request reference loops the
+tests hold the rounds to are ``tests/reference/``'s.
 """

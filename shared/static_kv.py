@@ -1,7 +1,7 @@
 """The static decode KV: what the KV build (step 6) hands to the denoising loop (step 7).
 
 The decode worker's batched rounds (``decode_service.scheduler``, in the worker and in process) copy it
-into their KV pool; the single-request reference loops (``decode_service.decode``) read it directly.
+into their KV pool; the single-request reference loops (``tests/reference/static_kv.py``) read it directly.
 """
 
 from __future__ import annotations
