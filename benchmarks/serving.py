@@ -27,8 +27,8 @@ within a server.
 Layouts (``--layouts``; processes started once per layout, reused for all its cells, killed at the end or on
 error; ``parse_layout``):
   all-in-one            one ``serve --role all`` on GPU 0 (gpus=1).
-  all-in-one-fused      the same with ``--fused-prefill``: a chunk prefill piece and the next decode round
-                        in one forward.
+  LAYOUT[FLAGS]         any layout with its own extra ``serve`` flags for its workers, compared in the same
+                        run, e.g. ``all-in-one[--fused-prefill]`` or ``all-in-one[--kv-gpu-bytes 24G]``.
   replicasN             ``--role all`` keeps its prefill/decode workers on private loopback ports that it
                         never prints, so a router cannot reach them: N replicas are N ``--role prefill`` + N
                         ``--role decode`` processes (prefill_i and decode_i share GPU i) behind one ``--role
@@ -112,7 +112,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -132,7 +132,6 @@ from tests.services.cluster import ServeProcess  # noqa: E402
 
 LAYOUT_GPUS = {  # the named layouts (any NpMd[-build-on-SIDE|-auto] and replicasN parse too: parse_layout)
     "all-in-one": 1,
-    "all-in-one-fused": 1,
     "replicas": 2,
     "1p1d-build-on-decode": 2,
     "1p1d-build-on-prefill": 2,
@@ -140,10 +139,12 @@ LAYOUT_GPUS = {  # the named layouts (any NpMd[-build-on-SIDE|-auto] and replica
 }
 _SPLIT = re.compile(r"(?P<p>[1-9]\d*)p(?P<d>[1-9]\d*)d(?:-build-on-(?P<on>decode|prefill)|(?P<auto>-auto))?")
 _REPLICAS = re.compile(r"replicas(?P<n>[1-9]\d*)?")
-LAYOUT_SYNTAX = ("all-in-one; all-in-one-fused (prefill pieces ride in the decode rounds' forwards); replicasN (N pairs of prefill + decode workers, pair i on GPU i, one router; "
+_FLAGGED = re.compile(r"(?P<base>[^\[\]]+)\[(?P<flags>[^\[\]]*)\]")
+LAYOUT_SYNTAX = ("all-in-one; replicasN (N pairs of prefill + decode workers, pair i on GPU i, one router; "
                  "replicas = replicas2); NpMd (N prefill workers on GPUs 0..N-1, M decode workers on GPUs "
                  "N..N+M-1, one router), optionally -build-on-decode (the default), -build-on-prefill or -auto; "
-                 "e.g. 3p1d, 2p2d-build-on-prefill")  # fmt: skip
+                 "e.g. 3p1d, 2p2d-build-on-prefill; any of them followed by [serve flags of its workers], e.g. "
+                 "all-in-one[--fused-prefill]")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,9 @@ def parse_layout(name: str) -> Layout:
     name = name.strip()
     if name == "all-in-one":
         return Layout(name)
-    if name == "all-in-one-fused":
-        return Layout(name, flags=("--fused-prefill",))
+    if m := _FLAGGED.fullmatch(name):
+        base = parse_layout(m["base"])
+        return replace(base, name=name, flags=(*base.flags, *shlex.split(m["flags"])))
     if m := _REPLICAS.fullmatch(name):
         n = int(m["n"] or 2)
         return Layout(name, n, n, "decode", True)
@@ -536,8 +538,8 @@ def start_layout(
         procs.append(ServeProcess("all", [*model_args, *lay.flags], env=env(gpus["all"][0])))
         start_all(procs[-1:], limit)
         return procs[-1].address
-    pre = [ServeProcess("prefill", model_args, env=env(g)) for g in gpus["prefill"]]
-    dec = [ServeProcess("decode", model_args, env=env(g)) for g in gpus["decode"]]
+    pre = [ServeProcess("prefill", [*model_args, *lay.flags], env=env(g)) for g in gpus["prefill"]]
+    dec = [ServeProcess("decode", [*model_args, *lay.flags], env=env(g)) for g in gpus["decode"]]
     procs += pre + dec
     start_all(pre + dec, limit)
     addrs = lambda ps: ",".join(p.address for p in ps)  # noqa: E731

@@ -67,9 +67,15 @@ def _kv_store(args: argparse.Namespace, model_config: Any, dtype: str) -> Any:
     store = build_kv_store(
         KVTierConfig(cpu=cpu, redis=RedisStoreConfig(args.kv_url) if args.kv_url else None), meta
     )
-    if not background:
-        return store
-    return BackgroundKVWriter(store, KVWriterConfig(max_pending_bytes=args.kv_write_queue_bytes))
+    if background:
+        store = BackgroundKVWriter(store, KVWriterConfig(max_pending_bytes=args.kv_write_queue_bytes))
+    if args.kv_gpu_bytes > 0:
+        import torch
+
+        from pdllm.shared.kv_tier.device_cache import DeviceChunkCache
+
+        store = DeviceChunkCache(store, args.kv_gpu_bytes, torch.device(args.device))
+    return store
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -85,6 +91,8 @@ def _engine(args: argparse.Namespace) -> Any:
         )
     if args.cuda_graph and not str(args.device).startswith("cuda"):  # before a long model load
         raise ValueError(f"--cuda-graph needs a CUDA device, got --device {args.device}")
+    if args.kv_gpu_bytes and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--kv-gpu-bytes needs a CUDA device, got --device {args.device}")
     # Worker-level engine defaults (the checkpoint's pdllm.json, then flags); a request's MethodParams
     # override the fields it sets. The flags are checked first, named as given (a flag or its PDLLM_ variable).
     given = settings.from_args(args, settings.EngineOnlySettings)

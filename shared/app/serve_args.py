@@ -44,6 +44,12 @@ def _bytes(raw: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _device_bytes(raw: str) -> int:
+    if raw.strip().lower() == "auto":  # "auto" sizes from host memory
+        raise argparse.ArgumentTypeError("expected a size such as 16G (device memory has no 'auto')")
+    return _bytes(raw)
+
+
 def _env_bool(raw: str) -> bool:
     if raw.lower() in ("1", "true", "yes", "on"):
         return True
@@ -220,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_default("--kv-cpu-bytes", "auto"),
         help="in-process CPU tier of chunk KV, in front of Redis: bytes (suffixes K/M/G/T), 'auto' = "
         f"{AUTO_SHARE:.0%}% of the host's available memory at startup, 0: none",
+    )
+    k.add_argument(
+        "--kv-gpu-bytes",
+        type=_device_bytes,
+        default=_env_default("--kv-gpu-bytes", "0"),
+        help="device-resident LRU of hot chunk KV in front of the other tiers, in bytes (suffixes K/M/G/T; "
+        "CUDA): a document that comes back is copied device to device into prefill; 0: none",
     )
     k.add_argument(
         "--kv-write-queue-bytes",

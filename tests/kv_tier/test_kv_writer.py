@@ -137,7 +137,7 @@ def test_serve_puts_the_writer_in_front_of_the_tiers_unless_asked_not_to() -> No
     from pdllm.shared.app.serve import _kv_store
     from tests.model.helpers import tiny_config
 
-    config = argparse.Namespace(kv_url="", kv_cpu_bytes=1 << 20, kv_write_queue_bytes=1 << 20)
+    config = argparse.Namespace(kv_url="", kv_cpu_bytes=1 << 20, kv_write_queue_bytes=1 << 20, kv_gpu_bytes=0)
     model_config = tiny_config()
     store = _kv_store(config, model_config, "float32")
     assert isinstance(store, BackgroundKVWriter) and isinstance(store.store, CPUStore)

@@ -35,6 +35,12 @@ from benchmarks.serving import (
         ("1p3d", Layout("1p3d", 1, 3, "decode"), 4),
         ("3p1d-build-on-prefill", Layout("3p1d-build-on-prefill", 3, 1, "prefill"), 4),
         ("7p1d-auto", Layout("7p1d-auto", 7, 1, "auto"), 8),
+        ("all-in-one[--fused-prefill]", Layout("all-in-one[--fused-prefill]", flags=("--fused-prefill",)), 1),
+        (
+            "3p1d[--kv-gpu-bytes 24G]",
+            Layout("3p1d[--kv-gpu-bytes 24G]", 3, 1, "decode", flags=("--kv-gpu-bytes", "24G")),
+            4,
+        ),
     ],
 )
 def test_layout_names_parse(name: str, layout: Layout, gpus: int) -> None:
@@ -44,7 +50,20 @@ def test_layout_names_parse(name: str, layout: Layout, gpus: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "foo", "replicas0", "0p1d", "3p0d", "3p", "p1d", "3p1d-build-on-gpu", "3p1d-", "2p2d-auto-x"]
+    "bad",
+    [
+        "",
+        "foo",
+        "replicas0",
+        "0p1d",
+        "3p0d",
+        "3p",
+        "p1d",
+        "3p1d-build-on-gpu",
+        "3p1d-",
+        "2p2d-auto-x",
+        "x[--a]",
+    ],
 )
 def test_bad_layout_names_are_refused_with_the_syntax(bad: str) -> None:
     with pytest.raises(ValueError, match="unknown layout .* expected all-in-one; replicasN .* NpMd"):
