@@ -38,10 +38,9 @@ DECODE_ATTENTIONS = ("segments", "buffer", "triton")
 
 
 def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
-    """Decode attention when none is named. "triton" for CUDA-graph decode: faster than "buffer" at every
-    length measured (9.9 vs 11.0 ms per Dream-7B step on an H100, benchmarks/results/e2e_notes.md).
-    "buffer" for eager CUDA decode, where the split-S launcher's Python dispatch (120-300 µs per call,
-    attention_notes.md) would outweigh the kernel. "segments" off CUDA."""
+    """Decode attention when none is named: "triton" with CUDA graphs, "buffer" for eager CUDA decode,
+    "segments" off CUDA. The rounds run the split-S kernel on CUDA whatever the name; off CUDA only
+    "triton" changes anything (the kernel under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
     if device.type != "cuda":
         return "segments"
     return "triton" if cuda_graph and HAS_TRITON else "buffer"
