@@ -15,7 +15,7 @@ headers, footers, sidebars, tables, code blocks, scripts and headings; of text f
 paragraphs. A paragraph is kept when it reads as English sentences (:func:`is_prose`: long enough, ends a
 sentence, mostly letters, few code characters, enough common English words); the first copy of a paragraph
 wins (packages in :data:`SOURCES` order, files in path order). A document is held out when the stable hash
-of its installed path falls under ``HELDOUT_PERCENT`` (:func:`is_held_out`), so adding or removing other
+of its installed path (``usr/share/...``) falls under ``HELDOUT_PERCENT`` (:func:`is_held_out`), so adding or removing other
 files never moves a document between the splits. The default output directory is ignored by git.
 """
 
@@ -235,8 +235,9 @@ def _write_gz(path: Path, docs: list[list[str]]) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(out: Path, inputs: list[tuple[Source, str, list[Path]]]) -> dict:
-    """Extract, dedupe, split and write; ``inputs``: (source, version, files) in order. Returns the manifest."""
+def build(out: Path, inputs: list[tuple[Source, str, list[Path]]], root: Path = Path("/")) -> dict:
+    """Extract, dedupe, split and write; ``inputs``: (source, version, files) in order; a document's key
+    (split hash, files list) is its path relative to ``root``. Returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
     splits: dict[str, list[list[str]]] = {"train": [], "heldout": []}
@@ -251,10 +252,11 @@ def build(out: Path, inputs: list[tuple[Source, str, list[Path]]]) -> dict:
                     seen.add(para)
                     doc.append(para)
             if doc:
-                split = "heldout" if is_held_out(str(path)) else "train"
+                key = path.relative_to(root).as_posix()
+                split = "heldout" if is_held_out(key) else "train"
                 splits[split].append(doc)
                 counts[split] += len(doc)
-                used.append(str(path))
+                used.append(key)
                 pieces.append("\n".join(doc))
         text = "\n\n".join(pieces).encode()
         packages.append(
