@@ -12,7 +12,11 @@ paragraph verbatim: rows score the exact-passage rate (``accuracy``) and ``token
 length is sized per sample (passage + EOS rounded up to whole blocks of ``--block-length``, else of 32), so
 ``--gen-length`` applies to the short-answer tasks only. ``--agreement`` decodes every sample a second time
 with policy ``none`` and adds ``agreement``: the share of answer tokens the policy's decoding shares with
-the no-cache one (by definition 1 under ``none``, where nothing is decoded twice). ``--traces FILE``
+the no-cache one (by definition 1 under ``none``, where nothing is decoded twice). ``--tasks infilling``
+(``shared/eval/infilling.py``) cuts a 64-256-token span out of a held-out prose document (the prose corpus
+must be built: ``shared/training/PROSE.md``) and asks for it back: rows score the exact-span rate
+(``accuracy``) and ``token_accuracy`` against the span's own tokens; its generation length is sized per
+sample as long-answer's. ``--traces FILE``
 writes one JSON line per decoded sample: its cell, the expected answer, and the response with its trace in
 the fields ``generate --json`` and ``ask --json`` print (``shared/rpc/trace_format.py``).
 
@@ -46,6 +50,8 @@ from pdllm.shared.app.trace import generate_traced, response
 from pdllm.shared.cli_args import Parser
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
+from pdllm.shared.eval.infilling import INFILLING, InfillSample, infill_gen_length, score_infill
+from pdllm.shared.eval.infilling import make_eval_sample as make_infill_sample
 from pdllm.shared.eval.long_answer import (
     LONG_ANSWER,
     PASSAGE_TOKENS,
@@ -62,10 +68,12 @@ from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.trace_format import message_json
 
-EVAL_TASKS = (*TASKS, LONG_ANSWER)
-# Long-answer generation lengths are whole multiples of this where no --block-length is given.
+EVAL_TASKS = (*TASKS, LONG_ANSWER, INFILLING)
+# Tasks whose generation length is sized per sample (the rest use --gen-length).
+PER_SAMPLE_LENGTH = (LONG_ANSWER, INFILLING)
+# Long-answer and infilling generation lengths are whole multiples of this where no --block-length is given.
 LONG_ANSWER_ROUND = 32
-AnySample = Sample | LongAnswerSample
+AnySample = Sample | LongAnswerSample | InfillSample
 
 
 @dataclass(frozen=True)
@@ -103,10 +111,13 @@ Decoder = Callable[[AnySample, GenerationConfig, DecodePolicyConfig], list[int]]
 
 
 def generation(settings: EvalSettings, tokenizer: object, sample: AnySample) -> GenerationConfig:
-    """The sample's generation settings: the flags', or for long-answer its passage's length in blocks."""
+    """The sample's generation settings: the flags', or for long-answer (infilling) its passage's (span's)
+    length in blocks."""
     n = settings.gen_length
     if isinstance(sample, LongAnswerSample):
         n = answer_gen_length(tokenizer, sample, settings.block_length or LONG_ANSWER_ROUND)
+    elif isinstance(sample, InfillSample):
+        n = infill_gen_length(sample, settings.block_length or LONG_ANSWER_ROUND)
     gen = GenerationConfig(gen_length=n, steps=n, block_length=settings.block_length)
     gen.validate()
     return gen
@@ -175,6 +186,8 @@ def exact_match(prediction: str, answer: str) -> bool:
 def eval_sample(task: str, length: int, depth: float, seed: int, tokenizer: object) -> AnySample:
     if task == LONG_ANSWER:
         return make_eval_sample(tokenizer, length, depth, seed)
+    if task == INFILLING:
+        return make_infill_sample(tokenizer, length, depth, seed)
     return make_sample(task, length, depth, seed, tokenizer)
 
 
@@ -222,6 +235,10 @@ def run_grid(
                             text = tok.decode(ids, skip_special_tokens=True)
                             if isinstance(s, LongAnswerSample):
                                 score = score_passage(tok, text, s.answer)
+                                exact.append(score.exact)
+                                token_acc.append(score.token_accuracy)
+                            elif isinstance(s, InfillSample):
+                                score = score_infill(ids, s.answer_ids)
                                 exact.append(score.exact)
                                 token_acc.append(score.token_accuracy)
                             else:
@@ -336,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gen-length",
         type=int,
         default=8,
-        help="answer tokens of the short-answer tasks (long-answer: per sample)",
+        help="answer tokens of the short-answer tasks (long-answer, infilling: per sample)",
     )
     n.add_argument(
         "--block-length", type=int, default=None, help="block length (default: one block of --gen-length)"
@@ -407,9 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--tasks is empty (expected some of {', '.join(EVAL_TASKS)})")
     if args.samples <= 0:
         raise ValueError("--samples must be positive")
-    # Checked before a long model load, named as the flags that set them. Long-answer sizes its generation
-    # length itself, in whole blocks: only the block length is checked for it.
-    n = args.gen_length if set(tasks) - {LONG_ANSWER} else args.block_length or LONG_ANSWER_ROUND
+    # Checked before a long model load, named as the flags that set them. Long-answer and infilling size
+    # their generation length themselves, in whole blocks: only the block length is checked for them.
+    n = args.gen_length if set(tasks) - set(PER_SAMPLE_LENGTH) else args.block_length or LONG_ANSWER_ROUND
     gen = {"gen_length": n, "steps": n, "block_length": args.block_length}
     schema.generation_config({k: v for k, v in gen.items() if v is not None}, label=schema.flag_label())
     given = schema.from_args(args, schema.DecodePolicySettings)
@@ -454,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     if LONG_ANSWER in tasks:
         block = args.block_length or LONG_ANSWER_ROUND
         header[LONG_ANSWER] = f"gen length per sample: passage + EOS rounded up to a multiple of {block}"
+    if INFILLING in tasks:
+        block = args.block_length or LONG_ANSWER_ROUND
+        header[INFILLING] = (
+            f"held-out prose, a 64-256-token span replaced by [BLANK]; gen length per sample: span + EOS "
+            f"rounded up to a multiple of {block}; token accuracy against the span's tokens"
+        )
     if args.agreement:
         header["agreement"] = "token agreement with the same method decoded under --decode-policy none"
 

@@ -23,8 +23,9 @@ METRICS = (
     ("token_accuracy", "token accuracy, %"),
     ("agreement", "token agreement with no-cache decoding, %"),
 )
-# The long-answer task's `accuracy` is the exact-passage rate.
-TITLES = {("long-answer", "accuracy"): "exact passage, %"}
+# The long-answer task's `accuracy` is the exact-passage rate, the infilling task's the exact-span rate.
+TITLES = {("long-answer", "accuracy"): "exact passage, %", ("infilling", "accuracy"): "exact span, %"}
+XLABELS = {"long-answer": "gold paragraph depth", "infilling": "depth of the missing span"}
 
 
 def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
@@ -81,7 +82,7 @@ def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
             im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
             ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
-            ax.set_xlabel("gold paragraph depth" if task == "long-answer" else "gold fact depth")
+            ax.set_xlabel(XLABELS.get(task, "gold fact depth"))
             if ax is axes[0][0]:
                 ax.set_ylabel("context tokens")
             ax.set_title(f"{method} — {task}")
