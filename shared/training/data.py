@@ -18,6 +18,12 @@ Long-answer rows ("Quote the paragraph about <name>.", ``eval/long_answer.py``) 
 weight is a field of its own, not a sixth ``task_weights`` entry, so configs without it draw exactly the
 rows they drew before (no random number is drawn for it at weight 0).
 
+Prose (``prose.py``: documentation that Debian packages ship, the training split) enters through two fields
+of its own, both without effect at their default 0 (no random number drawn): ``prose_text_share`` of the
+``text`` rows are prose windows instead of haystack, and ``infill_weight`` of the ``diff_task`` / ``sft``
+rows are infilling rows (a 64-256-token span of a prose document cut out, ``[BLANK]`` in its place, the span
+as the answer: ``eval/infilling.py``'s layout, as evaluated).
+
 The answer region is the answer followed by EOS up to a random generation length, as the decoder sees it.
 Batches are produced on CPU worker processes by slicing the pre-tokenized haystack.
 """
@@ -30,8 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..eval.infilling import GAP, SPAN_TOKENS, pick_span
+from ..eval.infilling import QUESTION as INFILL_QUESTION
 from ..eval.long_answer import MAX_DISTRACTORS, PASSAGE_TOKENS, make_passage, plant_paragraphs, question_about
 from ..eval.tasks import TRAIN_TASKS, TaskFactory, fact_text, format_answer, format_query
+from .prose import ProseCorpus
 
 MODES = ("text", "diff_task", "sft", "chunk", "causal", "recall")
 # Every query and answer is shorter (measured: query <= 27 tokens, answer <= 8); slack becomes extra prose.
@@ -45,6 +54,8 @@ MAX_EXTRA_QA = 3
 PARAGRAPH_SLACK = 4
 # A passage needs a window of lengths this wide to be written reliably (template sentences are <= 30 tokens).
 MIN_PASSAGE_WINDOW = 48
+# Context tokens an infilling row keeps around its marker at least.
+MIN_INFILL_CONTEXT = 64
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,12 @@ class DataConfig:
     # Share of the diff_task / sft / causal task rows that are long-answer rows, among rows long enough
     # to hold a passage twice (in the context and as the answer); 0 draws nothing (older configs).
     long_answer_weight: float = 0.0
+    # Prose documents (``prose.py``'s training split): a path relative to this folder, or absolute; ""
+    # reads none. Used by ``text`` rows at ``prose_text_share`` and by infilling rows at ``infill_weight``
+    # (share of the diff_task / sft rows whose length holds a span); 0 draws nothing (older configs).
+    prose_file: str = ""
+    prose_text_share: float = 0.0
+    infill_weight: float = 0.0
 
 
 @dataclass
@@ -86,10 +103,66 @@ class Batch:
 
 
 class BatchBuilder:
-    def __init__(self, config: DataConfig, factory: TaskFactory, bos: int, eos: int) -> None:
+    def __init__(
+        self, config: DataConfig, factory: TaskFactory, bos: int, eos: int, prose: ProseCorpus | None = None
+    ) -> None:
         self.cfg = config
         self.f = factory
         self.bos, self.eos = bos, eos
+        self.prose = prose
+        if prose is None and (config.prose_text_share > 0 or config.infill_weight > 0):
+            raise ValueError("prose_text_share / infill_weight need the prose corpus (DataConfig.prose_file)")
+        if config.infill_weight > 0:
+            self.infill_query = self.f.encode(format_query(INFILL_QUESTION))
+            self.infill_gap = self.f.encode(GAP)
+
+    def _prose_text(self, n: int, rng: random.Random) -> torch.Tensor:
+        """``n`` prose tokens from a random paragraph start on (running on into the next documents)."""
+        hay = self.prose.hay
+        start = int(hay.offsets[rng.randrange(hay.num_sentences)])
+        return hay.ids[torch.arange(start, start + n) % hay.num_tokens].long()
+
+    def _infill_fixed(self, extra: int) -> int:
+        """Tokens of an infilling row besides its context and span: BOS, marker, query, EOS padding."""
+        return 1 + len(self.infill_gap) + len(self.infill_query) + 1 + extra
+
+    def _is_infill(self, t: int, rng: random.Random) -> bool:
+        """Whether this row is an infilling row (no draw at weight 0 or where no span fits)."""
+        w = self.cfg.infill_weight
+        if w <= 0:
+            return False
+        fits = t - self._infill_fixed(self.cfg.max_extra_gen) - MIN_INFILL_CONTEXT >= SPAN_TOKENS[0]
+        return fits and rng.random() < w
+
+    def _infill(self, t: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[BOS] prefix [BLANK] suffix question span EOS-padding, exactly ``t`` tokens: the span (64-256
+        tokens, word-aligned by ``pick_span``) lies in one prose document, prefix and suffix are the prose
+        around it, the marker at a uniform depth. Returns (ids, generation-region mask, answer mask)."""
+        prose, extra = self.prose, rng.randint(0, self.cfg.max_extra_gen)
+        fixed = self._infill_fixed(extra)
+        n = rng.randint(SPAN_TOKENS[0], min(SPAN_TOKENS[1], t - fixed - MIN_INFILL_CONTEXT))
+        hay = prose.hay
+        for _ in range(200):
+            a, b = prose.doc_tokens(rng.randrange(prose.num_documents))
+            start = pick_span(self.f.tokenizer, hay.ids[a:b].long(), n, rng)
+            if start is not None:
+                break
+        else:
+            raise RuntimeError(f"no prose document holds a span of {n} tokens")
+        s, room = a + start, t - fixed - n
+        before = round(rng.random() * room)
+        pieces = [
+            torch.tensor([self.bos]),
+            hay.ids[torch.arange(s - before, s) % hay.num_tokens].long(),
+            torch.tensor(self.infill_gap),
+            hay.ids[torch.arange(s + n, s + n + room - before) % hay.num_tokens].long(),
+            torch.tensor(self.infill_query),
+            hay.ids[s : s + n].long(),
+            torch.full((1 + extra,), self.eos),
+        ]
+        pos = torch.arange(t)
+        first = t - n - 1 - extra
+        return torch.cat(pieces), pos >= first, (pos >= first) & (pos < first + n)
 
     def _hay(self, n: int, rng: random.Random) -> torch.Tensor:
         """``n`` prose tokens ending at a sentence boundary (so a context can follow them cleanly)."""
@@ -164,6 +237,8 @@ class BatchBuilder:
         Returns (ids, generation-region mask, answer-token mask). Only multi_needle has extra question /
         answer pairs; their answers are targets too (several retrievals per sequence).
         """
+        if self._is_infill(t, rng):
+            return self._infill(t, rng)
         if self._long(t, rng):
             ids, start, n_answer = self._long_answer(t, rng, pad=True)
             pos = torch.arange(t)
@@ -282,7 +357,13 @@ class BatchBuilder:
                 starts.append(t)
                 lens.append(0)
             elif mode == "text":
-                rows.append(torch.cat([torch.tensor([self.bos]), self._hay(t - 1, rng)]))
+                share = cfg.prose_text_share
+                body = (
+                    self._prose_text(t - 1, rng)
+                    if share > 0 and rng.random() < share
+                    else self._hay(t - 1, rng)
+                )
+                rows.append(torch.cat([torch.tensor([self.bos]), body]))
                 starts.append(t)
                 lens.append(0)
             elif mode == "chunk":

@@ -31,6 +31,7 @@ from .config import TrainConfig, TrainConfigError, load_config, to_dict
 from .corpus import tokenize_haystack
 from .data import MODES, Batch, BatchBuilder, BatchStream
 from .objective import LossOutput, compute_loss
+from .prose import read_documents, tokenize_prose
 from .tokenizer import load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -66,6 +67,12 @@ def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
         pad_token_id=tokenizer.pad_token_id,
         model_id=cfg.name,
     )
+
+
+def prose_path(cfg: TrainConfig) -> Path:
+    """The config's prose file: relative paths are relative to this folder (``data/prose/...``)."""
+    path = Path(cfg.data.prose_file)
+    return path if path.is_absolute() else Path(__file__).resolve().parent / path
 
 
 def smoke_variant(cfg: TrainConfig) -> TrainConfig:
@@ -176,8 +183,9 @@ def train(
     tokenizer = load_tokenizer()
     train_sentences, _ = split_train_eval_sentences()
     haystack = tokenize_haystack(tokenizer, train_sentences)
+    prose = tokenize_prose(tokenizer, read_documents(prose_path(cfg))) if cfg.data.prose_file else None
     builder = BatchBuilder(
-        cfg.data, TaskFactory(tokenizer, haystack), tokenizer.bos_token_id, tokenizer.eos_token_id
+        cfg.data, TaskFactory(tokenizer, haystack), tokenizer.bos_token_id, tokenizer.eos_token_id, prose
     )
     loader = torch.utils.data.DataLoader(
         BatchStream(builder, cfg.seed),
@@ -216,6 +224,8 @@ def train(
         "model_config": model_cfg.to_hf_dict(),
         "train_config": to_dict(cfg),
     }
+    if prose is not None:
+        stats["prose"] = {"file": str(prose_path(cfg)), "tokens": prose.hay.num_tokens}
     bar = tqdm(total=total, disable=not progress, desc="train", unit="step", mininterval=20, file=sys.stdout)
     step = 0
     for step, batch in enumerate(loader):
