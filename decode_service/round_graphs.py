@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -235,7 +236,10 @@ class GraphedRoundForward:
         kernel: str,
         capture: bool,
         capacity: int = 128,
+        layer_graphs: bool = True,
     ) -> None:
+        """``layer_graphs``: rounds that run eagerly (a policy decides inside the forward) replay each
+        layer's work around the attention (:class:`LayerGraphs`)."""
         if capture and pool.kv.device.type != "cuda":
             raise ValueError("CUDA-graph rounds need the model and KV pool on a CUDA device")
         self.model, self.pool, self.kernel, self.capture, self.capacity = (
@@ -246,7 +250,8 @@ class GraphedRoundForward:
             capacity,
         )
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
-        self.eager = EagerRoundForward(model, pool, kernel)
+        layers = LayerGraphs(model, self.mempool, capture) if layer_graphs else None
+        self.eager = EagerRoundForward(model, pool, kernel, layers)
         self._graphs: OrderedDict[RoundShape, CapturedRound] = OrderedDict()
         self._staging: dict[int, torch.Tensor] = {}  # carried pieces' K/V buffers by rows, shared
         self.captures = 0
@@ -278,3 +283,118 @@ class GraphedRoundForward:
             shape = (c.num_layers, 2, rows, c.num_kv_heads, c.head_dim)
             self._staging[rows] = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
         return self._staging[rows]
+
+
+class _LayerBucket:
+    """One row bucket's buffers and, per layer, its captured segments (``rows`` rows, padding stale)."""
+
+    def __init__(self, model: DiffusionLM, rows: int, like: torch.Tensor, rope_dim: int) -> None:
+        c = model.config
+        kw = {"dtype": like.dtype, "device": like.device}
+        self.x = torch.zeros(1, rows, c.hidden_size, **kw)
+        self.ffn = torch.zeros(1, rows, c.hidden_size, **kw)
+        self.cos = torch.zeros(1, rows, rope_dim, **kw)
+        self.sin = torch.zeros(1, rows, rope_dim, **kw)
+        # [1, heads, rows, D] views of token-major memory, the layout the model's projections give
+        self.q = torch.zeros(1, rows, c.num_heads, c.head_dim, **kw).transpose(1, 2)
+        self.k = torch.zeros(1, rows, c.num_kv_heads, c.head_dim, **kw).transpose(1, 2)
+        self.v = torch.zeros(1, rows, c.num_kv_heads, c.head_dim, **kw).transpose(1, 2)
+        self.attn = torch.zeros(1, rows, c.num_heads, c.head_dim, **kw).transpose(1, 2)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
+        self.uses = 0  # rounds that ran through this bucket
+
+
+class LayerGraphs:
+    """The layers of an eagerly run round (a policy decides inside its attention: Sparse-dLLM's stores,
+    FOCUS's split, DyLLM's edits) with CUDA graphs around the attention: per layer and row bucket
+    (:func:`token_bucket`), the work before attention (norm, QKV projection, RoPE) and after it (output
+    projection, residual, norm, MLP; with an FFN edit, up to the FFN output) are one captured graph each,
+    over a bucket's buffers; the attention, with the policy's per-layer work, runs eagerly between them on
+    the real rows. Padded rows are stale and row-wise inert. A bucket is captured on its ``warm_uses``-th
+    round (before that it runs the same work eagerly): row counts that come once (a policy's rows vary from
+    round to round) never pay for captures. ``capture`` False: the same buffers, eagerly."""
+
+    def __init__(
+        self, model: DiffusionLM, mempool: tuple | None, capture: bool, capacity: int = 16, warm_uses: int = 3
+    ) -> None:
+        self.model, self.mempool, self.capture, self.capacity = model, mempool, capture, capacity
+        self.warm_uses = warm_uses
+        self._buckets: OrderedDict[int, _LayerBucket] = OrderedDict()
+        self.captures = 0
+
+    def run(
+        self,
+        layers: Sequence[torch.nn.Module],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: PagedBatchAttention,
+    ) -> torch.Tensor:
+        """``layers`` over ``x`` ``[1, T, H]``; the output ``[1, T, H]`` (a view of the bucket's buffer)."""
+        t = x.shape[1]
+        b = self._bucket(token_bucket(t), x, cos.shape[-1])
+        b.uses += 1
+        b.x[:, :t].copy_(x)
+        b.cos[:, :t].copy_(cos)
+        b.sin[:, :t].copy_(sin)
+        edit = attention.edit_ffn
+        for layer in layers:
+            i = layer.self_attn.layer
+            self._run(b, ("pre", i), lambda layer=layer: self._pre(layer, b))
+            out = attention(i, b.q[:, :, :t], b.k[:, :, :t], b.v[:, :, :t])
+            b.attn[:, :, :t].copy_(out)
+            if edit is None:
+                self._run(b, ("post", i), lambda layer=layer: b.x.copy_(layer.after_attention(b.x, b.attn)))
+            else:
+                self._run(b, ("ffn", i), lambda layer=layer: self._ffn(layer, b))
+                b.x[:, :t] += edit(i, b.ffn[:, :t])
+        return b.x[:, :t]
+
+    @staticmethod
+    def _pre(layer: torch.nn.Module, b: _LayerBucket) -> None:
+        q, k, v = layer.attention_inputs(b.x, b.cos, b.sin)
+        b.q.copy_(q)
+        b.k.copy_(k)
+        b.v.copy_(v)
+
+    @staticmethod
+    def _ffn(layer: torch.nn.Module, b: _LayerBucket) -> None:
+        x, ffn = layer.ffn_of(b.x, b.attn)
+        b.x.copy_(x)
+        b.ffn.copy_(ffn)
+
+    def _bucket(self, rows: int, like: torch.Tensor, rope_dim: int) -> _LayerBucket:
+        b = self._buckets.get(rows)
+        if b is None:
+            b = self._buckets[rows] = _LayerBucket(self.model, rows, like, rope_dim)
+            while len(self._buckets) > self.capacity:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(rows)
+        return b
+
+    def _run(self, b: _LayerBucket, key: tuple[str, int], fn: Callable[[], object]) -> None:
+        graph = b.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        if not self.capture or b.uses < self.warm_uses:
+            fn()
+            return
+        # The first call computes eagerly on a side stream (Triton compiles there, outside any capture),
+        # then the same work is captured; later calls replay it.
+        device = b.x.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        gc.disable()  # no graph may be destroyed by the collector in the middle of this capture
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                fn()
+        finally:
+            gc.enable()
+        b.graphs[key] = graph
+        self.captures += 1

@@ -21,7 +21,7 @@ predictions with one copy to the host per round, and each applies its own top-k 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,6 +37,7 @@ from pdllm.shared.model.transformer import DiffusionLM
 
 if TYPE_CHECKING:
     from pdllm.decode_service.layer_edits import PartEdit
+    from pdllm.decode_service.round_graphs import LayerGraphs
     from pdllm.decode_service.split_rounds import RowSplit
     from pdllm.shared.chunk_prefill import ChunkForward
 
@@ -296,10 +297,32 @@ def part_writes(
 
 class EagerRoundForward:
     """A round's forward run op by op: packed tokens in, logits of the packed ``rows`` out (a round whose
-    rows change between layers: ``split_rounds.split_forward``)."""
+    rows change between layers: ``split_rounds.split_forward``). ``layer_graphs``: the layers' work around
+    the attention replayed as CUDA graphs (``round_graphs.LayerGraphs``), the attention and the policy's
+    per-layer work eager; not for rounds whose stores read the layers' inputs through module hooks."""
 
-    def __init__(self, model: DiffusionLM, pool: DecodeKVPool, kernel: str) -> None:
-        self.model, self.pool, self.kernel = model, pool, kernel
+    def __init__(
+        self, model: DiffusionLM, pool: DecodeKVPool, kernel: str, layer_graphs: LayerGraphs | None = None
+    ) -> None:
+        self.model, self.pool, self.kernel, self.layer_graphs = model, pool, kernel, layer_graphs
+
+    def run_layers(
+        self,
+        packed: PackedRound,
+        layers: Sequence[torch.nn.Module],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: PagedBatchAttention,
+    ) -> torch.Tensor:
+        """``layers`` over ``x``: through :attr:`layer_graphs` where it may run them, else each layer's
+        forward (a store with ``attach`` reads layer inputs through module hooks, which replays skip)."""
+        hooked = any(getattr(store, "attach", None) is not None for _, store in packed.stores)
+        if self.layer_graphs is not None and not hooked:
+            return self.layer_graphs.run(layers, x, cos, sin, attention)
+        for layer in layers:
+            x = layer(x, cos, sin, attention)
+        return x
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
         if packed.piece is not None and not packed.carries_piece:
@@ -328,7 +351,14 @@ class EagerRoundForward:
                 attach = getattr(store, "attach", None)
                 if attach is not None:
                     stack.enter_context(attach(self.model))
-            hidden = self.model.hidden_states(ids[None], positions[None], attention)
+            if self.layer_graphs is None:
+                hidden = self.model.hidden_states(ids[None], positions[None], attention)
+            else:
+                from pdllm.decode_service.split_rounds import embed  # it builds on this module
+
+                x, cos, sin = embed(self.model, ids, positions)
+                x = self.run_layers(packed, self.model.model.layers, x, cos, sin, attention)
+                hidden = self.model.model.norm(x)
         if carried is not None:
             assert attention.prefill is not None
             carried.commit(attention.prefill.staging)

@@ -163,8 +163,7 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
             if attach is not None:
                 stack.enter_context(attach(model))
         x, cos, sin = embed(model, ids, positions)
-        for layer in layers[:at]:
-            x = layer(x, cos, sin, attention)
+        x = forward.run_layers(packed, layers[:at], x, cos, sin, attention)
         chosen: dict[int, SplitRows] = {}
         for group, kind in zip(groups, kinds, strict=True):
             choices = group.choose()
@@ -177,8 +176,7 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
         for e in edits:
             e.remap(after.index)
         rest.edits = edits
-        for layer in layers[at:]:
-            x = layer(x, cos, sin, rest)
+        x = forward.run_layers(packed, layers[at:], x, cos, sin, rest)
         hidden = model.model.norm(x)
     rows = to_device(after.index, torch.long, device).index_select(0, rows)
     if after.needed is None:

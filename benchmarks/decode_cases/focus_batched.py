@@ -32,26 +32,30 @@ def case_focus_batched(bench: Bench) -> None:
         prompts = [[model.config.bos_token_id, *random_ids(a.vanilla_context + QUERY_TOKENS, model.config.vocab_size,
                                                             rng)] for _ in range(batch)]  # fmt: skip
         plain_rounds = None
-        for focus in (None, FocusConfig()):
-            speed = sdar_rounds_row(bench, case, model, prompts, batch, focus, plain_rounds)
+        for focus, layer_graphs in ((None, True), (FocusConfig(), True), (FocusConfig(), False)):
+            speed = sdar_rounds_row(bench, case, model, prompts, batch, focus, plain_rounds, layer_graphs)
             plain_rounds = speed if focus is None else plain_rounds
     bench.meta(case)["setup"] = (
         f"{model.config.model_id} (model block {model.config.block_size}), generation block {a.block}, prompt "
         f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, one token per step. "
         "plain-rounds: plain block diffusion in the decode worker's rounds (the scheduler, graph buckets, "
         "split-S attention over the pool; a finished block's record rides in the next round); focus-rounds: "
-        "FOCUS in the same rounds (eager: its selection is made inside the forward); all requests submitted "
+        "FOCUS in the same rounds (its selection is made inside the forward: attention eager, each layer's "
+        "work around it replayed as CUDA graphs; focus-rounds-eager-layers: every op eager); all requests submitted "
         "at once, the prompts' prefill (the builds) in the time; round_ms: seconds / rounds."
     )
 
 
 def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]], batch: int,
-                    focus: FocusConfig | None = None, plain_rounds: float | None = None) -> float | None:  # fmt: skip
+                    focus: FocusConfig | None = None, plain_rounds: float | None = None,
+                    layer_graphs: bool = True) -> float | None:  # fmt: skip
     """Block diffusion of ``prompts`` through the decode scheduler's rounds, all submitted at once: plain, or
     under FOCUS (``focus``; ``plain_rounds``: the plain run's tokens/s, for its ratio). Its tokens/s (None:
     not run)."""
     a = bench.args
-    name = "plain-rounds" if focus is None else "focus-rounds"
+    name = (
+        "plain-rounds" if focus is None else "focus-rounds" if layer_graphs else "focus-rounds-eager-layers"
+    )
     where = {"policy": name, "batch": batch, "gen_length": a.focus_gen}
     if bench.left() <= 0:
         bench.skip(case, where, "time budget spent")
@@ -65,7 +69,9 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
     if focus is not None:  # FOCUS's key regions after its positions
         slots = sdar_focus_slots(slots, gen, model.config.block_size, page)
     pool = DecodeKVPool.with_pages(model, batch * (-(-slots // page) + 1), page)
-    forward = GraphedRoundForward(model, pool, "triton" if cuda else "torch", capture=cuda)
+    forward = GraphedRoundForward(
+        model, pool, "triton" if cuda else "torch", capture=cuda, layer_graphs=layer_graphs
+    )
 
     def run(g: GenerationConfig) -> tuple[float, list[DecodeRequest], int]:
         sched = DecodeScheduler(model, pool, forward, start_thread=False)

@@ -65,11 +65,16 @@ def case_mixed(bench: Bench) -> None:
             ["none"] * n,
         ),  # every row of every request: a graphed round with more rows than the mixed one
         ("mixed", [MIXED[i % len(MIXED)] for i in range(n)]),
+        ("mixed-eager-layers", [MIXED[i % len(MIXED)] for i in range(n)]),
     ):
         where = {"policy": label, "batch": n, "context_tokens": a.pdllm_context, "gen_length": gen_len}
         if bench.left() <= 0:
             bench.skip(case, where, "time budget spent")
             continue
+        # the eager rounds' layers op by op instead of replayed around the attention (the same run's baseline)
+        saved = st.forward.eager.layer_graphs
+        if label == "mixed-eager-layers":
+            st.forward.eager.layer_graphs = None
         try:
             for _ in range(2):  # the first block captures graph buckets and compiles; the second is timed
                 active = mixed_sessions(bench, prompt, gen, policies)
@@ -88,6 +93,8 @@ def case_mixed(bench: Bench) -> None:
         except Exception as exc:
             bench.error(case, where, exc)
             continue
+        finally:
+            st.forward.eager.layer_graphs = saved
         round_ms = seconds / a.block * 1e3
         base = round_ms if label == "dual-cache" else base
         bench.add({"case": case, **where, "method": "pdllm", "tokens_per_s": n * a.block / seconds,
@@ -99,7 +106,9 @@ def case_mixed(bench: Bench) -> None:
     drop_rounds(bench)
     bench.meta(case)["setup"] = (
         f"pdllm {a.pdllm_context} context, gen {gen_len}, block {a.block}, one token per step; {n} requests: all "
-        f"dual cache, all none (every row of every request, graphed), then policies cycling {', '.join(MIXED)}; one whole "
+        f"dual cache, all none (every row of every request, graphed), then policies cycling {', '.join(MIXED)} "
+        "(its eager rounds' layers replayed as CUDA graphs around the attention; mixed-eager-layers: every op "
+        "eager); one whole "
         "block timed after one that captures and compiles; round ms = the block's seconds / its rounds; "
         "vs dual cache = the all-dual-cache round time / this round time (same requests count; rows per round "
         "differ: each policy forwards its own rows)."

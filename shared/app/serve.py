@@ -193,7 +193,7 @@ def round_forward(args: argparse.Namespace, model: Any, pool: Any) -> Any:
     kernel = "triton" if cuda and HAS_TRITON else "torch"
     sdar = model.config.block_size is not None  # SDAR's rounds: graphed only when --cuda-graph asks
     if args.cuda_graph or (args.cuda_graph is None and cuda and kernel == "triton" and not sdar):
-        return GraphedRoundForward(model, pool, kernel, capture=True)
+        return GraphedRoundForward(model, pool, kernel, capture=True, layer_graphs=args.layer_graphs)
     return EagerRoundForward(model, pool, kernel)
 
 

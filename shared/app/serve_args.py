@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay batched decode rounds as CUDA graphs, one per padded shape bucket (default: on for "
         "CUDA devices: 1.44 vs 1.25 req/s at 16 x 16K on an H100, benchmarks/results/serving_notes.md)",
     )
+    d.add_argument(
+        "--layer-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("--layer-graphs", True, _env_bool),
+        help="with --cuda-graph: rounds that run eagerly (a decode policy decides inside the forward) replay "
+        "each layer's work around the attention as CUDA graphs (--no-layer-graphs: every op eager)",
+    )
     k = p.add_argument_group("KV tier")
     k.add_argument(
         "--kv-url", default=_env_default("--kv-url", ""), help="redis://host:port/db (empty: CPU only)"

@@ -153,6 +153,13 @@ class SelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.output(attention(self.layer, q, k, v))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[B, Hq, T, D]`` (RoPE applied), k, v ``[B, Hkv, T, D]`` of ``x`` ``[B, T, H]``."""
         b, t, _ = x.shape
         if self.qkv is not None:
             q, k, v = self.qkv(x)
@@ -169,7 +176,11 @@ class SelfAttention(nn.Module):
             q, k = apply_rope_fused(q, k, cos.expand(b, -1, -1), sin.expand(b, -1, -1))
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(self.layer, q, k, v)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of attention's ``out`` ``[B, Hq, T, D]``."""
+        b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -229,17 +240,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        out = attention(self.self_attn.layer, *self.attention_inputs(x, cos, sin))
         edit_ffn = getattr(attention, "edit_ffn", None)
         if edit_ffn is not None:  # a decode policy replaces some rows' FFN output (DyLLM's cached ones)
-            x = x + attn
-            return x + edit_ffn(self.self_attn.layer, self.mlp(self.post_attention_layernorm(x)))
+            x, ffn = self.ffn_of(x, out)
+            return x + edit_ffn(self.self_attn.layer, ffn)
+        return self.after_attention(x, out)
+
+    def attention_inputs(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's work before attention: its q, k, v of ``x``."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's work after attention (``out``): its output."""
+        attn = self.self_attn.output(out)
         if fused_route(self, x):  # residual add and the second norm in one pass over the activations
             norm = self.post_attention_layernorm
             h, x = rms_norm(attn, norm.weight, norm.eps, residual=x)
             return self.mlp(h, residual=x)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def ffn_of(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After attention, split before the residual add of the FFN: ``x`` + attention, and the FFN output."""
+        x = x + self.self_attn.output(out)
+        return x, self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
