@@ -25,6 +25,10 @@ class ModelShape:
     head_dim: int = 32
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
+    # None: Dream layout (bidirectional, q/k/v bias, shifted logits). An int: SDAR layout (block diffusion
+    # with blocks of this many positions, Qwen3's per-head q/k RMSNorm, no bias, unshifted logits), trained
+    # with ``objective.py``'s block-diffusion loss.
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,12 @@ RESCHEDULE_AT = (
 
 
 def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
+    """Dream layout by default; SDAR layout (the block-diffusion family, as ``ModelConfig.from_hf_dict``
+    reads an SDAR checkpoint back: q/k norm on, no attention bias, unshifted logits) with ``block_size``."""
     m = cfg.model
+    sdar = m.block_size is not None
     return ModelConfig(
-        family="dream",
+        family="sdar" if sdar else "dream",
         vocab_size=len(tokenizer),
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
@@ -58,9 +61,11 @@ def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
         head_dim=m.head_dim,
         rope_theta=m.rope_theta,
         max_position_embeddings=m.max_position_embeddings,
-        attention_bias=True,
+        attention_bias=not sdar,
+        qk_norm=sdar,
+        block_size=m.block_size,
         tie_word_embeddings=True,
-        shift_logits=True,
+        shift_logits=not sdar,
         mask_token_id=tokenizer.mask_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -78,8 +83,9 @@ def prose_path(cfg: TrainConfig) -> Path:
 def smoke_variant(cfg: TrainConfig) -> TrainConfig:
     """``--smoke --config FILE``: FILE's data mix (modes, tasks, sequence length, phases) at the scale of
     ``configs/smoke.json`` (its model, steps, optimizer, CPU, no workers), so that a minute on a CPU runs
-    every row type the config draws. Batches hold one full-length row; the causal phase and the length
-    curriculum are cut to the first half of the run so that both phases are exercised."""
+    every row type the config draws; the model keeps the config's layout (``block_size``: SDAR). Batches
+    hold one full-length row; the causal phase and the length curriculum are cut to the first half of the
+    run so that both phases are exercised."""
     smoke = load_config(CONFIG_DIR / "smoke.json")
     half = smoke.max_steps // 2
     data = dataclasses.replace(
@@ -89,7 +95,8 @@ def smoke_variant(cfg: TrainConfig) -> TrainConfig:
         curriculum_steps=min(cfg.data.curriculum_steps, half),
     )
     keep = ("name", "seed")  # the rest comes from smoke.json
-    return dataclasses.replace(smoke, data=data, **{k: getattr(cfg, k) for k in keep})
+    model = dataclasses.replace(smoke.model, block_size=cfg.model.block_size)
+    return dataclasses.replace(smoke, data=data, model=model, **{k: getattr(cfg, k) for k in keep})
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
