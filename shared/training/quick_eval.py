@@ -5,6 +5,11 @@ own validation, not the project's evaluation (``pdllm eval``): the pdllm path he
 (chunk, score by causal self-information + pseudo-label likelihood, keep the top-K chunks in their
 original order, decode over [BOS chunk]... with intra-chunk attention for chunk tokens), written to tell
 whether the model was trained for the engine's three uses.
+
+A block-diffusion (SDAR) model decodes block by block instead (:func:`generate_block_causal`: blocks of the
+model's block size aligned to absolute positions, the prompt's last partial block finished by the answer,
+as ``decode_service/block_diffusion.py`` decodes), both for vanilla and over the kept chunks, which it reads
+block-causally as one contiguous prompt (as ``decode_service/sdar_decode.py`` does).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..eval.tasks import make_sample, prompt_ids
-from ..generation.plain import generate_plain
-from ..generation.sampler import GenerationConfig, denoise
+from ..generation.plain import generate_plain, vanilla_logits_fn
+from ..generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
 from ..model.attention import DenseAttention
 from ..model.loader import load_model
 from ..model.transformer import DiffusionLM
@@ -53,12 +58,44 @@ def chunk_scores(
         seq = torch.cat([torch.tensor([bos], device=device), c, tail])
         rows[i, : seq.numel()] = seq  # right padding is invisible to earlier positions under a causal mask
         starts.append(1 + c.numel())
-    logits = model(rows, attention=DenseAttention(causal=True)).float()
+    # Next-token logits (row j predicts token j + 1), as the prefill scorer reads every model.
+    hidden = model.hidden_states(rows, None, DenseAttention(causal=True))
+    logits = model.lm_head(hidden[:, :-1]).float()
     nll = []
     for i, s in enumerate(starts):
         n = tail.numel()
-        nll.append(F.cross_entropy(logits[i, s : s + n], rows[i, s : s + n]).item())
+        nll.append(F.cross_entropy(logits[i, s - 1 : s - 1 + n], rows[i, s : s + n]).item())
     return torch.tensor(nll)
+
+
+def block_spans(prompt_length: int, gen_length: int, block: int) -> list[tuple[int, int]]:
+    """Response-relative generation blocks aligned to absolute multiples of ``block``."""
+    spans, lo = [], 0
+    while lo < gen_length:
+        hi = min(gen_length, ((prompt_length + lo) // block + 1) * block - prompt_length)
+        spans.append((lo, hi))
+        lo = hi
+    return spans
+
+
+@torch.inference_mode()
+def generate_block_causal(
+    model: DiffusionLM, prompt: torch.Tensor, gen: GenerationConfig
+) -> GenerationResult:
+    """Block diffusion without a cache: every step re-encodes prompt + response under the model's own
+    block-causal attention (a block never sees a later one, so this equals the cached decode)."""
+    block = gen.block_length or model.config.block_size
+    state = DenoiseState(
+        gen,
+        model.config.mask_token_id,
+        model.config.eos_token_id,
+        prompt.device,
+        block_spans(prompt.numel(), gen.gen_length, block),
+    )
+    logits_fn = vanilla_logits_fn(model, prompt, gen.gen_length)
+    while not state.done:
+        state.update(logits_fn(state.tokens, state.positions()))
+    return GenerationResult(state.result(), state.tokens.tolist(), state.steps_taken, 0.0)
 
 
 @torch.inference_mode()
@@ -79,6 +116,8 @@ def generate_pdllm_sim(model: DiffusionLM, tokenizer, context: str, query: str, 
 def _decode_chunks(model: DiffusionLM, chunks: list[torch.Tensor], q: torch.Tensor, gen: GenerationConfig):
     device = q.device
     bos = torch.tensor([model.config.bos_token_id], device=device)
+    if model.config.block_size is not None:
+        return generate_block_causal(model, torch.cat([x for c in chunks for x in (bos, c)] + [q]), gen)
     parts, seg = [], []
     for j, c in enumerate(chunks):
         parts.append(torch.cat([bos, c]))
@@ -100,7 +139,10 @@ def _decode_chunks(model: DiffusionLM, chunks: list[torch.Tensor], q: torch.Tens
 def run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, dtype="float32", device=args.device)
     model, tok = loaded.model, loaded.tokenizer
-    gen = GenerationConfig(gen_length=args.gen_length, steps=args.gen_length)
+    # SDAR: generation blocks of the model's block size (its training block).
+    gen = GenerationConfig(
+        gen_length=args.gen_length, steps=args.gen_length, block_length=model.config.block_size
+    )
     sim = PdllmSim(chunk_size=args.chunk_size, top_k=args.top_k, gen=gen)
     rows = []
     for method, lengths, n in (
@@ -113,7 +155,10 @@ def run(args: argparse.Namespace) -> dict:
                 t0 = time.perf_counter()
                 for seed in range(n):
                     s = make_sample(args.task, length, depth, seed, tok)
-                    if method == "vanilla":
+                    if method == "vanilla" and model.config.block_size is not None:
+                        ids = torch.tensor(prompt_ids(tok, s), device=args.device)
+                        out = generate_block_causal(model, ids, gen)
+                    elif method == "vanilla":
                         out = generate_plain(model, prompt_ids(tok, s), gen)
                     else:
                         out, keep = generate_pdllm_sim(model, tok, s.context, s.query, sim)

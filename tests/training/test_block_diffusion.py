@@ -30,6 +30,7 @@ from pdllm.shared.training.objective import (
     compute_loss,
     mask_for_blocks,
 )
+from pdllm.shared.training.quick_eval import chunk_scores, generate_block_causal
 from tests.eval.test_infilling import make_docs
 from tests.reference.block_diffusion import generate_block_diffusion
 
@@ -184,3 +185,7 @@ def test_sdar_smoke_trains_and_decodes(tmp_path, tokenizer) -> None:
     config = GenerationConfig(gen_length=12, steps=12, block_length=BLOCK, threshold=None, stop_at_eos=False)
     result = generate_block_diffusion(loaded.model, prompt, config)
     assert len(result.raw_tokens) == 12 and 3 not in result.raw_tokens
+    # quick_eval's uncached block-by-block loop decodes the same tokens as the cached reference loop.
+    assert generate_block_causal(loaded.model, prompt, config).raw_tokens == result.raw_tokens
+    rows = chunk_scores(loaded.model, [prompt[1:3], prompt[1:2]], prompt[3:], None)
+    assert rows.shape == (2,) and torch.isfinite(rows).all()
