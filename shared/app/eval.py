@@ -16,7 +16,17 @@ the no-cache one (by definition 1 under ``none``, where nothing is decoded twice
 (``shared/eval/infilling.py``) cuts a 64-256-token span out of a held-out prose document (the prose corpus
 must be built: ``shared/training/PROSE.md``) and asks for it back: rows score the exact-span rate
 (``accuracy``) and ``token_accuracy`` against the span's own tokens; its generation length is sized per
-sample as long-answer's. ``--traces FILE``
+sample as long-answer's.
+
+``--threshold T`` decodes with Fast-dLLM's confidence threshold (``GenerationConfig.threshold``): each step
+unmasks every masked position of the current block whose confidence is above ``T``, at least one (its
+most confident); ``steps`` is then no schedule (the sampler runs until each block is unmasked), so it is
+set to the generation length as without one. Unset: one token per step. A comma list
+(``none,0.7,0.8,0.9``; ``none``: one token per step) runs the grid once per value, into one report. Every
+row carries its ``threshold`` (None: one token per step) and ``tpf``, tokens per forward: the cell's answer
+tokens up to and including each sample's first EOS (slots after it excluded) over the denoising steps of
+its decodes, one model forward per step (``shared/eval/tpf.py`` says what is and is not counted), with the
+sums ``tokens`` and ``forwards`` it pools. ``--traces FILE``
 writes one JSON line per decoded sample: its cell, the expected answer, and the response with its trace in
 the fields ``generate --json`` and ``ask --json`` print (``shared/rpc/trace_format.py``).
 
@@ -36,7 +46,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +73,7 @@ from pdllm.shared.eval.long_answer import (
 )
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
+from pdllm.shared.eval.tpf import TPF_NOTE, answer_tokens, parse_thresholds, threshold_header, tpf
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.prompt import encode_prompt
@@ -87,6 +98,7 @@ class EvalSettings:
     kv_mode: str | None = None
     chunk_boundary: str | None = None
     block_length: int | None = None  # None: one block of gen_length
+    threshold: float | None = None  # None: one token per step; else unmask every position above it
     decode_policy: DecodePolicyConfig = DecodePolicyConfig()  # both methods' decode (none: the plain loops)
 
     def engine_config(
@@ -112,13 +124,16 @@ Decoder = Callable[[AnySample, GenerationConfig, DecodePolicyConfig], list[int]]
 
 def generation(settings: EvalSettings, tokenizer: object, sample: AnySample) -> GenerationConfig:
     """The sample's generation settings: the flags', or for long-answer (infilling) its passage's (span's)
-    length in blocks."""
+    length in blocks. One step per answer token, or under a threshold as many as its confidences take
+    (``steps`` is then unused by the sampler)."""
     n = settings.gen_length
     if isinstance(sample, LongAnswerSample):
         n = answer_gen_length(tokenizer, sample, settings.block_length or LONG_ANSWER_ROUND)
     elif isinstance(sample, InfillSample):
         n = infill_gen_length(sample, settings.block_length or LONG_ANSWER_ROUND)
-    gen = GenerationConfig(gen_length=n, steps=n, block_length=settings.block_length)
+    gen = GenerationConfig(
+        gen_length=n, steps=n, block_length=settings.block_length, threshold=settings.threshold
+    )
     gen.validate()
     return gen
 
@@ -129,10 +144,17 @@ def make_decoder(
     settings: EvalSettings,
     train_length: int,
     responses: list[pb.GenerateResponse] | None = None,
+    results: list[GenerationResult] | None = None,
 ) -> Decoder:
     """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``.
-    ``responses``: each decode's response (answer and trace, as ``generate`` gives it) is appended there."""
+    ``responses``: each decode's response (answer and trace, as ``generate`` gives it) is appended there;
+    ``results``: each decode's ``GenerationResult`` (all its slots and its steps: what TPF counts)."""
     tok = loaded.tokenizer
+
+    def done(result: GenerationResult) -> list[int]:
+        if results is not None:
+            results.append(result)
+        return result.token_ids
 
     def keep(ids: Any, result: GenerationResult, seconds: float, sel: Any = None) -> None:
         if responses is not None:
@@ -154,7 +176,7 @@ def make_decoder(
             started = time.perf_counter()
             result = worker.vanilla(prompt, gen, policy)
             keep(ids, result, time.perf_counter() - started)
-            return result.token_ids
+            return done(result)
 
         return vanilla
     if method != "pdllm":
@@ -170,11 +192,11 @@ def make_decoder(
             engines[cfg] = PrefillingEngine(loaded.model, tok, cfg)
         if responses is None:
             out, _ = engines[cfg].generate(ids.context, ids.query, gen, decode_policy=policy)
-            return out.token_ids
+            return done(out)
         started = time.perf_counter()
         out, sel = generate_traced(engines[cfg], ids, gen, policy)  # the Selection: for the trace
         keep(ids, out, time.perf_counter() - started, sel)
-        return out.token_ids
+        return done(out)
 
     return pdllm
 
@@ -211,10 +233,15 @@ def run_grid(
 ) -> list[dict]:
     """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results.
     ``agreement``: also decode with policy ``none`` and report the share of tokens both decodings share.
-    ``on_trace``: called with each sample's record (cell, expected answer, response with its trace)."""
+    ``on_trace``: called with each sample's record (cell, expected answer, response with its trace).
+    Each row carries the settings' ``threshold`` and the cell's ``tpf`` (``shared/eval/tpf.py``): its
+    samples' answer tokens (up to and including the first EOS) over their decodes' steps, both summed
+    (``tokens``, ``forwards``); the agreement reference decodes are not counted."""
     tok = loaded.tokenizer
+    eos, mask = loaded.config.eos_token_id, loaded.config.mask_token_id
     responses: list[pb.GenerateResponse] | None = [] if on_trace is not None else None
-    decoders = {m: make_decoder(loaded, m, settings, train_length, responses) for m in methods}
+    results: list[GenerationResult] = []
+    decoders = {m: make_decoder(loaded, m, settings, train_length, responses, results) for m in methods}
     policy = settings.decode_policy
     twice = agreement and policy.name != "none"  # under none the reference is the decoding itself
     rows: list[dict] = []
@@ -229,9 +256,14 @@ def run_grid(
                         exact: list[float] = []
                         token_acc: list[float] = []
                         agree: list[float] = []
+                        tokens = forwards = 0
                         for seed, s in enumerate(cell):
                             gen = generation(settings, tok, s)
+                            results.clear()
                             ids = decoders[method](s, gen, policy)
+                            (result,) = results
+                            tokens += answer_tokens(result.raw_tokens, eos, mask)
+                            forwards += result.steps
                             text = tok.decode(ids, skip_special_tokens=True)
                             if isinstance(s, LongAnswerSample):
                                 score = score_passage(tok, text, s.answer)
@@ -244,17 +276,18 @@ def run_grid(
                             else:
                                 exact.append(exact_match(text, s.answer))
                             if on_trace is not None and responses:
-                                on_trace(
-                                    {
-                                        "task": task,
-                                        "context_length": length,
-                                        "depth": depth,
-                                        "seed": seed,
-                                        "expected": s.answer,
-                                        "exact": bool(exact[-1]),
-                                        "response": message_json(responses.pop()),
-                                    }
-                                )
+                                record = {
+                                    "task": task,
+                                    "context_length": length,
+                                    "depth": depth,
+                                    "seed": seed,
+                                    "expected": s.answer,
+                                    "exact": bool(exact[-1]),
+                                    "response": message_json(responses.pop()),
+                                }
+                                if settings.threshold is not None:  # one-token-per-step records: as ever
+                                    record["threshold"] = settings.threshold
+                                on_trace(record)
                             bar.update(1)
                             if twice:
                                 ref = decoders[method](s, gen, DecodePolicyConfig())
@@ -267,10 +300,14 @@ def run_grid(
                         row = {
                             "method": method,
                             "decode_policy": policy.name,
+                            "threshold": settings.threshold,
                             "task": task,
                             "context_length": length,
                             "depth": depth,
                             "accuracy": _mean(exact),
+                            "tpf": None if (v := tpf(tokens, forwards)) is None else round(v, 4),
+                            "tokens": tokens,
+                            "forwards": forwards,
                             "samples": samples,
                             "seconds": round(time.perf_counter() - start, 3),
                         }
@@ -280,7 +317,10 @@ def run_grid(
                             row["agreement"] = round(_mean(agree), 4)
                         rows.append(row)
                     bar.set_postfix_str(
-                        " ".join(f"{r['method']}={r['accuracy']:.2f}" for r in rows[-len(methods) :])
+                        " ".join(
+                            f"{r['method']}={r['accuracy']:.2f} tpf={r['tpf'] or 0:.2f}"
+                            for r in rows[-len(methods) :]
+                        )
                     )
                     if on_cell is not None:
                         on_cell(rows)
@@ -358,6 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument(
         "--block-length", type=int, default=None, help="block length (default: one block of --gen-length)"
     )
+    n.add_argument(
+        "--threshold",
+        default=None,
+        metavar="T[,T...]",
+        help="confidence threshold in (0, 1]: each step unmasks every masked position of the block whose "
+        "confidence is above T (at least one); a comma list runs the grid once per value, `none` in it "
+        "one token per step (default: one token per step)",
+    )
     e = p.add_argument_group("pdllm method")
     e.add_argument(
         "--chunk-size",
@@ -424,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--tasks is empty (expected some of {', '.join(EVAL_TASKS)})")
     if args.samples <= 0:
         raise ValueError("--samples must be positive")
+    thresholds = parse_thresholds(args.threshold)
     # Checked before a long model load, named as the flags that set them. Long-answer and infilling size
     # their generation length themselves, in whole blocks: only the block length is checked for them.
     n = args.gen_length if set(tasks) - set(PER_SAMPLE_LENGTH) else args.block_length or LONG_ANSWER_ROUND
@@ -467,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "pdllm": f"chunk_size={e.chunk_size} top_k~{e.top_k} score_mode={e.score_mode} kv_mode={e.kv_mode}"
         f" chunk_boundary={e.chunk_boundary}",
         "decode_policy": _describe(policy),
+        "threshold": threshold_header(thresholds),
+        "tpf": TPF_NOTE,
     }
     if LONG_ANSWER in tasks:
         block = args.block_length or LONG_ANSWER_ROUND
@@ -489,20 +540,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.traces is not None:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         traces = args.traces.open("w", encoding="utf-8")
+    rows: list[dict] = []
     try:
-        rows = run_grid(
-            loaded,
-            methods,
-            tasks,
-            lengths,
-            _floats(args.depths),
-            args.samples,
-            settings,
-            train_length,
-            on_cell=save,
-            agreement=args.agreement,
-            on_trace=None if traces is None else lambda record: print(json.dumps(record), file=traces),
-        )
+        for threshold in thresholds:  # one grid per value; the report holds them all
+            before = list(rows)
+
+            def on_cell(cell_rows: list[dict], before: list[dict] = before) -> None:
+                save(before + cell_rows)
+
+            rows = before + run_grid(
+                loaded,
+                methods,
+                tasks,
+                lengths,
+                _floats(args.depths),
+                args.samples,
+                replace(settings, threshold=threshold),
+                train_length,
+                on_cell=on_cell,
+                agreement=args.agreement,
+                on_trace=None if traces is None else lambda record: print(json.dumps(record), file=traces),
+            )
     finally:
         if traces is not None:
             traces.close()

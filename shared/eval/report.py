@@ -1,6 +1,12 @@
 """Reports of ``pdllm eval`` runs: Markdown tables, heatmaps (methods side by side, as the paper's
 Figure 6), and merging the JSON of several runs (a grid split over device calls) into one report.
 
+A row's cell is its method, confidence threshold, task, context length and depth. Its ``threshold`` is None
+for one token per step, as in reports written before rows carried it (a row without the field is read so);
+its ``tpf`` (tokens per forward, ``shared/eval/tpf.py``) gets a table per task, whose ``all`` column pools
+the row's cells (their summed ``tokens`` over their summed ``forwards``). Rows without ``tpf`` (reports
+written before it existed) are left out of that table only.
+
 ``python -m pdllm.shared.eval.report --name NAME --out DIR A.json B.json ...``
 """
 
@@ -13,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pdllm.shared.cli_args import Parser
+from pdllm.shared.eval.tpf import TPF_NOTE, describe, threshold_header
 
 METHODS = ("vanilla", "pdllm")
 
@@ -26,31 +33,63 @@ METRICS = (
 # The long-answer task's `accuracy` is the exact-passage rate, the infilling task's the exact-span rate.
 TITLES = {("long-answer", "accuracy"): "exact passage, %", ("infilling", "accuracy"): "exact span, %"}
 XLABELS = {"long-answer": "gold paragraph depth", "infilling": "depth of the missing span"}
+TPF_TITLE = "tokens per forward"
+
+
+def threshold_of(row: dict) -> float | None:
+    """The row's confidence threshold; None (one token per step) where the row has none."""
+    return row.get("threshold")
+
+
+def _threshold_order(t: float | None) -> tuple[bool, float]:
+    return (t is not None, t or 0.0)
+
+
+def _pooled_tpf(rows: list[dict]) -> float:
+    """The rows' tokens over their forwards where all carry both, else the mean of their ``tpf``."""
+    if all("tokens" in r and "forwards" in r for r in rows) and sum(r["forwards"] for r in rows):
+        return sum(r["tokens"] for r in rows) / sum(r["forwards"] for r in rows)
+    return sum(r["tpf"] for r in rows) / len(rows)
+
+
+def _table(rows: list[dict], task: str, metric: str, title: str) -> list[str]:
+    """One Markdown table of ``metric`` for ``task``: a line per method, threshold and length."""
+    mine = [r for r in rows if r["task"] == task and r.get(metric) is not None]
+    if not mine:
+        return []
+    depths = sorted({r["depth"] for r in rows if r["task"] == task})
+    last = "all" if metric == "tpf" else "mean"
+    lines = ["", f"## {task} ({title})", ""]
+    lines.append("| method | threshold | length | " + " | ".join(f"{d:.0%}" for d in depths) + f" | {last} |")
+    lines.append("| --- | --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
+    for method in sorted({r["method"] for r in mine}):
+        for threshold in sorted({threshold_of(r) for r in mine}, key=_threshold_order):
+            for length in sorted({r["context_length"] for r in mine}):
+                cells = {
+                    r["depth"]: r
+                    for r in mine
+                    if (r["method"], threshold_of(r), r["context_length"]) == (method, threshold, length)
+                }
+                if not cells:
+                    continue
+                if metric == "tpf":
+                    body = " | ".join(f"{cells[d]['tpf']:.2f}" if d in cells else "—" for d in depths)
+                    end = f"{_pooled_tpf(list(cells.values())):.2f}"
+                else:
+                    got = {d: r[metric] for d, r in cells.items()}
+                    body = " | ".join(f"{100 * got[d]:.0f}" if d in got else "—" for d in depths)
+                    end = f"{100 * sum(got.values()) / len(got):.1f}"
+                lines.append(f"| {method} | {describe(threshold)} | {length} | {body} | {end} |")
+    return lines
 
 
 def write_markdown(rows: list[dict], header: dict, path: Path) -> None:
     lines = [f"# {header['title']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "title"]
     for task in sorted({r["task"] for r in rows}):
-        depths = sorted({r["depth"] for r in rows if r["task"] == task})
         for metric, title in METRICS:
-            if not any(metric in r for r in rows if r["task"] == task):
-                continue
-            lines += ["", f"## {task} ({TITLES.get((task, metric), title)})", ""]
-            lines.append("| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
-            lines.append("| --- | --- | " + " | ".join("---" for _ in depths) + " | --- |")
-            for method in sorted({r["method"] for r in rows}):
-                for length in sorted({r["context_length"] for r in rows if r["task"] == task}):
-                    got = {
-                        r["depth"]: r[metric]
-                        for r in rows
-                        if (r["task"], r["method"], r["context_length"]) == (task, method, length)
-                        and metric in r
-                    }
-                    if got:
-                        body = " | ".join(f"{100 * got[d]:.0f}" if d in got else "—" for d in depths)
-                        mean = 100 * sum(got.values()) / len(got)
-                        lines.append(f"| {method} | {length} | {body} | {mean:.1f} |")
+            lines += _table(rows, task, metric, TITLES.get((task, metric), title))
+        lines += _table(rows, task, "tpf", TPF_TITLE)
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -71,13 +110,16 @@ def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
     paths = []
     for task in sorted({r["task"] for r in rows}):
         methods = sorted({r["method"] for r in rows if r["task"] == task}, key=METHODS.index)
+        thresholds = sorted({threshold_of(r) for r in rows if r["task"] == task}, key=_threshold_order)
         lengths = sorted({r["context_length"] for r in rows if r["task"] == task})
         depths = sorted({r["depth"] for r in rows if r["task"] == task})
-        fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 3.6), squeeze=False)
-        for ax, method in zip(axes[0], methods):
+        # A panel per method and threshold; titles name the threshold unless every row is one token per step.
+        panels = [(m, t) for m in methods for t in thresholds]
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+        for ax, (method, threshold) in zip(axes[0], panels):
             grid = torch.full((len(lengths), len(depths)), float("nan"))
             for r in rows:
-                if r["task"] == task and r["method"] == method:
+                if (r["task"], r["method"], threshold_of(r)) == (task, method, threshold):
                     grid[lengths.index(r["context_length"]), depths.index(r["depth"])] = r["accuracy"]
             im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
@@ -85,7 +127,8 @@ def write_heatmaps(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
             ax.set_xlabel(XLABELS.get(task, "gold fact depth"))
             if ax is axes[0][0]:
                 ax.set_ylabel("context tokens")
-            ax.set_title(f"{method} — {task}")
+            suffix = "" if thresholds == [None] else f", threshold {describe(threshold)}"
+            ax.set_title(f"{method}{suffix} — {task}")
             for i in range(len(lengths)):
                 for j in range(len(depths)):
                     if not torch.isnan(grid[i, j]):
@@ -103,7 +146,9 @@ def merge(paths: list[Path]) -> tuple[dict, list[dict]]:
     """Header of the last run (commands of all joined) and the rows of all; a later run's cell wins.
 
     The last run's header describes the settings of the cells it won (e.g. a newer default), so it is the
-    one to show; earlier runs only fill cells the later ones did not measure.
+    one to show; earlier runs only fill cells the later ones did not measure. A cell is keyed by its
+    threshold too (a row without one: one token per step), and the header's thresholds are those of the
+    merged rows.
     """
     runs = [json.loads(p.read_text()) for p in paths]
     if len({r["train_length"] for r in runs}) > 1:
@@ -114,8 +159,13 @@ def merge(paths: list[Path]) -> tuple[dict, list[dict]]:
     cells: dict[tuple, dict] = {}
     for run in runs:
         for row in run["rows"]:
-            cells[(row["method"], row["task"], row["context_length"], row["depth"])] = row
-    return header, list(cells.values())
+            key = (row["method"], threshold_of(row), row["task"], row["context_length"], row["depth"])
+            cells[key] = row
+    rows = list(cells.values())
+    header["threshold"] = threshold_header(sorted({threshold_of(r) for r in rows}, key=_threshold_order))
+    if any("tpf" in r for r in rows):
+        header["tpf"] = TPF_NOTE
+    return header, rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,9 @@ def test_grid_writes_json_markdown_and_heatmaps(ckpt, tmp_path, capsys) -> None:
     for r in rows:
         assert set(r) >= {"method", "task", "context_length", "depth", "accuracy", "samples"}
         assert r["samples"] == 2 and 0.0 <= r["accuracy"] <= 1.0
-    assert (tmp_path / "t.md").read_text().count("| vanilla |") == 2
+        assert r["threshold"] is None and 0.0 < r["tpf"] <= 1.0  # one token per step
+    md = (tmp_path / "t.md").read_text()
+    assert md.count("| vanilla | 1/step |") == 2 * 2  # lengths x (exact match, tokens per forward)
     assert (tmp_path / "t_needle.png").stat().st_size > 0
     capsys.readouterr()
 
