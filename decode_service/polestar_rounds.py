@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdllm.decode_service.policies import StepContext, StepPlan
-from pdllm.decode_service.policies.polestar import Polestar, PolestarState, layer_inputs
+from pdllm.decode_service.policies.polestar import Polestar, PolestarState
 from pdllm.decode_service.policy_rounds import PolicyBatchSession
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import RoundRows
@@ -99,20 +99,20 @@ class PolestarRecord:
     policy: Polestar
     positions: torch.Tensor  # [N] every local row's position
     model: Any = None
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # each layer's input [1, T, H], filled by the round's forward before the layer
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @contextmanager
     def attach(self, model: Any) -> Iterator[None]:
         self.model = model
-        with layer_inputs(model, self.inputs):
-            yield
+        yield
 
     def __call__(
         self, layer: int, base: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: Any
     ) -> None:
         s = self.session
         own = slice(base, base + self.positions.numel())
-        x = self.inputs.pop(layer)[0, own]
+        x = self.layer_inputs.pop(layer)[0, own]
         s.polestar.record(
             self.policy, self.model, layer, x, k[own].transpose(0, 1)[None], s.span, self.positions
         )

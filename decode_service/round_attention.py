@@ -24,8 +24,9 @@ ROUND_ATTENTIONS = ("torch", "triton")
 LayerStore = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, "PagedBatchAttention"], None]
 """``(layer, first packed row, q [1, Hq, T, D], k [T, Hkv, D], v [T, Hkv, D], the round's attention)``,
 called before the layer's attention; it may store into ``attention.kv`` (the pool's K/V) and attend with
-``attention.paged``. A store with an ``attach(model)`` context manager has it entered around the forward
-(to read layer inputs: Polestar-Cache's)."""
+``attention.paged``. A store with an ``attach(model)`` context manager has it entered around the forward;
+one with a ``layer_inputs`` dict gets each layer's input ``[1, T, H]`` there, under the layer's index, before
+the layer runs (Polestar-Cache's refresh)."""
 
 
 class PagedBatchAttention:

@@ -329,8 +329,10 @@ class LayerGraphs:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: PagedBatchAttention,
+        layer_inputs: Sequence[dict[int, torch.Tensor]] = (),
     ) -> torch.Tensor:
-        """``layers`` over ``x`` ``[1, T, H]``; the output ``[1, T, H]`` (a view of the bucket's buffer)."""
+        """``layers`` over ``x`` ``[1, T, H]``; the output ``[1, T, H]`` (a view of the bucket's buffer).
+        ``layer_inputs``: dicts that get a copy of each layer's input under its index."""
         t = x.shape[1]
         b = self._bucket(token_bucket(t), x, cos.shape[-1])
         b.uses += 1
@@ -340,6 +342,8 @@ class LayerGraphs:
         edit = attention.edit_ffn
         for layer in layers:
             i = layer.self_attn.layer
+            for inputs in layer_inputs:
+                inputs[i] = b.x[:, :t].clone()  # the buffer changes in place layer after layer
             self._run(b, ("pre", i), lambda layer=layer: self._pre(layer, b))
             out = attention(i, b.q[:, :, :t], b.k[:, :, :t], b.v[:, :, :t])
             b.attn[:, :, :t].copy_(out)

@@ -295,11 +295,21 @@ def part_writes(
     return [(first + where[row], page, slot) for row, page, slot in writes]
 
 
+def embed(
+    model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer-0 input ``[1, n, H]`` and RoPE tables of ``tokens`` / ``positions`` ``[n]`` (the model's own
+    ``hidden_states`` steps, for packed rows)."""
+    x = model.model.embed_tokens(tokens[None])
+    cos, sin = model.model.rotary_emb(positions[None], x.dtype)
+    return x, cos, sin
+
+
 class EagerRoundForward:
     """A round's forward run op by op: packed tokens in, logits of the packed ``rows`` out (a round whose
     rows change between layers: ``split_rounds.split_forward``). ``layer_graphs``: the layers' work around
     the attention replayed as CUDA graphs (``round_graphs.LayerGraphs``), the attention and the policy's
-    per-layer work eager; not for rounds whose stores read the layers' inputs through module hooks."""
+    per-layer work eager."""
 
     def __init__(
         self, model: DiffusionLM, pool: DecodeKVPool, kernel: str, layer_graphs: LayerGraphs | None = None
@@ -315,12 +325,14 @@ class EagerRoundForward:
         sin: torch.Tensor,
         attention: PagedBatchAttention,
     ) -> torch.Tensor:
-        """``layers`` over ``x``: through :attr:`layer_graphs` where it may run them, else each layer's
-        forward (a store with ``attach`` reads layer inputs through module hooks, which replays skip)."""
-        hooked = any(getattr(store, "attach", None) is not None for _, store in packed.stores)
-        if self.layer_graphs is not None and not hooked:
-            return self.layer_graphs.run(layers, x, cos, sin, attention)
+        """``layers`` over ``x``: through :attr:`layer_graphs`, else each layer's forward. A store with a
+        ``layer_inputs`` dict gets each layer's input there (``round_attention.LayerStore``)."""
+        wants = [store.layer_inputs for _, store in packed.stores if hasattr(store, "layer_inputs")]
+        if self.layer_graphs is not None:
+            return self.layer_graphs.run(layers, x, cos, sin, attention, wants)
         for layer in layers:
+            for inputs in wants:
+                inputs[layer.self_attn.layer] = x
             x = layer(x, cos, sin, attention)
         return x
 
@@ -351,14 +363,9 @@ class EagerRoundForward:
                 attach = getattr(store, "attach", None)
                 if attach is not None:
                     stack.enter_context(attach(self.model))
-            if self.layer_graphs is None:
-                hidden = self.model.hidden_states(ids[None], positions[None], attention)
-            else:
-                from pdllm.decode_service.split_rounds import embed  # it builds on this module
-
-                x, cos, sin = embed(self.model, ids, positions)
-                x = self.run_layers(packed, self.model.model.layers, x, cos, sin, attention)
-                hidden = self.model.model.norm(x)
+            x, cos, sin = embed(self.model, ids, positions)
+            x = self.run_layers(packed, self.model.model.layers, x, cos, sin, attention)
+            hidden = self.model.model.norm(x)
         if carried is not None:
             assert attention.prefill is not None
             carried.commit(attention.prefill.staging)

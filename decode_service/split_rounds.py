@@ -21,22 +21,11 @@ import torch
 
 from pdllm.decode_service.layer_edits import group_edits
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import PackedRound, part_writes
+from pdllm.decode_service.rounds import PackedRound, embed, part_writes
 from pdllm.shared.generation.device_sampler import to_device
-from pdllm.shared.model.transformer import DiffusionLM
 
 if TYPE_CHECKING:
     from pdllm.decode_service.rounds import EagerRoundForward
-
-
-def embed(
-    model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layer-0 input ``[1, n, H]`` and RoPE tables of ``tokens`` / ``positions`` ``[n]`` (the model's own
-    ``hidden_states`` steps, for chosen rows)."""
-    x = model.model.embed_tokens(tokens[None])
-    cos, sin = model.model.rotary_emb(positions[None], x.dtype)
-    return x, cos, sin
 
 
 @dataclass(frozen=True)
