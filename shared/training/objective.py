@@ -100,6 +100,24 @@ def block_diffusion_mask(t: int, block_size: int, device: torch.device | None = 
     return torch.cat([noisy, clean], dim=0)[None, None]
 
 
+@dataclass
+class MaskedAttention:
+    """Attention under a boolean ``[1, 1, T, T]`` mask with the K/V heads repeated to the query heads first.
+
+    The same values as :class:`~..model.attention.DenseAttention` with that mask. SDPA runs grouped-query
+    attention only in its flash kernel (no mask) and its math kernel (fp32 scores ``[B, H, T, T]`` kept for
+    the backward: tens of GB for a 2T = 2176-token two-stream batch); with the heads repeated, a masked SDPA
+    can take the memory-efficient kernel instead."""
+
+    mask: torch.Tensor
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
 def block_diffusion_hidden(
     model: DiffusionLM, ids: torch.Tensor, masked: torch.Tensor, mask_id: int
 ) -> torch.Tensor:
@@ -109,7 +127,7 @@ def block_diffusion_hidden(
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     pos = torch.arange(t, device=ids.device)
     positions = torch.cat([pos, pos])[None].expand(b, -1)
-    attention = DenseAttention(mask=block_diffusion_mask(t, model.config.block_size, ids.device))
+    attention = MaskedAttention(block_diffusion_mask(t, model.config.block_size, ids.device))
     return model.hidden_states(torch.cat([noisy, ids], dim=1), positions, attention)[:, :t]
 
 
