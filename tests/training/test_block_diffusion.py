@@ -6,7 +6,9 @@ Plants (made by hand, each seen to fail here, then reverted):
   clean part) fails ``test_mask_matches_the_definition``, ``test_block_sees_neither_later_blocks_nor_masked_truths``
   and ``test_training_view_equals_the_decode_view``;
 - a noisy block seeing its own clean copy (``k < q`` -> ``k <= q`` there) leaks the masked tokens' true values
-  and fails the same three tests.
+  and fails the same three tests;
+- the clean half at positions ``T..2T-1`` instead of ``0..T-1`` in ``block_diffusion_hidden`` (RoPE sees
+  other distances than decoding does) fails ``test_training_view_equals_the_decode_view``.
 """
 
 from __future__ import annotations
