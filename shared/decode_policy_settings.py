@@ -24,6 +24,7 @@ CACHING = "prefix-cache, dual-cache, sparse-dllm or polestar"
 # cache to refresh, so cache_refresh_steps is refused under them as under none.
 COMPUTE_SKIP = ("dyllm", "focus")
 ResidualFormat = Literal["int8", "fp8", "none"]
+PolestarRecompute = Literal["propagated", "per-layer"]
 # A switch of a knob group: a string choice, so that flags, variables and the wire field (optional string)
 # take it like any other choice setting (the schema is strict and has no bool settings).
 Switch = Literal["on", "off"]
@@ -130,6 +131,13 @@ class DecodePolicySettings(Settings):
         "int8",
         "format of the hidden-state residuals offloaded to CPU memory: int8 or fp8 (e4m3, per-row scale) "
         "or none (kept exact; none: {paper})",
+    )
+    polestar_recompute: PolestarRecompute | None = knob(
+        "polestar",
+        "propagated",
+        "rows an update recomputes at a layer: its drifting clusters' rows plus every row recomputed at the "
+        "layers before (propagated, the paper's 'propagates update signals to subsequent layers') or its "
+        "drifting clusters' rows alone (per-layer) (none: {paper})",
     )
 
     # Unset, the threshold is the paper's for the model family (``PAPER_THRESHOLDS``).

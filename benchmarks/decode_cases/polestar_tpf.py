@@ -38,22 +38,19 @@ def case_polestar_tpf(bench: Bench) -> None:
     eos, mask = loaded.config.eos_token_id, loaded.config.mask_token_id
     for task, length, method in SMOKE_TPF_CELLS if bench.run.smoke else TPF_CELLS:
         block = 4 if task == "needle" else 32
-        for name in ("none", "dual-cache", "polestar"):
+        for name in ("none", "dual-cache", "polestar", "polestar-per-layer"):
             where = {"task": task, "context_tokens": length, "method": method, "policy": name}
             if bench.left() <= 0:
                 bench.skip(case, where, "time budget spent")
                 continue
-            steps = tokens = correct = same = compared = forwards = 0
+            steps = tokens = correct = same = compared = forwards = recomputed = recomputable = 0
             seconds = 0.0
             try:
                 for i, depth in enumerate(a.tpf_depths):
                     sample = eval_sample(task, length, depth, 7000 + i, tok)
                     n = 8 if task == "needle" else answer_gen_length(tok, sample, block)
                     gen = GenerationConfig(gen_length=n, steps=n, block_length=block, threshold=a.threshold)
-                    ids, policy = (
-                        encode_prompt(tok, sample.context, sample.question),
-                        DecodePolicyConfig(name),
-                    )
+                    ids, policy = encode_prompt(tok, sample.context, sample.question), _policy(name)
                     with counter.tally() as tally:
                         if method == "vanilla":
                             prompt = ids.vanilla(loaded.config.bos_token_id)
@@ -65,6 +62,11 @@ def case_polestar_tpf(bench: Bench) -> None:
                                 result, _ = engine.generate(ids.context, ids.query, gen, decode_policy=policy)
                     steps, forwards = steps + result.steps, forwards + tally.forwards
                     tokens += answer_slots(result.raw_tokens, eos, mask)
+                    if result.cache.get("updates"):  # rows an update could recompute: cached rows x layers
+                        local = (len(prompt) if method == "vanilla" else len(ids.query)) + n
+                        cached = local - block - int(loaded.config.shift_logits)
+                        recomputed += result.cache["rows_recomputed"]
+                        recomputable += result.cache["updates"] * loaded.config.num_layers * cached
                     seconds += result.decode_seconds
                     text = tok.decode(result.token_ids, skip_special_tokens=True)
                     correct += task == "needle" and exact_match(text, sample.answer)
@@ -82,10 +84,19 @@ def case_polestar_tpf(bench: Bench) -> None:
                        "peak_gib": None, "task": task, "block": block, "threshold": a.threshold, "samples": k,
                        "forwards": steps, "forwards_counted": forwards, "tokens": tokens,
                        "accuracy": correct / k if task == "needle" else None,
-                       "agreement": same / compared if compared else None})  # fmt: skip
+                       "agreement": same / compared if compared else None,
+                       "recomputed_frac": recomputed / recomputable if recomputable else None})  # fmt: skip
     bench.meta(case)["setup"] = (
         f"shipped model `{SHIPPED.relative_to(ROOT)}` on {bench.device.type}, threshold {a.threshold}, depths "
         f"{a.tpf_depths}; forwards = denoising steps (one forward each; forwards_per_round checks it by "
         "counting); tokens = answer slots up to and including the first EOS; TPF = tokens / forwards; "
-        "agreement: raw answer slots equal to the run without a policy."
+        "agreement: raw answer slots equal to the run without a policy; recomputed_frac: cached rows a "
+        "Polestar update recomputed, over every layer of every update (polestar-per-layer: "
+        "--polestar-recompute per-layer)."
     )
+
+
+def _policy(name: str) -> DecodePolicyConfig:
+    if name == "polestar-per-layer":
+        return DecodePolicyConfig("polestar", polestar={"polestar_recompute": "per-layer"})
+    return DecodePolicyConfig(name)

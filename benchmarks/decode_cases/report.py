@@ -53,11 +53,13 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
         return ["(no rows)"]
     if case == "polestar-tpf":
         return table(["task", "context", "method", "policy", "forwards", "tokens", "TPF", "fwd/round", "accuracy",
-                      "agreement"],
+                      "agreement", "rows recomputed"],
                      [[r["task"], str(r["context_tokens"]), r["method"], r["policy"], str(r["forwards"]),
                        str(r["tokens"]), fmt(r["tpf"]), fmt(r["forwards_per_round"]),
                        "—" if r["accuracy"] is None else f"{100 * r['accuracy']:.0f}%",
-                       f"{100 * r['agreement']:.1f}%"] for r in rows])  # fmt: skip
+                       f"{100 * r['agreement']:.1f}%",
+                       "—" if r.get("recomputed_frac") is None else f"{100 * r['recomputed_frac']:.1f}%"]
+                      for r in rows])  # fmt: skip
     if case == "focus-batched":
         return table(["model", "policy", "batch", "gen", *COMMON[:4], "vs plain batched", "vs plain rounds",
                       "rows computed / plain", "peak GiB"],

@@ -28,8 +28,11 @@ Per block (the block at local rows ``[o, e)``, forwarded rows ``F = [o - lead, e
 4. **Selective refresh** (§4.2): the M clusters of largest KL among those with ``KL >= drift_threshold``
    (the paper's intro: "when drift exceeds a threshold"; 0 = §4.2's top-M alone; ties: lower cluster)
    give the rows ``D_l``; with the rows recomputed at earlier layers (their inputs changed: "propagates
-   update signals to subsequent layers") ``D_l = D_{l-1} ∪ members``. Each row of ``D_l`` runs layer l
-   in full: its input (exact for ``D_{l-1}``, dequantized from the CPU for the newly selected),
+   update signals to subsequent layers") ``D_l = D_{l-1} ∪ members`` (``recompute="propagated"``, the
+   default), or ``D_l = members`` (``"per-layer"``: a row recomputed at l - 1 keeps its cached K/V at l
+   unless its own cluster drifts there; its new input still updates the kept hidden states). Each row of
+   ``D_l`` runs layer l in full: its input (exact where it was recomputed at l - 1, dequantized from the
+   CPU otherwise),
    RMSNorm, q/k/v, RoPE, attention over every local row (its own new K/V included) through the method's
    backend, o_proj, residual, MLP. Its new K/V replace the cache's (this and later steps read them) and
    its output becomes its input at layer l + 1, where the kept hidden states and the touched clusters'
@@ -56,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from pdllm.decode_service.local_cache import LocalKVCache
-from pdllm.shared.decode_policy_settings import ResidualFormat, paper_default
+from pdllm.shared.decode_policy_settings import PolestarRecompute, ResidualFormat, paper_default
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import apply_rope
 
@@ -177,13 +180,18 @@ class PolestarState:
             self.log_prev[layer] = log_p
         fresh = store.members(chosen)
         carried = self.carried_rows
-        rows = fresh if carried is None else torch.unique(torch.cat([carried, fresh]))  # ascending
+        if carried is None or policy.recompute == "per-layer":
+            rows = fresh
+        else:
+            rows = torch.unique(torch.cat([carried, fresh]))  # ascending
         if rows.numel() == 0:
             self.carried_rows, self.carried_x = None, None
             return None
         x = store.hidden(rows)  # fetched and dequantized; the carried rows' exact inputs replace theirs
         if carried is not None and self.carried_x is not None:
-            x = x.index_copy(0, torch.searchsorted(rows, carried), self.carried_x)
+            at = torch.searchsorted(rows, carried).clamp(max=rows.numel() - 1)
+            among = rows[at] == carried
+            x = x.index_copy(0, at[among], self.carried_x[among])
         return rows, x
 
     @staticmethod
@@ -299,6 +307,7 @@ class Polestar:
     update_threshold: int = paper_default("polestar_update_threshold")
     drift_threshold: float = paper_default("polestar_drift_threshold")
     residual_format: str = paper_default("polestar_residual_format")
+    recompute: str = paper_default("polestar_recompute")
     refresh_steps: int | None = None
     name: str = "polestar"
 
@@ -308,6 +317,8 @@ class Polestar:
             raise ValueError(f"need 1 <= top_clusters <= clusters and update_threshold >= 0, got {self}")
         if self.drift_threshold < 0 or self.residual_format not in get_args(ResidualFormat):
             raise ValueError(f"need drift_threshold >= 0 and residual_format int8|fp8|none, got {self}")
+        if self.recompute not in get_args(PolestarRecompute):
+            raise ValueError(f"need recompute propagated|per-layer, got {self}")
 
     def plan(self, ctx: StepContext) -> StepPlan:
         lo, hi = ctx.block_start - ctx.lead, ctx.block_end

@@ -26,6 +26,7 @@ KNOBS = [
     ({"clusters": 4, "top_clusters": 2, "update_threshold": 1, "residual_format": "fp8"}, None),
     ({"clusters": 3, "top_clusters": 3, "update_threshold": 0, "residual_format": "none"}, 3),
     ({"clusters": 8, "top_clusters": 2, "update_threshold": 0, "drift_threshold": 1e-4}, None),
+    ({"clusters": 4, "top_clusters": 1, "update_threshold": 0, "recompute": "per-layer"}, None),
 ]
 
 

@@ -19,7 +19,7 @@ Per block (block rows ``[o, e)``, forwarded rows ``F = [o - lead, e)``, cached r
 4. **Update**: at a cached step where more than T tokens of the block were unmasked since the last update
    (or the refresh), per layer: the M clusters of largest drift among those with drift >= the drift
    threshold (ties: the lower cluster) give rows to recompute, joined with the rows recomputed at the layer
-   before. Each such row runs the layer from its hidden state (dequantized; the exact output of the layer
+   before ("propagated"; "per-layer": not joined). Each such row runs the layer from its hidden state (dequantized; the exact output of the layer
    before for the carried rows): new K/V (replacing the cache's for this and later steps), attention over
    every local row, o_proj, MLP; its output is its input at the next layer, where its cluster's centroid
    moves to the members' new mean and that cluster's residuals are re-encoded. The block then attends to
@@ -158,10 +158,12 @@ class PolestarOracle:
         refresh_every: int | None = None,
         static: Static = None,
         first_position: int = 0,
+        recompute: str = "propagated",
     ) -> None:
         self.model, self.static = model, static
         self.clusters, self.top, self.update_threshold = clusters, top_clusters, update_threshold
         self.drift_threshold, self.fmt, self.every = drift_threshold, fmt, refresh_every
+        self.recompute = recompute
         self.local = torch.tensor(head_tokens + [model.config.mask_token_id] * gen_length)
         self.rows = self.local.numel()
         self.positions = list(range(first_position, first_position + self.rows))
@@ -257,13 +259,15 @@ class PolestarOracle:
                     order = sorted(range(store.clusters), key=lambda c: (-drift[c], c))
                     chosen = [c for c in order if drift[c] >= self.drift_threshold][: self.top]
                     self.previous[li] = now
-                rows = sorted(set(carried) | set(store.members(chosen)))
+                joined = set(carried) if self.recompute == "propagated" else set()
+                rows = sorted(joined | set(store.members(chosen)))
                 self.recomputed[-1].append(rows)
                 if rows:
                     h = store.hidden(rows)
-                    if carried_x is not None:  # the carried rows' exact inputs
+                    if carried_x is not None:  # the exact inputs of the rows recomputed at the layer before
                         for r, row in zip(carried, carried_x):
-                            h[rows.index(r)] = row
+                            if r in rows:
+                                h[rows.index(r)] = row
                     qr, kr, vr = project(layer, h, self.cos[rows], self.sin[rows])
                     self.keys[li] = self.keys[li].clone()
                     self.values[li] = self.values[li].clone()
@@ -294,10 +298,11 @@ def polestar_decode(
     refresh_every: int | None = None,
     static: Static = None,
     first_position: int = 0,
+    recompute: str = "propagated",
 ) -> tuple[list[int], dict[str, int], PolestarOracle]:
     oracle = PolestarOracle(
         model, head_tokens, gen_length, clusters, top_clusters, update_threshold, drift_threshold, fmt,
-        refresh_every, static, first_position,
+        refresh_every, static, first_position, recompute,
     )  # fmt: skip
     tokens, _ = unmask(model.config.mask_token_id, gen_length, block, steps, threshold, oracle)
     return tokens, oracle.counters, oracle

@@ -49,7 +49,7 @@ class MethodParams(_message.Message):
     def __init__(self, method: _Optional[str] = ..., chunk_size: _Optional[int] = ..., top_k: _Optional[int] = ..., top_b: _Optional[int] = ..., kv_mode: _Optional[str] = ..., score_mode: _Optional[str] = ..., pseudo_label_tokens: _Optional[int] = ..., pseudo_label_rounds: _Optional[int] = ..., retention_score: _Optional[str] = ..., query_window: _Optional[int] = ..., prefill_attention: _Optional[str] = ...) -> None: ...
 
 class DecodePolicyParams(_message.Message):
-    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps", "polestar_clusters", "polestar_top_clusters", "polestar_update_threshold", "polestar_drift_threshold", "polestar_residual_format", "dyllm_threshold", "dyllm_full_steps", "dyllm_full_sequence_interval", "dyllm_approximate_attention", "focus_alpha", "focus_pool_kernel", "focus_budget", "focus_delayed_cache")
+    __slots__ = ("decode_policy", "cache_refresh_steps", "sparse_retention", "sparse_pool_kernel", "sparse_delay_steps", "polestar_clusters", "polestar_top_clusters", "polestar_update_threshold", "polestar_drift_threshold", "polestar_residual_format", "dyllm_threshold", "dyllm_full_steps", "dyllm_full_sequence_interval", "dyllm_approximate_attention", "focus_alpha", "focus_pool_kernel", "focus_budget", "focus_delayed_cache", "polestar_recompute")
     DECODE_POLICY_FIELD_NUMBER: _ClassVar[int]
     CACHE_REFRESH_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_RETENTION_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class DecodePolicyParams(_message.Message):
     FOCUS_POOL_KERNEL_FIELD_NUMBER: _ClassVar[int]
     FOCUS_BUDGET_FIELD_NUMBER: _ClassVar[int]
     FOCUS_DELAYED_CACHE_FIELD_NUMBER: _ClassVar[int]
+    POLESTAR_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     decode_policy: str
     cache_refresh_steps: int
     sparse_retention: float
@@ -86,7 +87,8 @@ class DecodePolicyParams(_message.Message):
     focus_pool_kernel: int
     focus_budget: int
     focus_delayed_cache: str
-    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ..., polestar_clusters: _Optional[int] = ..., polestar_top_clusters: _Optional[int] = ..., polestar_update_threshold: _Optional[int] = ..., polestar_drift_threshold: _Optional[float] = ..., polestar_residual_format: _Optional[str] = ..., dyllm_threshold: _Optional[float] = ..., dyllm_full_steps: _Optional[int] = ..., dyllm_full_sequence_interval: _Optional[int] = ..., dyllm_approximate_attention: _Optional[str] = ..., focus_alpha: _Optional[float] = ..., focus_pool_kernel: _Optional[int] = ..., focus_budget: _Optional[int] = ..., focus_delayed_cache: _Optional[str] = ...) -> None: ...
+    polestar_recompute: str
+    def __init__(self, decode_policy: _Optional[str] = ..., cache_refresh_steps: _Optional[int] = ..., sparse_retention: _Optional[float] = ..., sparse_pool_kernel: _Optional[int] = ..., sparse_delay_steps: _Optional[int] = ..., polestar_clusters: _Optional[int] = ..., polestar_top_clusters: _Optional[int] = ..., polestar_update_threshold: _Optional[int] = ..., polestar_drift_threshold: _Optional[float] = ..., polestar_residual_format: _Optional[str] = ..., dyllm_threshold: _Optional[float] = ..., dyllm_full_steps: _Optional[int] = ..., dyllm_full_sequence_interval: _Optional[int] = ..., dyllm_approximate_attention: _Optional[str] = ..., focus_alpha: _Optional[float] = ..., focus_pool_kernel: _Optional[int] = ..., focus_budget: _Optional[int] = ..., focus_delayed_cache: _Optional[str] = ..., polestar_recompute: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "context", "question", "instruction", "generation", "method", "decode_policy")
