@@ -134,12 +134,13 @@ def _content(task: str, depth: float, hay: int, rng: random.Random) -> Content:
         gold = _access_fact(f"{first} {last}", key, code)
         block = Block(hay=hay, facts=[(depth, gold, True)])
         if task == "needle_distractors":
+            # the other keys sorted: a set's order follows the hash seed, and samples must not
             variants = [
                 (f"{_person(rng)[0]} {last}", key),
                 (f"{first} {_person(rng)[1]}", key),
                 (f"{first} {_mutate(last, rng)}", key),
                 (f"{_mutate(first, rng)} {last}", key),
-                (f"{first} {last}", rng.choice([k for k in set(KEYS) if k != key])),
+                (f"{first} {last}", rng.choice(sorted(set(KEYS) - {key}))),
             ]
             for owner, k in rng.sample(variants, rng.randint(2, len(variants))):
                 if (owner, k) != (f"{first} {last}", key):
