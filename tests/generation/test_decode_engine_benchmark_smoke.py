@@ -99,7 +99,7 @@ def test_compute_skip_and_polestar_reuse_the_loop_baselines(report: tuple[Path, 
     assert polestar[3]["updates"] > polestar[2]["updates"]  # an update at every cached step
     focus = by_case(data, "focus-batched")
     assert {(r["policy"], r["batch"]) for r in focus} == {
-        (p, b) for p in ("plain-rounds", "focus-rounds") for b in (1, 3)
+        (p, b) for p in ("plain-rounds", "focus-rounds", "focus-rounds-eager-layers") for b in (1, 3)
     }
     for r in focus:
         assert r["forwards"] == r["rounds"]  # one forward per round (a finished block's record rides along)
@@ -116,11 +116,13 @@ def test_tpf_counts_slots_up_to_eos(report: tuple[Path, dict]) -> None:
     rows = by_case(data, "polestar-tpf")
     assert {(r["task"], r["method"], r["policy"]) for r in rows} == {
         (t, m, p) for t, m in (("needle", "vanilla"), ("needle", "pdllm"), ("long-answer", "vanilla"))
-        for p in ("none", "dual-cache", "polestar")
+        for p in ("none", "dual-cache", "polestar", "polestar-per-layer")
     }  # fmt: skip
     for r in rows:
         assert r["forwards_counted"] == r["forwards"]  # one model forward per denoising step
         assert 0 < r["tpf"] <= r["block"] and r["tpf"] == pytest.approx(r["tokens"] / r["forwards"])
+        frac = r["recomputed_frac"]  # only where a Polestar update ran
+        assert frac is None or (r["policy"].startswith("polestar") and 0 <= frac <= 1)
 
 
 def test_no_budget_skips_with_a_reason_and_update_keeps_other_cases(
@@ -143,7 +145,8 @@ def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict])
     per round, as for 16 dual-cache ones."""
     _, data = report
     rows = {r["policy"]: r for r in by_case(data, "mixed")}
-    assert set(rows) == {"dual-cache", "none", "mixed"}
+    assert set(rows) == {"dual-cache", "none", "mixed", "mixed-eager-layers"}
+    assert rows["mixed-eager-layers"]["policies"] == rows["mixed"]["policies"]
     assert set(rows["mixed"]["policies"].split(",")) == {
         "none",
         "dual-cache",
