@@ -19,7 +19,7 @@ delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyL
 
 Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and ``serve``):
   loop           the in-process denoising loop, batch 1 (vanilla: ``tests/reference/vanilla.py``; pdllm:
-                 ``PrefillingEngine.generate``, ``decode_attention="buffer"``), per policy none / dual-cache /
+                 ``PrefillingEngine.generate``), per policy none / dual-cache /
                  sparse-dllm / prefix-cache / polestar, vanilla 1K and pdllm 16K, and none / dual-cache on the whole 16K
                  prompt (what a user would run instead of pdllm). tokens/s = gen / the loop's seconds (pdllm's
                  prefill, scoring and build excluded, listed as fixed phases); warm-up: every policy's cached

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--decode-attention",
         default=None,
-        help="comma list of segments,buffer,triton (default: triton on CUDA, segments off it)",
+        help="comma list of torch,triton (default: triton on CUDA, torch off it)",
     )
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="eager elementwise ops for every run")
@@ -217,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = dream7b() if not args.smoke else tiny()
     default_lengths = "8192,16384,32768,65536" if not args.smoke else "256,512"
     lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
-    # The decode worker's rounds run the split-S kernel on CUDA whatever the name, so one mode is the default.
-    modes = (args.decode_attention or ("triton" if cuda else "segments")).split(",")
+    modes = (args.decode_attention or ("triton" if cuda else "torch")).split(",")
     ecfg = EngineConfig(chunk_size=1024 if not args.smoke else 64, top_k=4)
     gen = GenerationConfig(gen_length=args.gen_length, steps=args.gen_length, stop_at_eos=False)
     check = gpu_check(device) if cuda else {}

@@ -33,25 +33,21 @@ from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.static_kv import StaticKV
 from pdllm.shared.stepwise import Steps, drain
 
-DECODE_ATTENTIONS = ("segments", "buffer", "triton")
-"""The decode attentions a worker accepts."""
+DECODE_ATTENTIONS = ("torch", "triton")
+"""The rounds' attention: the split-S kernel ("triton": CUDA, or Triton's interpreter off it with
+``TRITON_INTERPRET=1``) or each request's pages gathered and one SDPA call ("torch", any device)."""
 
 
-def default_decode_attention(device: torch.device, cuda_graph: bool) -> str:
-    """Decode attention when none is named: "triton" with CUDA graphs, "buffer" for eager CUDA decode,
-    "segments" off CUDA. The rounds run the split-S kernel on CUDA whatever the name; off CUDA only
-    "triton" changes anything (the kernel under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
-    if device.type != "cuda":
-        return "segments"
-    return "triton" if cuda_graph and HAS_TRITON else "buffer"
+def default_decode_attention(device: torch.device) -> str:
+    """ "triton" on CUDA with Triton installed, else "torch"."""
+    return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
 
 
 class DecodeWorker:
     """``config``: the default settings of a request (a request may carry its own). ``store``: where the
-    chunk-only build finds step-3 chunk KV (None: always recomputed). ``decode_attention`` (one of
-    :data:`DECODE_ATTENTIONS`, default :func:`default_decode_attention`): the rounds run the split-S kernel
-    over the paged KV on CUDA with Triton, and off it under Triton's interpreter when "triton" is named
-    (``TRITON_INTERPRET=1``), torch attention otherwise. ``cuda_graph``: replay the rounds as CUDA graphs."""
+    chunk-only build finds step-3 chunk KV (None: always recomputed). ``decode_attention``: the rounds'
+    attention, one of :data:`DECODE_ATTENTIONS` (default :func:`default_decode_attention`). ``cuda_graph``:
+    replay the rounds as CUDA graphs."""
 
     def __init__(
         self,
@@ -65,17 +61,17 @@ class DecodeWorker:
         self.config = config or EngineConfig()
         self.config.validate()
         self.store = store
+        self._gpu_kernels = HAS_TRITON and self.device.type == "cuda"
         if decode_attention is None:
-            decode_attention = default_decode_attention(self.device, cuda_graph)
+            decode_attention = default_decode_attention(self.device)
         if decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if decode_attention == "triton" and not (self._gpu_kernels or (HAS_TRITON and interpreted)):
+            raise ValueError('decode_attention "triton" needs CUDA with Triton, or TRITON_INTERPRET=1')
         self.decode_attention = decode_attention
         self.cuda_graph = cuda_graph
-        self._gpu_kernels = HAS_TRITON and self.device.type == "cuda"
-        # The rounds' attention: the split-S kernel on CUDA (or, asked for, under Triton's interpreter).
-        interpreted = decode_attention == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-        kernel = "triton" if self._gpu_kernels or interpreted else "torch"
-        self.local = LocalDecoder(model, kernel, cuda_graph)
+        self.local = LocalDecoder(model, decode_attention, cuda_graph)
         self.sessions = SessionMaker(model, self.local.page_size)
 
     @property

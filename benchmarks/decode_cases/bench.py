@@ -128,16 +128,13 @@ class Bench:
         self.run.free()
 
     def engine(self, kind: str) -> PrefillingEngine:
-        """The pdllm engine over the Dream model: ``loop`` decodes with ``buffer`` attention for every
-        policy, ``none`` too, so that rows differ by the policy alone; ``rounds`` only prefills and builds."""
+        """The pdllm engine over the Dream model (its rounds' default attention): ``loop`` decodes through it,
+        ``rounds`` only prefills and builds."""
         model = self.use("dream")
         if kind not in self.engines:
             smoke = self.run.smoke
             ecfg = EngineConfig(chunk_size=64 if smoke else 1024, top_k=2 if smoke else 4)
-            attention = "buffer" if kind == "loop" else None
-            self.engines[kind] = PrefillingEngine(
-                model, None, ecfg, decode_attention=attention, reuse_chunks=False
-            )
+            self.engines[kind] = PrefillingEngine(model, None, ecfg, reuse_chunks=False)
         return self.engines[kind]
 
     def ids(self, n: int, seed: int) -> list[int]:

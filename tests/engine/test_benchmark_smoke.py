@@ -9,7 +9,7 @@ from benchmarks.e2e_speedup import main
 
 
 def test_e2e_benchmark_smoke(tmp_path: Path) -> None:
-    args = ["--smoke", "--lengths", "160", "--decode-attention", "segments", "--gen-length", "8"]
+    args = ["--smoke", "--lengths", "160", "--decode-attention", "torch", "--gen-length", "8"]
     assert main([*args, "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "e2e_speedup.json").read_text())
     (row,) = data["rows"]

@@ -91,8 +91,8 @@ def test_invalid_chunk_boundary_and_missing_sentence_ends() -> None:
 
 
 CASES = [
-    ("dream", "full-mask", 5, 2, "segments"),
-    ("llada", "chunk-only", 5, 3, "buffer"),
+    ("dream", "full-mask", 5, 2, "torch"),
+    ("llada", "chunk-only", 5, 3, "torch"),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pdllm.decode_service.attention import SegmentedAttention
@@ -128,13 +129,20 @@ def test_graphed_rounds_are_reused_by_a_new_request_of_the_same_shape() -> None:
     assert wants[0] != wants[1]
 
 
-def test_default_decode_attention_follows_device_and_graphs() -> None:
+def test_default_decode_attention_follows_the_device() -> None:
     import importlib.util
 
     from pdllm.decode_service.worker import default_decode_attention
 
     cuda = torch.device("cuda")  # a device object needs no GPU
-    assert default_decode_attention(torch.device("cpu"), cuda_graph=True) == "segments"
-    assert default_decode_attention(cuda, cuda_graph=False) == "buffer"  # eager: the launcher would dominate
-    want = "triton" if importlib.util.find_spec("triton") is not None else "buffer"
-    assert default_decode_attention(cuda, cuda_graph=True) == want
+    assert default_decode_attention(torch.device("cpu")) == "torch"
+    want = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    assert default_decode_attention(cuda) == want
+
+
+def test_triton_decode_attention_off_cuda_needs_the_interpreter(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pdllm.shared.app.engine import PrefillingEngine
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA with Triton, or TRITON_INTERPRET=1"):
+        PrefillingEngine(model("dream"), None, decode_attention="triton")

@@ -20,20 +20,20 @@ GEN = GenerationConfig(gen_length=8, steps=4)
 
 # (family, kv_mode, top_b, top_k, decode attention, extra config, instruction?, context length)
 CASES = [
-    ("dream", "full-mask", None, 2, "segments", {}, True, CONTEXT),
-    ("llada", "full-mask", None, 2, "buffer", {}, False, CONTEXT),
-    ("dream", "full-mask", 5, 1, "segments", {}, False, CONTEXT),
-    ("llada", "full-mask", 5, 5, "segments", {"retention_score": "query-to-chunk"}, True, CONTEXT),
-    ("dream", "chunk-query", None, 5, "buffer", {}, True, CONTEXT),
-    ("llada", "chunk-query", 4, 2, "segments", {}, False, CONTEXT),
-    ("dream", "chunk-only", None, 2, "segments", {}, True, CONTEXT),
-    ("llada", "chunk-only", 5, 2, "buffer", {}, True, CONTEXT),
-    ("dream", "chunk-only", 5, 5, "segments", {"prefill_attention": "bidirectional"}, False, CONTEXT),
-    ("llada", "chunk-only", None, 1, "segments", {"prefill_attention": "bidirectional"}, True, CONTEXT),
-    ("dream", "full-mask", None, 2, "segments", {"score_mode": "self-info"}, False, CONTEXT),
-    ("llada", "full-mask", 6, 2, "segments", {"score_mode": "query-only", "query_window": 3}, True, CONTEXT),
-    ("dream", "full-mask", None, 4, "segments", {"prefill_batch": 2}, False, 7),  # context < one chunk
-    ("llada", "chunk-only", 3, 4, "buffer", {}, False, 7),
+    ("dream", "full-mask", None, 2, "torch", {}, True, CONTEXT),
+    ("llada", "full-mask", None, 2, "torch", {}, False, CONTEXT),
+    ("dream", "full-mask", 5, 1, "torch", {}, False, CONTEXT),
+    ("llada", "full-mask", 5, 5, "torch", {"retention_score": "query-to-chunk"}, True, CONTEXT),
+    ("dream", "chunk-query", None, 5, "torch", {}, True, CONTEXT),
+    ("llada", "chunk-query", 4, 2, "torch", {}, False, CONTEXT),
+    ("dream", "chunk-only", None, 2, "torch", {}, True, CONTEXT),
+    ("llada", "chunk-only", 5, 2, "torch", {}, True, CONTEXT),
+    ("dream", "chunk-only", 5, 5, "torch", {"prefill_attention": "bidirectional"}, False, CONTEXT),
+    ("llada", "chunk-only", None, 1, "torch", {"prefill_attention": "bidirectional"}, True, CONTEXT),
+    ("dream", "full-mask", None, 2, "torch", {"score_mode": "self-info"}, False, CONTEXT),
+    ("llada", "full-mask", 6, 2, "torch", {"score_mode": "query-only", "query_window": 3}, True, CONTEXT),
+    ("dream", "full-mask", None, 4, "torch", {"prefill_batch": 2}, False, 7),  # context < one chunk
+    ("llada", "chunk-only", 3, 4, "torch", {}, False, 7),
 ]
 
 

@@ -218,7 +218,7 @@ def test_over_pdllm_static_kv(family: str) -> None:
         tiny_model(family),
         None,
         EngineConfig(chunk_size=12, top_k=2, kv_mode="full-mask"),
-        decode_attention="buffer",
+        decode_attention="torch",
     )
     query = tokens(6, 2)
     static = engine.build(engine.prefill(tokens(50, 1), query, gen, [5, 7, 9]), gen)

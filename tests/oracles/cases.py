@@ -49,7 +49,7 @@ def pdllm(
 ) -> tuple[GenerationResult, list[int]]:
     """The in-process engine's answer (pseudo-label scoring, full-mask KV, one SDPA over static + local K/V)
     and the chunks it selected."""
-    engine = PrefillingEngine(m, None, EngineConfig(chunk_size=CHUNK, top_k=TOP_K), decode_attention="buffer")
+    engine = PrefillingEngine(m, None, EngineConfig(chunk_size=CHUNK, top_k=TOP_K), decode_attention="torch")
     result, trace = engine.generate(CONTEXT, QUESTION, g, INSTRUCTION, decode_policy=policy)
     return result, trace.selected
 

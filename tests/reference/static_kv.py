@@ -24,7 +24,6 @@ import torch
 
 from pdllm.decode_service.attention import SegmentedAttention
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
-from pdllm.decode_service.worker import DECODE_ATTENTIONS
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult, LogitsFn, denoise
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -48,6 +47,9 @@ class DecodePolicy(Protocol):
     def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend: ...
 
 
+STATIC_ATTENTIONS = ("segments", "buffer", "triton")
+
+
 @dataclass
 class StaticPolicy:
     """Prefilling-dLLM's own decode: every step attends to all static segments.
@@ -68,7 +70,7 @@ class StaticPolicy:
         elif self.mode == "triton":
             self._backend = PagedSplitSAttention(static.tensor())
         else:
-            raise ValueError(f"decode attention must be one of {DECODE_ATTENTIONS}, got {self.mode!r}")
+            raise ValueError(f"static attention must be one of {STATIC_ATTENTIONS}, got {self.mode!r}")
 
     def backend(self, step: int, tokens: torch.Tensor) -> AttentionBackend:
         assert self._backend is not None, "begin() must run before backend()"
