@@ -312,13 +312,21 @@ class LayerGraphs:
     over a bucket's buffers; the attention, with the policy's per-layer work, runs eagerly between them on
     the real rows. Padded rows are stale and row-wise inert. A bucket is captured on its ``warm_uses``-th
     round (before that it runs the same work eagerly): row counts that come once (a policy's rows vary from
-    round to round) never pay for captures. ``capture`` False: the same buffers, eagerly."""
+    round to round) never pay for captures. Rounds of more than ``max_rows`` rows (long vanilla prompts)
+    keep every op eager: their kernels outlast the launches, and a bucket's buffers and graphs grow with its
+    rows. ``capture`` False: the same buffers, eagerly."""
 
     def __init__(
-        self, model: DiffusionLM, mempool: tuple | None, capture: bool, capacity: int = 16, warm_uses: int = 3
+        self,
+        model: DiffusionLM,
+        mempool: tuple | None,
+        capture: bool,
+        capacity: int = 16,
+        warm_uses: int = 3,
+        max_rows: int = 4096,
     ) -> None:
         self.model, self.mempool, self.capture, self.capacity = model, mempool, capture, capacity
-        self.warm_uses = warm_uses
+        self.warm_uses, self.max_rows = warm_uses, max_rows
         self._buckets: OrderedDict[int, _LayerBucket] = OrderedDict()
         self.captures = 0
 

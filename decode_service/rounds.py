@@ -328,8 +328,9 @@ class EagerRoundForward:
         """``layers`` over ``x``: through :attr:`layer_graphs`, else each layer's forward. A store with a
         ``layer_inputs`` dict gets each layer's input there (``round_attention.LayerStore``)."""
         wants = [store.layer_inputs for _, store in packed.stores if hasattr(store, "layer_inputs")]
-        if self.layer_graphs is not None:
-            return self.layer_graphs.run(layers, x, cos, sin, attention, wants)
+        graphs = self.layer_graphs
+        if graphs is not None and x.shape[1] <= graphs.max_rows:
+            return graphs.run(layers, x, cos, sin, attention, wants)
         for layer in layers:
             for inputs in wants:
                 inputs[layer.self_attn.layer] = x
