@@ -235,6 +235,7 @@ POLESTAR_RUNS = (
     Policy("polestar"),
     Policy("polestar", (("polestar_update_threshold", 0),)),
     Policy("polestar", (("polestar_residual_format", "none"),)),
+    Policy("polestar", (("polestar_recompute", "per-layer"),)),
 )
 
 

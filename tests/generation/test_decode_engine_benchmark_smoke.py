@@ -95,8 +95,10 @@ def test_compute_skip_and_polestar_reuse_the_loop_baselines(report: tuple[Path, 
     polestar = by_case(data, "polestar")
     assert [r.get("knobs") for r in polestar] == [
         None, None, None, {"polestar_update_threshold": 0}, {"polestar_residual_format": "none"},
+        {"polestar_recompute": "per-layer"},
     ]  # fmt: skip
     assert polestar[3]["updates"] > polestar[2]["updates"]  # an update at every cached step
+    assert polestar[5]["rows_recomputed"] <= polestar[2]["rows_recomputed"]  # no union over layers
     focus = by_case(data, "focus-batched")
     assert {(r["policy"], r["batch"]) for r in focus} == {
         (p, b) for p in ("plain-rounds", "focus-rounds", "focus-rounds-eager-layers") for b in (1, 3)
