@@ -29,6 +29,7 @@ import gc
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,8 @@ from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import EagerRoundForward, PackedRound
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.transformer import DiffusionLM
+
+T = TypeVar("T")
 
 
 def pow2(n: int) -> int:
@@ -75,6 +78,26 @@ def query_bucket(n: int) -> int:
 def token_bucket(n: int) -> int:
     """Packed tokens, padded: a multiple of 32 up to 1024 (GEMM row counts), then :func:`fine`."""
     return max(32, _round_up(n, 32)) if n <= 1024 else fine(n)
+
+
+def capture_graph(
+    fn: Callable[[], T], device: torch.device, mempool: tuple | None, warm: Callable[[], object] | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``warm`` (default ``fn``) once on a side stream, where Triton compiles and autotunes outside any
+    capture, then ``fn`` captured into ``mempool``: the graph and what the captured call returned."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        (warm or fn)()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()  # no graph may be destroyed by the collector in the middle of this capture
+    try:
+        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        gc.enable()
+    return graph, out
 
 
 @dataclass(frozen=True)
@@ -158,26 +181,20 @@ class CapturedRound:
         self.graph: torch.cuda.CUDAGraph | None = None
         if not capture:
             return
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        writes, self.attention.writes = self.attention.writes, None
-        with torch.cuda.stream(stream):
-            # Warm-up: Triton compiles and autotunes outside the capture. It runs on the zeroed buffers,
-            # so it must not store K/V: its stores would land in page 0, another session's KV.
-            self._forward()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.attention.writes = writes
-        self.graph = torch.cuda.CUDAGraph()
-        gc.collect()  # no graph may be destroyed by the collector in the middle of this capture
-        gc.disable()
-        try:
-            with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
-                self.hidden = self._forward()
-        finally:
-            gc.enable()
+        gc.collect()  # graphs the collector would destroy go before the capture
+        self.graph, self.hidden = capture_graph(self._forward, device, mempool, warm=self._warm)
 
     def _forward(self) -> torch.Tensor:
         return self.model.hidden_states(self.ids[None], self.positions[None], self.attention)
+
+    def _warm(self) -> None:
+        # The warm-up runs on the zeroed buffers, so it must not store K/V: its stores would land in page 0,
+        # another session's KV.
+        writes, self.attention.writes = self.attention.writes, None
+        try:
+            self._forward()
+        finally:
+            self.attention.writes = writes
 
     def __call__(self, packed: PackedRound) -> torch.Tensor:
         s = self.shape
@@ -393,20 +410,6 @@ class LayerGraphs:
         if not self.capture or b.uses < self.warm_uses:
             fn()
             return
-        # The first call computes eagerly on a side stream (Triton compiles there, outside any capture),
-        # then the same work is captured; later calls replay it.
-        device = b.x.device
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        gc.disable()  # no graph may be destroyed by the collector in the middle of this capture
-        try:
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                fn()
-        finally:
-            gc.enable()
-        b.graphs[key] = graph
+        # The warm-up computes this call's outputs (capturing runs nothing); later calls replay the graph.
+        b.graphs[key], _ = capture_graph(fn, b.x.device, self.mempool)
         self.captures += 1

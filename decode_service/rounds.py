@@ -295,16 +295,6 @@ def part_writes(
     return [(first + where[row], page, slot) for row, page, slot in writes]
 
 
-def embed(
-    model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layer-0 input ``[1, n, H]`` and RoPE tables of ``tokens`` / ``positions`` ``[n]`` (the model's own
-    ``hidden_states`` steps, for packed rows)."""
-    x = model.model.embed_tokens(tokens[None])
-    cos, sin = model.model.rotary_emb(positions[None], x.dtype)
-    return x, cos, sin
-
-
 class EagerRoundForward:
     """A round's forward run op by op: packed tokens in, logits of the packed ``rows`` out (a round whose
     rows change between layers: ``split_rounds.split_forward``). ``layer_graphs``: the layers' work around
@@ -364,7 +354,7 @@ class EagerRoundForward:
                 attach = getattr(store, "attach", None)
                 if attach is not None:
                     stack.enter_context(attach(self.model))
-            x, cos, sin = embed(self.model, ids, positions)
+            x, cos, sin = self.model.embed(ids[None], positions[None])
             x = self.run_layers(packed, self.model.model.layers, x, cos, sin, attention)
             hidden = self.model.model.norm(x)
         if carried is not None:

@@ -21,7 +21,7 @@ import torch
 
 from pdllm.decode_service.layer_edits import group_edits
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import PackedRound, embed, part_writes
+from pdllm.decode_service.rounds import PackedRound, part_writes
 from pdllm.shared.generation.device_sampler import to_device
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
             attach = getattr(store, "attach", None)
             if attach is not None:
                 stack.enter_context(attach(model))
-        x, cos, sin = embed(model, ids, positions)
+        x, cos, sin = model.embed(ids[None], positions[None])
         x = forward.run_layers(packed, layers[:at], x, cos, sin, attention)
         chosen: dict[int, SplitRows] = {}
         for group, kind in zip(groups, kinds, strict=True):

@@ -318,6 +318,14 @@ class DiffusionLM(nn.Module):
             if mlp.gate_up is None:
                 mlp.gate_up = Packed([mlp.gate_proj, mlp.up_proj])
 
+    def embed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer-0 input ``[B, T, H]`` of ``input_ids`` and the RoPE tables of ``position_ids`` ``[B, T]``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(position_ids, x.dtype)
+        return x, cos, sin
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -345,8 +353,7 @@ class DiffusionLM(nn.Module):
         if attention is None:
             block = self.config.block_size
             attention = DenseAttention() if block is None else BlockCausalAttention(position_ids, block)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(position_ids, x.dtype)
+        x, cos, sin = self.embed(input_ids, position_ids)
         for i, layer in enumerate(self.model.layers):
             if layers_per_step is not None and i and i % layers_per_step == 0:
                 yield

@@ -57,7 +57,7 @@ def test_the_least_recently_read_value_is_evicted_first() -> None:
     cache.put_many([("a", value(8, 1)), ("b", value(8, 2))])
     cache.get_many(["a"])  # a is now the most recent
     cache.put_many([("c", value(8, 3))])
-    mine = [key in cache._entries for key in ("a", "b", "c")]
+    mine = cache.lru.contains_many(["a", "b", "c"])
     assert mine == [True, False, True] and cache.stats().evictions == 1
 
 

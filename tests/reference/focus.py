@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
-from pdllm.decode_service.split_rounds import embed
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -163,7 +162,7 @@ class FocusReference:
         active = [r for r in range(width) if not mem.frozen[r]]
         rows0 = [*range(lo), *(lo + r for r in active), *range(hi, total)]
         idx0 = torch.tensor(rows0, device=dev)
-        x, cos, sin = embed(model, tokens[idx0], positions[idx0])
+        x, cos, sin = model.embed(tokens[idx0][None], positions[idx0][None])
         captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fresh0 = torch.tensor(active, device=dev)
         attend0 = attention(idx0, torch.arange(total, device=dev))
