@@ -103,6 +103,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -204,6 +205,16 @@ def assign_gpus(layout: Layout, visible: int, share: bool = False) -> dict[str, 
     first_decode = 0 if layout.replicas else layout.prefill
     return {"prefill": [gpu(i) for i in range(layout.prefill)],
             "decode": [gpu(first_decode + j) for j in range(layout.decode)]}  # fmt: skip
+
+
+def visible_devices(indices: str, parent: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker given GPU indices ("0", "1,2" or "" for none) counted among the GPUs
+    this process sees: with CUDA_VISIBLE_DEVICES=2,3 set here, worker GPU "1" is device 3."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES") if parent is None else parent
+    ids = [d.strip() for d in parent.split(",") if d.strip()] if parent else []
+    if not ids or not indices:
+        return indices
+    return ",".join(ids[int(i)] for i in indices.split(","))
 
 
 ROW_KEYS = ("layout", "workload", "gpus", "concurrency", "context_tokens", "requests", "failed", "requests_per_s",
@@ -615,8 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     if smoke:  # one thread per process: OpenMP threads of several processes on few cores spin each other
         torch.set_num_threads(1)
         env = lambda g: {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # noqa: E731
-    else:  # the router gets "": no GPU
-        env = lambda g: {"CUDA_VISIBLE_DEVICES": g}  # noqa: E731
+    else:  # the router gets "": no GPU; worker GPU i is the i-th of this process's CUDA_VISIBLE_DEVICES
+        env = lambda g: {"CUDA_VISIBLE_DEVICES": visible_devices(g)}  # noqa: E731
     # a layout wider than the GPUs visible (on the CPU: one) is skipped, or with --share-gpu put on GPU 0
     # (on the CPU: every process on the CPU); placements[x] is None for a skipped layout
     room = max(gpus, 1)

@@ -18,6 +18,7 @@ from benchmarks.serving import (
     simulated_req_s,
     simulator_costs,
     targets_x4,
+    visible_devices,
 )
 
 
@@ -92,6 +93,16 @@ def test_gpu_assignment() -> None:
     # --share-gpu: a layout wider than the GPUs visible goes on GPU 0 whole; one that fits keeps its GPUs
     assert assign_gpus(parse_layout("3p1d"), 2, share=True) == {"prefill": ["0"] * 3, "decode": ["0"]}
     assert assign_gpus(parse_layout("1p1d"), 4, share=True) == {"prefill": ["0"], "decode": ["1"]}
+
+
+def test_worker_gpus_are_counted_among_the_visible_ones() -> None:
+    """A benchmark started with CUDA_VISIBLE_DEVICES=2,3 puts worker GPU 0 on device 2, not on device 0 (a
+    planted pass-through of the index would put it on a GPU another job holds)."""
+    assert visible_devices("0", parent="2,3") == "2"
+    assert visible_devices("1", parent="2,3") == "3"
+    assert visible_devices("0,1", parent="5, 7") == "5,7"
+    assert visible_devices("", parent="2,3") == ""  # the router: no GPU
+    assert visible_devices("1", parent="") == "1"  # nothing set: indices are devices
 
 
 def test_simulator_predicts_split_rows_only() -> None:
