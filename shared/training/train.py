@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..cli_args import Parser
 from ..eval.tasks import TaskFactory, split_train_eval_sentences
 from ..model.config import ModelConfig
-from ..model.loader import DTYPES, save_checkpoint
+from ..model.loader import DTYPES, load_model, save_checkpoint
 from ..model.transformer import DiffusionLM
 from .config import TrainConfig, TrainConfigError, load_config, to_dict
 from .corpus import tokenize_haystack
@@ -178,8 +178,31 @@ def plot_curve(log_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
+def init_from(model: DiffusionLM, path: Path) -> None:
+    """Start from a checkpoint's weights (a second training stage): the checkpoint must have this config's
+    shape, else TrainConfigError naming the first mismatch."""
+    try:
+        source = load_model(path, dtype="float32", device="cpu", load_tokenizer=False, pack=False).model
+    except (OSError, ValueError) as exc:
+        raise TrainConfigError(f"--init-from {path}: {exc}") from exc
+    ours, theirs = model.state_dict(), source.state_dict()
+    for name, tensor in ours.items():
+        other = theirs.get(name)
+        if other is None or other.shape != tensor.shape:
+            got = "missing" if other is None else tuple(other.shape)
+            raise TrainConfigError(
+                f"--init-from {path}: {name} is {got}, this config needs {tuple(tensor.shape)}"
+            )
+    model.load_state_dict({k: theirs[k] for k in ours}, strict=True)
+
+
 def train(
-    cfg: TrainConfig, out: Path, max_minutes: float | None, device_name: str, progress: bool = True
+    cfg: TrainConfig,
+    out: Path,
+    max_minutes: float | None,
+    device_name: str,
+    progress: bool = True,
+    start_from: Path | None = None,
 ) -> dict:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -205,6 +228,8 @@ def train(
     model_cfg = build_model_config(cfg, tokenizer)
     model = DiffusionLM(model_cfg)
     model.init_weights(cfg.seed)
+    if start_from is not None:
+        init_from(model, start_from)
     model.to(device)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -231,6 +256,8 @@ def train(
         "model_config": model_cfg.to_hf_dict(),
         "train_config": to_dict(cfg),
     }
+    if start_from is not None:
+        stats["init_from"] = str(start_from)
     if prose is not None:
         stats["prose"] = {"file": str(prose_path(cfg)), "tokens": prose.hay.num_tokens}
     bar = tqdm(total=total, disable=not progress, desc="train", unit="step", mininterval=20, file=sys.stdout)
@@ -304,6 +331,13 @@ def build_parser() -> Parser:
     parser.add_argument("--out", type=Path, default=Path("runs/train"), help="output directory")
     parser.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget for training")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the config's)")
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="start from this checkpoint's weights (same model shape) instead of a fresh init: a later stage",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -326,7 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: device {device!r} requested but CUDA is not available", file=sys.stderr)
         return 2
-    stats = train(cfg, args.out, args.max_minutes, device, progress=not args.no_progress)
+    try:
+        stats = train(
+            cfg, args.out, args.max_minutes, device, progress=not args.no_progress, start_from=args.init_from
+        )
+    except TrainConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({k: stats[k] for k in ("params", "steps", "tokens", "seconds", "checkpoint")}))
     return 0
 

@@ -51,6 +51,37 @@ def test_shipped_configs_parse():
         "needle_next.json",
         "needle_long.json",
         "smoke.json",
+        "judge_dream.json",
+        "judge_sdar.json",
+        "judge_dream_stage2.json",
+        "judge_sdar_stage2.json",
     ):
         cfg = load_config(train_mod.CONFIG_DIR / name)
         assert len(cfg.data.mode_weights) == 6
+
+
+def test_init_from_starts_at_the_checkpoints_weights(tmp_path):
+    """A second stage loads the first stage's weights over its own init (a planted skip of the load leaves
+    the fresh init, whose weights differ); a checkpoint of another shape is refused with the tensor named."""
+    cfg = train_mod.smoke_variant(load_config(train_mod.CONFIG_DIR / "judge_dream.json"))
+    tok = train_mod.load_tokenizer()
+    first = train_mod.DiffusionLM(train_mod.build_model_config(cfg, tok))
+    first.init_weights(11)
+    train_mod.save_checkpoint(first, tmp_path / "stage1", tok)
+    second = train_mod.DiffusionLM(train_mod.build_model_config(cfg, tok))
+    second.init_weights(cfg.seed)
+    assert not torch.equal(
+        second.state_dict()["model.embed_tokens.weight"], first.state_dict()["model.embed_tokens.weight"]
+    )
+    train_mod.init_from(second, tmp_path / "stage1")
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(second.state_dict()[name], tensor), name
+    other = train_mod.DiffusionLM(
+        train_mod.build_model_config(load_config(train_mod.CONFIG_DIR / "judge_dream.json"), tok)
+    )
+    try:
+        train_mod.init_from(other, tmp_path / "stage1")
+    except TrainConfigError as exc:
+        assert "stage1" in str(exc) and "needs" in str(exc)
+    else:
+        raise AssertionError("a checkpoint of another shape was accepted")
