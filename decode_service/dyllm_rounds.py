@@ -14,9 +14,12 @@ and FFN outputs are two tensors of its own (``[layers, rows, .]``). Per step
   cache slots of the rows before ``first`` besides the rows' own K/V. Per layer (:class:`DyLLMRound`, one
   for every DyLLM session of a round): the incoming salient rows keep their fresh K/V, the others take
   their cached K/V (written back into the slots); after the attention, salient rows keep the exact context,
-  the others ``C_{t-1} + A_t V_t - A_t V_{t-1}`` (a second attention call over the same keys with the
-  cached values, as the reference computes it); the rows whose context turned past τ are the layer's
-  salient set, and they keep their fresh FFN output, the others their cached one.
+  the others ``C_{t-1} + A_t ΔV`` with ``ΔV`` the value change, zero outside the salient rows, so only the
+  salient columns of ``A_t`` are summed (``kernels/salient_attention.py``; exactly the reference's
+  ``A_t V_t - A_t V_{t-1}``, without its second attention: ``A_t``'s normalizer still reads every key,
+  K only, while the weighted sum reads the salient rows' keys and value changes only); the rows whose
+  context turned past τ are the layer's salient set, and they keep their fresh FFN output, the others
+  their cached one.
 
 The GEMMs run over every queried row (a round is bound by weight reads, not by rows); what DyLLM skips is
 its choice of which rows' activations change. Such rounds run eagerly (the choice is made inside the
@@ -34,6 +37,7 @@ from pdllm.decode_service.policies.dyllm_base import DyLLMConfig, DyLLMStats, co
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import CachingSession, RoundRows
+from pdllm.kernels.salient_attention import salient_attention, salient_attention_reference, salient_columns
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -164,7 +168,7 @@ class DyLLMRound:
         self.edits = edits
         self.counts = torch.zeros(2, b, dtype=torch.long, device=device)
         self.layers = s0.contexts.shape[0]
-        self.old_v: torch.Tensor | None = None
+        self.dv: torch.Tensor | None = None  # this layer's value change of the rows, float32
         self.new_k: torch.Tensor | None = None
         self.chosen: torch.Tensor | None = None
 
@@ -195,32 +199,38 @@ class DyLLMRound:
         v.index_copy_(0, self.rows, new_v)
         kv[0][self.pages, :, self.offsets] = new_k
         kv[1][self.pages, :, self.offsets] = new_v
-        self.old_v, self.new_k = old_v, new_k
+        self.new_k = new_k
+        if self.approximate:  # in float32: a low-precision difference would round the update
+            self.dv = new_v.float() - old_v.float()
         self.counts[0].index_add_(0, self.member, self.salient.long())
 
     def after(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, attention: PagedBatchAttention
     ) -> torch.Tensor:
-        """Contexts: exact, or ``C_{t-1} + A_t V_t - A_t V_{t-1}``; this layer's salient rows chosen."""
+        """Contexts: exact, or ``C_{t-1} + A_t ΔV`` over the salient columns; this layer's salient rows
+        chosen."""
         n = self.rows.numel()
         exact = out.index_select(0, self.rows).reshape(n, -1)
         before = torch.cat(self._cached("contexts", layer))
         context = exact
         if self.approximate:
-            assert self.old_v is not None and self.new_k is not None
+            assert self.dv is not None and self.new_k is not None
             table, kv_lens = self._entries_of(attention)
-            previous = attention.paged(
-                layer,
+            columns, counts = salient_columns(self.salient, self.member, len(self.edits))
+            update = salient_attention if attention.kernel == "triton" else salient_attention_reference
+            delta = update(
                 q.index_select(0, self.rows),
+                attention.kv[layer, 0],
                 table,
                 kv_lens,
                 self.q_offsets,
-                self.max_q,
-                attention.max_kv_len,
                 self.new_k,
-                self.old_v,
+                self.dv,
+                columns,
+                counts,
+                max_q_len=self.max_q,
             ).reshape(n, -1)
-            approx = before + (exact - previous)
+            approx = (before.float() + delta).to(before.dtype)
             context = torch.where((self.salient | self.exact)[:, None], exact, approx)
         chosen = (context_cosine(context, before) < self.threshold) | self.every
         torch._foreach_copy_(self._cached("contexts", layer), list(context.split(self.sizes)))

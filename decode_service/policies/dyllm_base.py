@@ -26,7 +26,7 @@ rows whose token changed since the last forward, App. C.3; layer l > 0: the rows
    ``C_t = C_{t-1} + A_t ΔV``: only the salient columns of A contribute. As in the released kernel, ``A_t``
    is this step's softmax row over every key (static + local). Through an opaque backend ``inner`` this is
    computed by linearity as ``inner(q, K, V_t) - inner(q, K, V_{t-1})``, so the static KV's share cancels;
-   the fused kernel instead reads only the salient columns of V. With ``approximate_attention`` off
+   the rounds instead sum over the salient columns only (``kernels/salient_attention.py``). With ``approximate_attention`` off
    (Table 1's "Salient") those rows attend exactly too.
 3. Saliency (§3.1-3.2): ``s = cos(C_t, C_{t-1})`` over all heads, for every row of Q; the layer's salient
    set is ``{s < τ}`` (τ = 1: every row). The cache takes ``C_t``.

@@ -5,15 +5,20 @@ reference loop's tokens and every DyLLM counter; the scheduler steps them in its
 
 Planted by hand (failures here, mixed rounds / scheduler, of 4 / 1):
 - the chosen rows compared with ``<=`` against 0.999 tau: 4 / 1;
-- the approximate context without its ``- A_t V_{t-1}`` term: 4 / 1;
+- the approximate context without its ``A_t ΔV`` update (``C_{t-1}`` alone): 4 / 1;
 - the packed rows not remapped after FOCUS's compaction (``remap`` a no-op): 4 / 0;
-- the K/V rows counted from the chosen rows instead of the incoming salient ones: 4 / 0.
+- the K/V rows counted from the chosen rows instead of the incoming salient ones: 4 / 0;
+- the salient-column update reading each request's salient column list one entry late: 4 / 1.
+
+Through the Triton kernels (``dyllm_triton_case.py``, under the interpreter), planted: the salient-column
+update's weights without the log-sum-exp rescale -> the case fails.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +48,7 @@ from tests.decode.helpers import (
     static_decode,
 )
 from tests.decode.test_focus_rounds import focus_built, focus_session
+from tests.interpreter import run_under_interpreter
 from tests.model.helpers import tiny_model
 from tests.reference.compute_skip import run_compute_skip
 from tests.reference.static_kv import static_compute_skip_logits
@@ -112,6 +118,10 @@ def test_dyllm_sessions_share_mixed_rounds_and_equal_their_references(family: st
     assert plain.state.tokens.tolist() == alone(m, CASES[1], 7)
     for s, p in zip(others, policies, strict=True):
         assert s.result().raw_tokens == reference(m, POLICY_CASES[4], 4, p)[0]
+
+
+def test_triton_dyllm_rounds_equal_their_references_under_interpreter() -> None:
+    run_under_interpreter(Path(__file__).with_name("dyllm_triton_case.py"), timeout_s=300)
 
 
 def test_the_scheduler_steps_dyllm_requests_in_its_one_forward_per_iteration() -> None:
