@@ -3,7 +3,8 @@
 :class:`DeviceDenoiseState` keeps one request's tokens on the device and its place in the schedule
 (block, step in block, steps taken, masked positions left in the block) on the host. With a fixed
 schedule every step unmasks exactly the scheduled count, so the host knows without reading the device how
-many logit rows each request needs, when its block ends and when it is done. :class:`DeviceBatch` runs one
+many logit rows each request needs, when its block ends and when it is done; so does a replayed schedule
+(``GenerationConfig.schedule``), which is a fixed schedule with recorded counts. :class:`DeviceBatch` runs one
 step of several states: it finds the masked positions on the device (the rows the forward must compute
 logits for), and turns those rows' logits into unmasked tokens with
 :func:`~.device_sampler.unmask_window`. The host reads the device back only where the schedule cannot
@@ -22,6 +23,7 @@ from pdllm.shared.generation.sampler import (
     step_schedule,
     trim_response,
 )
+from pdllm.shared.generation.schedule import block_counts
 
 
 class DeviceDenoiseState:
@@ -46,10 +48,17 @@ class DeviceDenoiseState:
         self.step_in_block = 0
         self.steps_taken = 0
         self.masked = config.block  # masked positions left in the current block
-        self._schedule = step_schedule(config.block, config.steps // config.num_blocks)
+        self._schedule = self._block_schedule()
         self._stopped = False
+        self.unmasked: list[list[int]] = []  # tokens unmasked at each step, per block
         # a host copy of the tokens after the last step, in flight until its event completes
         self._host: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
+
+    def _block_schedule(self) -> list[int]:
+        """The current block's counts per step (unused under a threshold)."""
+        if self.config.schedule is not None:
+            return block_counts(self.config.schedule, self.block, self.config.block)
+        return step_schedule(self.config.block, self.config.steps // self.config.num_blocks)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -89,6 +98,9 @@ class DeviceDenoiseState:
     def advance(self, masked_left: int, eos_seen: bool) -> None:
         """Account for one step that left ``masked_left`` masked positions in the block; ``eos_seen``: an
         EOS is among the tokens up to this block's end (read only when the block ends)."""
+        if self.step_in_block == 0:
+            self.unmasked.append([])
+        self.unmasked[-1].append(self.masked - masked_left)
         self.steps_taken += 1
         self.step_in_block += 1
         self.masked = masked_left
@@ -96,6 +108,8 @@ class DeviceDenoiseState:
             self.block += 1
             self.step_in_block = 0
             self.masked = self.config.block
+            if self.block < self.config.num_blocks:
+                self._schedule = self._block_schedule()
             if self.config.stop_at_eos and self.eos_id is not None:
                 self._stopped = eos_seen
 

@@ -93,6 +93,7 @@ class BatchSession:
             raw_tokens=self._tokens(),
             steps=self.state.steps_taken,
             decode_seconds=self.seconds,
+            unmasked=[list(b) for b in self.state.unmasked],
         )
 
     @property

@@ -29,6 +29,9 @@ its decodes, one model forward per step (``shared/eval/tpf.py`` says what is and
 sums ``tokens`` and ``forwards`` it pools. ``--traces FILE``
 writes one JSON line per decoded sample: its cell, the expected answer, and the response with its trace in
 the fields ``generate --json`` and ``ask --json`` print (``shared/rpc/trace_format.py``).
+``--record-schedule FILE`` writes every decoded sample's unmask schedule (tokens unmasked at each step,
+per block) with its cell, TPF and decode policy's counters: what ``GenerationConfig.schedule`` and
+``benchmarks/decode_engine.py --schedule`` replay (``shared/generation/schedule.py``).
 
 SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
 selected chunks (``decode_service/sdar_decode.py``), either plain or under ``--decode-policy focus``;
@@ -75,6 +78,7 @@ from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
 from pdllm.shared.eval.tpf import TPF_NOTE, answer_tokens, parse_thresholds, threshold_header, tpf
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.generation.schedule import sample_record, write_schedules
 from pdllm.shared.model.loader import LoadedModel, load_model
 from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.trace_format import message_json
@@ -230,13 +234,15 @@ def run_grid(
     on_cell: Callable[[list[dict]], None] | None = None,
     agreement: bool = False,
     on_trace: Callable[[dict], None] | None = None,
+    on_schedule: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results.
     ``agreement``: also decode with policy ``none`` and report the share of tokens both decodings share.
     ``on_trace``: called with each sample's record (cell, expected answer, response with its trace).
     Each row carries the settings' ``threshold`` and the cell's ``tpf`` (``shared/eval/tpf.py``): its
     samples' answer tokens (up to and including the first EOS) over their decodes' steps, both summed
-    (``tokens``, ``forwards``); the agreement reference decodes are not counted."""
+    (``tokens``, ``forwards``); the agreement reference decodes are not counted. ``on_schedule``: called
+    with each sample's unmask schedule record (``schedule.sample_record``)."""
     tok = loaded.tokenizer
     eos, mask = loaded.config.eos_token_id, loaded.config.mask_token_id
     responses: list[pb.GenerateResponse] | None = [] if on_trace is not None else None
@@ -262,8 +268,23 @@ def run_grid(
                             results.clear()
                             ids = decoders[method](s, gen, policy)
                             (result,) = results
-                            tokens += answer_tokens(result.raw_tokens, eos, mask)
+                            produced = answer_tokens(result.raw_tokens, eos, mask)
+                            tokens += produced
                             forwards += result.steps
+                            if on_schedule is not None:
+                                where = {"method": method, "decode_policy": policy.name}
+                                where |= {"threshold": settings.threshold, "task": task}
+                                where |= {"context_length": length, "depth": depth, "seed": seed}
+                                record = sample_record(
+                                    where,
+                                    result.unmasked,
+                                    gen.gen_length,
+                                    gen.block,
+                                    produced,
+                                    result.cache,
+                                    loaded.config.num_layers,
+                                )
+                                on_schedule(record)
                             text = tok.decode(ids, skip_special_tokens=True)
                             if isinstance(s, LongAnswerSample):
                                 score = score_passage(tok, text, s.answer)
@@ -455,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write one JSON line per decoded sample to this file: its cell, the expected answer and "
         "the response with its trace (the fields of `generate --json`)",
     )
+    o.add_argument(
+        "--record-schedule",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write every decoded sample's unmask schedule (tokens unmasked per step, per block) to "
+        "this JSON file, for replay (benchmarks/decode_engine.py --schedule)",
+    )
     return p
 
 
@@ -531,7 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.agreement:
         header["agreement"] = "token agreement with the same method decoded under --decode-policy none"
 
+    schedules: list[dict] = []
+
     def save(rows: list[dict]) -> Path:
+        if args.record_schedule is not None:  # with the tables, so a cut run keeps its schedules too
+            keys = ("title", "model", "train_length", "device", "date", "command", "decode_policy")
+            write_schedules(args.record_schedule, {k: header[k] for k in keys}, schedules)
         return write_tables(
             rows, {**header, "seconds": round(time.perf_counter() - start, 1)}, args.out, args.name
         )
@@ -560,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                 on_cell=on_cell,
                 agreement=args.agreement,
                 on_trace=None if traces is None else lambda record: print(json.dumps(record), file=traces),
+                on_schedule=None if args.record_schedule is None else schedules.append,
             )
     finally:
         if traces is not None:

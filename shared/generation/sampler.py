@@ -4,7 +4,9 @@ Every decoder — vanilla, Prefilling-dLLM, and the decode policies — differs 
 how it computes logits for the masked response positions. What to unmask next is decided here, once:
 :class:`DenoiseState` holds one request's response tokens and steps through semi-autoregressive blocks,
 either with LLaDA/Dream's fixed schedule (low-confidence remasking: the top-k most confident predictions
-are kept per step) or with Fast-dLLM's confidence threshold (all predictions above tau, at least one).
+are kept per step), with Fast-dLLM's confidence threshold (all predictions above tau, at least one), or
+replaying a recorded schedule (``GenerationConfig.schedule``: the top-k with k as recorded, ``schedule.py``).
+Every state records the tokens each step unmasked (``unmasked``, per block).
 :func:`denoise` is the loop that drives a state with any logits function. A decode policy that computes
 the logits of only some positions (FOCUS, ``decode_service/policies/focus*.py``) passes ``eligible`` to
 :meth:`DenoiseState.update`: the same rule then chooses among those positions only.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from tqdm import tqdm
 
+from pdllm.shared.generation.schedule import Schedule, block_counts, check_schedule
 from pdllm.shared.settings import GenerationSettings, validate
 
 _DEFAULTS = GenerationSettings()
@@ -43,6 +46,10 @@ class GenerationConfig:
     seed: int = _DEFAULTS.seed
     # Stop after the block in which an EOS was produced; the result is trimmed at the first EOS.
     stop_at_eos: bool = True
+    # None: ``steps`` or ``threshold`` decide. Else a replay: step i of block b unmasks exactly
+    # ``schedule[b][i]`` tokens, fitted to the block (``schedule.block_counts``). An in-process setting
+    # (eval, benchmarks): no request or settings schema carries it.
+    schedule: Schedule | None = None
 
     @property
     def block(self) -> int:
@@ -58,6 +65,10 @@ class GenerationConfig:
             f.name: getattr(self, f.name) for f in fields(self) if f.name in GenerationSettings.model_fields
         }
         validate(GenerationSettings, values)
+        if self.schedule is not None:
+            if self.threshold is not None:
+                raise ValueError("a replayed schedule decides every step's count: set no threshold with it")
+            check_schedule(self.schedule)
 
 
 def step_schedule(block_length: int, steps_per_block: int) -> list[int]:
@@ -110,13 +121,21 @@ class DenoiseState:
         self.step_in_block = 0
         self.steps_taken = 0
         self._steps_per_block = config.steps // config.num_blocks
-        self._schedule = step_schedule(self._span_length(), self._steps_per_block)
+        self._schedule = self._block_schedule()
         self.generator = torch.Generator().manual_seed(config.seed)
         self._stopped = False
+        # tokens unmasked at each step, per block (what ``--record-schedule`` writes)
+        self.unmasked: list[list[int]] = []
 
     def _span_length(self) -> int:
         lo, hi = self.spans[self.block]
         return hi - lo
+
+    def _block_schedule(self) -> list[int]:
+        """The current block's counts per step (unused under a threshold)."""
+        if self.config.schedule is not None:
+            return block_counts(self.config.schedule, self.block, self._span_length())
+        return step_schedule(self._span_length(), self._steps_per_block)
 
     @property
     def done(self) -> bool:
@@ -182,6 +201,9 @@ class DenoiseState:
                 chosen = confidence.argmax().view(1)
         picked = positions[chosen]
         self.tokens[picked] = tokens[chosen]
+        if self.step_in_block == 0:
+            self.unmasked.append([])
+        self.unmasked[-1].append(int(picked.numel()))
         self.steps_taken += 1
         self.step_in_block += 1
         lo, hi = self.spans[self.block]
@@ -194,7 +216,7 @@ class DenoiseState:
         self.block += 1
         self.step_in_block = 0
         if self.block < len(self.spans):
-            self._schedule = step_schedule(self._span_length(), self._steps_per_block)
+            self._schedule = self._block_schedule()
         if self.config.stop_at_eos and self.eos_id is not None:
             self._stopped = bool((self.tokens[:end] == self.eos_id).any())
 
@@ -278,6 +300,8 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
     # A decode policy's name and counters (``decode_service/policies/base.CacheStats``); empty without one.
     cache: dict[str, int | str] = field(default_factory=dict)
+    # Tokens unmasked at each step, per block (``DenoiseState.unmasked``).
+    unmasked: list[list[int]] = field(default_factory=list)
 
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -323,6 +347,7 @@ class DenoiseSession:
             raw_tokens=self.state.tokens.tolist(),
             steps=self.state.steps_taken,
             decode_seconds=self.seconds,
+            unmasked=[list(b) for b in self.state.unmasked],
         )
 
 
