@@ -23,6 +23,10 @@ Layout (``B`` requests, ragged query lengths; the same as :mod:`.split_s_attenti
   ``salient[q_offsets[b] : q_offsets[b] + counts[b]]`` (rows of its own range).
 - ``lse``: optional ``[T, Hq]`` float32, natural log.
 - returns ``[T, Hq, D]`` float32.
+
+GQA: a program owns one (row block, request, KV head) and stacks the ``G = Hq / Hkv`` query heads of that KV
+head as rows, as the split-S kernel does, so each K and ΔV tile is loaded once for the whole group. The key
+range is not split: a request's rows loop over all of its keys for the normalizer.
 """
 
 from __future__ import annotations
@@ -60,23 +64,24 @@ if triton is not None:
         G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        hk = h // G
+        # A program owns (row block, request, KV head); the G query heads of that KV head are stacked as
+        # rows (row r: token r // G, head hk * G + r % G), so each K/ΔV tile is loaded once for the group.
+        pid_m, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q0 = tl.load(QO + b)
         q1 = tl.load(QO + b + 1)
-        arange_m = tl.arange(0, BLOCK_M)
         arange_n = tl.arange(0, BLOCK_N)
         arange_d = tl.arange(0, D)
-        rows = q0 + pid_m * BLOCK_M + arange_m
-        row_ok = rows < q1
-        if pid_m * BLOCK_M < q1 - q0:
-            q = tl.load(
-                Q + rows[:, None] * s_qt + h * s_qh + arange_d[None, :], mask=row_ok[:, None], other=0.0
-            )
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < (q1 - q0) * G
+        tok = (q0 + offs_m // G).to(tl.int64)
+        head = hk * G + offs_m % G
+        if pid_m * BLOCK_M < (q1 - q0) * G:
+            q_rows = tok[:, None] * s_qt + head[:, None] * s_qh
+            q = tl.load(Q + q_rows + arange_d[None, :], mask=row_ok[:, None], other=0.0)
             if HAS_LSE:
                 lse2 = (
-                    tl.load(LSE + rows * s_et + h * s_eh, mask=row_ok, other=0.0) * 1.4426950408889634
-                )  # log2(e)
+                    tl.load(LSE + tok * s_et + head * s_eh, mask=row_ok, other=0.0) * 1.4426950408889634
+                )  # log2 e
             else:
                 # The normalizer over every key: paged slots, then the request's local keys (K only).
                 m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -117,7 +122,8 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
                 p = tl.where(ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
                 acc = tl.dot(p, dv.to(tl.float32), acc, input_precision=PRECISION)
-            tl.store(OUT + rows[:, None] * s_ot + h * s_oh + arange_d[None, :], acc, mask=row_ok[:, None])
+            out_rows = tok[:, None] * s_ot + head[:, None] * s_oh
+            tl.store(OUT + out_rows + arange_d[None, :], acc, mask=row_ok[:, None])
 
 
 def salient_columns(
@@ -166,12 +172,12 @@ def salient_attention(
     if total_q == 0 or max_q_len == 0:
         return out.zero_()
     args = (q, k_pages, page_table, kv_lens, q_offsets, k_local, dv, salient, counts, lse, scale)
-    block_m, block_n = 16, 32
+    block_m, block_n = 64, 32  # block_m rows of stacked (token, head) pairs
 
     def launch() -> torch.Tensor:
         e = lse if lse is not None else out  # unused by the kernel without HAS_LSE
         pt = page_table.contiguous()
-        grid = (triton.cdiv(max_q_len, block_m), batch, hq)
+        grid = (triton.cdiv(max_q_len * (hq // hkv), block_m), batch, hkv)
         _salient_kernel[grid](
             q, k_pages, pt, kv_lens, q_offsets, k_local, dv, salient, counts, e, out,
             (d**-0.5 if scale is None else scale) * LOG2E,

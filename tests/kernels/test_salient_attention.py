@@ -7,7 +7,7 @@ Planted by hand (each made these tests fail, then was reverted):
 - the salient column list read one entry late (``salient[q0 + 1 : q0 + count + 1]`` in the reference):
   ``test_reference_equals_the_full_form`` and ``test_only_the_salient_columns_are_read`` fail;
 - the Triton kernel's weights without the log-sum-exp rescale (``exp2(s)`` for ``exp2(s - lse2)``):
-  ``test_kernel_under_interpreter`` fails.
+  ``test_kernel_under_interpreter`` and ``test_benchmark_smoke`` fail (and the Triton DyLLM rounds case).
 """
 
 from __future__ import annotations
@@ -156,6 +156,16 @@ def test_salient_columns_lists_each_requests_salient_rows_at_its_start() -> None
 
 def test_kernel_under_interpreter() -> None:
     run_under_interpreter(Path(__file__), "kernel", timeout_s=300)
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    """The benchmark's tiny CPU run (interpreter): its update equals the difference of two split-S passes."""
+    import json
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "salient_attention.py"
+    run_under_interpreter(script, "--smoke", "--out", str(tmp_path), timeout_s=300)
+    rows = json.loads((tmp_path / "salient_attention.json").read_text())["rows"]
+    assert rows and all(r["max_rel_err"] < 1e-5 and r["salient_rows"] > 0 for r in rows)
 
 
 def _case_kernel() -> None:
