@@ -10,6 +10,8 @@
 - :mod:`.retention_scores`: top-B token-retention scores from the prefill's LSE (Triton + reference).
   The decode worker sums bidirectional top-B scores with it on CUDA (``retention="triton"``). Both choices
   measured in ``benchmarks/results/prefill_kernels.md``.
+- :mod:`.salient_attention`: DyLLM's approximate context update, ``A_t ΔV`` summed over the salient columns
+  only (Triton + reference); the DyLLM rounds run the kernel under Triton round attention, else the reference.
 - :mod:`.rms_norm`: RMSNorm, optionally fused with the residual add before it (Triton + reference).
 - :mod:`.rope`: RoPE of q and k in one launch from strided views (Triton + reference).
 - :mod:`.silu_mul`: SwiGLU ``silu(gate) * up``, separate or from one fused ``gate_up`` (Triton + reference).
