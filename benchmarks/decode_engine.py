@@ -35,6 +35,14 @@ Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and `
                  loop (tiny fp32 models; on a GPU a minute or two of compiles and captures).
   rounds-e2e     pdllm in the rounds, batch 1, end to end (fixed phases + gen / tokens/s) against Fast-dLLM's
                  dual cache on the whole prompt, at 8K / 16K / 32K and gen 32 / 256.
+
+``--schedule FILE`` (a ``pdllm eval --record-schedule`` file; ``--schedule-select method=pdllm,threshold=0.9``
+keeps some of its samples): the rounds and rounds-e2e requests unmask the recorded counts per step, the most
+confident masked positions (``decode_cases/replay.py``: request i replays sample i mod N, fitted to the
+cell's gen and block length), so speed is measured at a recorded TPF. Their rows carry ``replayed: true``,
+``recorded_tpf`` (the eval's TPF of the samples replayed), ``schedule_tpf`` (tokens per step as replayed)
+and ``timed_blocks`` as the rounds timed; ``tpf`` and tokens/s count the tokens the replayed steps
+unmasked. Without it, rows carry ``replayed: false``.
   compute-skip   DyLLM and FOCUS (their reference loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
@@ -84,6 +92,7 @@ from benchmarks.decode_cases.focus_batched import case_focus_batched  # noqa: E4
 from benchmarks.decode_cases.loop import case_compute_skip, case_loop, case_polestar  # noqa: E402
 from benchmarks.decode_cases.mixed import case_mixed  # noqa: E402
 from benchmarks.decode_cases.polestar_tpf import case_polestar_tpf  # noqa: E402
+from benchmarks.decode_cases.replay import Replay  # noqa: E402
 from benchmarks.decode_cases.report import write  # noqa: E402
 from benchmarks.decode_cases.rounds import ROUND_POLICIES, Prompt, case_rounds, case_rounds_e2e, sessions  # noqa: E402, F401
 from benchmarks.decode_cases.serve import case_serve  # noqa: E402
@@ -177,6 +186,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="rounds: first check policy sessions in graphed rounds == the reference loop (tiny models; "
         "on a GPU a minute of Triton compiles and graph captures)",
     )
+    ap.add_argument("--schedule", type=Path, default=None,
+                    help="rounds, rounds-e2e: requests replay the unmask counts of this `pdllm eval --record-schedule` "
+                    "file (rows labelled replayed) instead of one token per step")  # fmt: skip
+    ap.add_argument("--schedule-select", default=None,
+                    help="--schedule: only its samples with these key=value fields, e.g. method=pdllm,threshold=0.9")  # fmt: skip
     ap.add_argument("--e2e-contexts", default=None, help="rounds-e2e: contexts (default 8192,16384,32768)")
     ap.add_argument("--e2e-gens", default=None, help="rounds-e2e: gen lengths (default 32,256; smoke 16)")
     ap.add_argument(
@@ -233,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     run = Run.from_args(args, args.needs_gpu)
     bench = Bench(args, run)
+    if args.schedule is not None:
+        bench.replay = Replay.load(args.schedule, args.schedule_select)
     meta = run_meta("decode_engine.py", argv, run) | {"cases_run": args.cases, "query_tokens": QUERY_TOKENS}
     path = args.out / f"{args.name}.json"
     kept = json.loads(path.read_text()) if args.update and path.is_file() else {}

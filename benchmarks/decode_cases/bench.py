@@ -23,6 +23,7 @@ from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 
 if TYPE_CHECKING:
+    from benchmarks.decode_cases.replay import Replay
     from benchmarks.decode_cases.rounds import Rounds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,7 @@ class Bench:
     full_step_s: dict[tuple[str, int], float] = field(default_factory=dict)  # loop warm-up: one full step
     overhead_s: dict[tuple[str, int], float] = field(default_factory=dict)  # pdllm prefill + build
     warmed: set[tuple] = field(default_factory=set)
+    replay: Replay | None = None  # --schedule: the rounds cases' requests replay recorded unmask counts
 
     @property
     def device(self) -> torch.device:

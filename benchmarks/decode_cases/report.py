@@ -40,6 +40,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _replayed(r: dict) -> str:
+    """A rounds row's pace: one token per step, or a replayed schedule and its recorded TPF."""
+    return f"yes ({fmt(r.get('recorded_tpf'))})" if r.get("replayed") else "no"
+
+
 def _common(r: dict) -> list[str]:
     return [fmt(r["tokens_per_s"], ".1f"), fmt(r["round_ms"]), fmt(r["forwards_per_round"]), fmt(r["tpf"]),
             ratio(r["speedup_vs_vanilla"]), ratio(r["speedup_vs_dual_cache"])]  # fmt: skip
@@ -82,9 +87,10 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                        fmt(r["peak_gib"])]
                       for r in rows])  # fmt: skip
     if case in ("rounds", "rounds-e2e"):
-        return table(["method", "context", "gen", "batch", "policy", *COMMON, "timed blocks", "peak GiB"],
+        return table(["method", "context", "gen", "batch", "policy", *COMMON, "timed blocks", "peak GiB",
+                      "replayed (recorded TPF)"],
                      [[r["method"], str(r["context_tokens"]), str(r["gen_length"]), str(r["batch"]), r["policy"],
-                       *_common(r), r["timed_blocks"], fmt(r["peak_gib"])] for r in rows])  # fmt: skip
+                       *_common(r), r["timed_blocks"], fmt(r["peak_gib"]), _replayed(r)] for r in rows])  # fmt: skip
     head = ["method", "context", "gen", "policy", *COMMON, "peak GiB", "timing", "fixed phases s",
             "refreshes / forwards (policy's)"]  # fmt: skip
     extra_head = {

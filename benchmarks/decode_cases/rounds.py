@@ -12,6 +12,7 @@ import time
 import torch
 
 from benchmarks.decode_cases.bench import Bench, per_round, speedup, tpf_of
+from benchmarks.decode_cases.replay import replayed_tokens
 from benchmarks.harness import peak_gib
 from benchmarks.shapes import sync
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
@@ -39,14 +40,16 @@ class Prompt:
         return 0 if self.static is None else self.static.shape[3]
 
 
-def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n: int) -> list[BatchSession]:  # type: ignore[no-untyped-def]
+def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n: int,  # type: ignore[no-untyped-def]
+             gens: list[GenerationConfig] | None = None) -> list[BatchSession]:  # fmt: skip
     """``n`` sessions under ``policy`` over ``prompt``, made as the decode worker makes them
-    (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``; vanilla: the prompt as local rows)."""
+    (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``; vanilla: the prompt as local rows).
+    ``gens``: each session's own settings (a replayed schedule each), else ``gen`` for all."""
     cfg = None if policy == "none" else DecodePolicyConfig(policy)
     static = prompt.static is not None
     extra = SessionMaker(model, pool.page_size).pool_slots(cfg, len(prompt.query), gen, static=static)
     out: list[BatchSession] = []
-    for _ in range(n):
+    for i in range(n):
         pages = pool.reserve(prompt.kv_tokens + extra)
         if pages is None:
             raise RuntimeError("KV pool too small for the cell")
@@ -54,15 +57,17 @@ def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n:
         if prompt.static is not None:
             pool.write(pages, prompt.static)
             kv = StaticKV([prompt.static], prompt.query_start)
-        built = StaticDecode(list(prompt.query), kv, gen, cache_policy=rounds_policy(cfg))
+        own = gen if gens is None else gens[i]
+        built = StaticDecode(list(prompt.query), kv, own, cache_policy=rounds_policy(cfg))
         out.append(batch_session(model, built, pages, pool.page_size))
     return out
 
 
-def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None, counter=None) -> dict:  # type: ignore[no-untyped-def]
+def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None, counter=None, gens=None) -> dict:  # type: ignore[no-untyped-def]  # fmt: skip
     """Decode ``n`` sessions together until done or the first block boundary past ``limit_s``
-    (``blocks``: exactly that many blocks); pages returned. ``counter``: the forwards of the rounds."""
-    active = sessions(model, pool, prompt, gen, policy, n)
+    (``blocks``: exactly that many blocks); pages returned. ``counter``: the forwards of the rounds.
+    ``gens``: the sessions' replayed schedules (``replay.py``); a "block" is then ``gen.block`` rounds."""
+    active = sessions(model, pool, prompt, gen, policy, n, gens)
     every = list(active)
     device = pool.kv.device
     sync(device)
@@ -73,7 +78,8 @@ def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None
         decode_round(forward, active)
         rounds += 1
         active = [s for s in active if not s.done]
-        if rounds % gen.block == 0:  # one token per step: every session ends a block together
+        # one token per step: every session ends a block together (replayed: only a check of the time)
+        if rounds % gen.block == 0:
             done_blocks += 1
             if blocks is not None and done_blocks >= blocks:
                 break
@@ -160,20 +166,27 @@ def round_cell(bench: Bench, case: str, part_rows: list[dict], method: str, cont
         return
     st, model = rounds_state(bench), bench.model
     gen = bench.gen(gen_len)
+    replay = bench.replay
+    gens = None if replay is None else replay.gens(gen, n)
     try:
         args = (st.forward, model, st.pool, prompt, gen, policy, n, bench.args.cell_s)
-        first = timed_run(*args)  # captures the buckets
-        second = timed_run(*args, blocks=first["blocks"], counter=bench.counter)
+        first = timed_run(*args, gens=gens)  # captures the buckets
+        second = timed_run(*args, blocks=first["blocks"], counter=bench.counter, gens=gens)
     except Exception as exc:  # e.g. out of memory: recorded, the rest still runs
         bench.error(case, where, exc)
         return
     tokens = n * second["blocks"] * gen.block
+    timed = f"{second['blocks']}/{gen.num_blocks}"
+    own: dict = {"replayed": False}
+    if replay is not None:
+        tokens = replayed_tokens([g.schedule for g in gens or [] if g.schedule], second["rounds"])
+        timed, own = f"{second['rounds']} rounds", replay.columns(gen, n)
     fpr = per_round(second["forwards"], second["rounds"])
     part_rows.append({"case": case, **where, "tokens_per_s": tokens / second["seconds"],
                       "round_ms": second["seconds"] / second["rounds"] * 1e3, "forwards_per_round": fpr,
-                      "tpf": tpf_of(second["blocks"] * gen.block, second["forwards"]),
-                      "peak_gib": second["peak_gib"], "timed_blocks": f"{second['blocks']}/{gen.num_blocks}",
-                      "forwards": second["forwards"], "rounds": second["rounds"], "cache": second["cache"]})  # fmt: skip
+                      "tpf": tpf_of(tokens / n, second["forwards"]),
+                      "peak_gib": second["peak_gib"], "timed_blocks": timed,
+                      "forwards": second["forwards"], "rounds": second["rounds"], "cache": second["cache"], **own})  # fmt: skip
     print(f"[done] {case} {json.dumps(where)}: {part_rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
 
 
@@ -218,12 +231,13 @@ def case_rounds(bench: Bench) -> None:
     for r in rows:
         bench.add(r)
     bench.meta(case)["pdllm_fixed_phases_s"] = dict(st.fixed_s)
+    pace = "one token per step" if bench.replay is None else "replayed schedules"
     bench.meta(case)["setup"] = (
-        f"{model.config.model_id}, block {a.block}, one token per step, timed blocks within --cell-s "
+        f"{model.config.model_id}, block {a.block}, {pace}, timed blocks within --cell-s "
         f"{a.cell_s}; pdllm: C={bench.engine('rounds').config.chunk_size}, K={bench.engine('rounds').config.top_k}, "
         f"full-mask. Policy sessions in these rounds == the reference policy loop (tiny fp32 models"
         f"{', CUDA graphs' if bench.run.cuda else ''}): {check}."
-    )
+    ) + ("" if bench.replay is None else " " + bench.replay.note())
 
 
 def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
@@ -322,4 +336,4 @@ def case_rounds_e2e(bench: Bench) -> None:
         "batch 1; pdllm seconds per request = fixed phases (prefill, scoring, build; warm, once per context) "
         "+ gen / its rounds' tokens/s, against Fast-dLLM's dual cache on the whole prompt in the same rounds "
         "(its first refresh is its prefill)."
-    )
+    ) + ("" if bench.replay is None else " " + bench.replay.note())

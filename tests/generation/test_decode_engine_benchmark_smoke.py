@@ -1,6 +1,9 @@
 """``benchmarks/decode_engine.py --smoke`` on CPU (tiny models, the shipped one for TPF): every case's rows,
 their baselines from the same run, forwards counted per round, TPF up to EOS, the time budget and
-``--update``."""
+``--update``; ``--schedule``: rounds rows at replayed unmask counts.
+
+Planted and seen failing: a replayed row's tokens counted as one per request and round
+(``n * rounds``) -> the replayed-rows test fails on ``tpf`` (1.0 against 4.0)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.decode_engine import CASES, ROW_KEYS, main
+
+SCHEDULES = Path(__file__).resolve().parents[1] / "fixtures" / "unmask_schedules.json"
 
 LOOP_POLICIES = {"none", "dual-cache", "sparse-dllm", "prefix-cache", "polestar"}
 
@@ -69,6 +74,7 @@ def test_loop_and_rounds_per_policy_with_same_run_baselines(report: tuple[Path, 
     }
     # a round of 16 requests runs one packed forward
     assert all(r["forwards_per_round"] == 1.0 and r["forwards"] == r["rounds"] for r in rounds)
+    assert all(r["replayed"] is False for r in rounds + by_case(data, "rounds-e2e"))
     assert data["cases"]["rounds"]["policy_rounds_equal_reference"] == "40/40"
     e2e = data["cases"]["rounds-e2e"]["e2e"]
     assert {(e["context_tokens"], e["pdllm_policy"]) for e in e2e} == {
@@ -190,3 +196,49 @@ def test_serve_rows_pair_each_policy_with_the_nearest_no_policy_run(tmp_path: Pa
     dyllm = rows[2]
     assert dyllm["concurrency"] == 16 and dyllm["vs_none"] == 0.75 and dyllm["none_file"] == "serving_1.json"
     assert dyllm["p99_over_unloaded"] == 8.0
+
+
+def _fitted(steps: list[list[int]], gen: int, block: int) -> list[int]:
+    """A recorded schedule as replayed at ``gen`` / ``block``, flat: block b replays recorded block
+    b mod (recorded blocks), its counts cycled until they cover the block, the last cut."""
+    out = []
+    for b in range(gen // block):
+        counts, left, i = steps[b % len(steps)], block, 0
+        while left:
+            out.append(min(counts[i % len(counts)], left))
+            left -= out[-1]
+            i += 1
+    return out
+
+
+def test_replayed_rounds_unmask_the_recorded_counts(tmp_path: Path) -> None:
+    """``--schedule``: request i of a cell replays the file's sample i mod N; tokens and TPF are what those
+    schedules unmask in the rounds timed, and each row names the recorded TPF of its samples."""
+    argv = [
+        "--smoke",
+        "--cases",
+        "rounds,rounds-e2e",
+        "--batches",
+        "1,3",
+        "--rounds-policies",
+        "none,dual-cache",
+    ]
+    assert main([*argv, "--schedule", str(SCHEDULES), "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "decode_engine.json").read_text())
+    samples = json.loads(SCHEDULES.read_text())["samples"]
+    rows = by_case(data, "rounds") + by_case(data, "rounds-e2e")
+    assert {(r["case"], r["batch"]) for r in rows} == {("rounds", 1), ("rounds", 3), ("rounds-e2e", 1)}
+    for r in rows:
+        used = [samples[i % len(samples)] for i in range(r["batch"])]
+        flat = [_fitted(s["steps"], r["gen_length"], 8) for s in used]  # smoke: block 8
+        tokens = sum(sum(f[: r["rounds"]]) for f in flat)
+        assert r["replayed"] is True and r["forwards"] == r["rounds"] <= max(map(len, flat))
+        assert r["tpf"] == pytest.approx(tokens / r["batch"] / r["forwards"])
+        assert r["recorded_tpf"] == round(
+            sum(s["tokens"] for s in used) / sum(s["forwards"] for s in used), 4
+        )
+        assert r["schedule_samples"] == r["batch"] and r["timed_blocks"] == f"{r['rounds']} rounds"
+    assert any(r["tpf"] > 1.5 for r in rows)  # several tokens per forward, as recorded
+    for case in ("rounds", "rounds-e2e"):
+        assert "Replayed schedules: unmask_schedules.json (4 samples" in data["cases"][case]["setup"]
+    assert "| yes (" in (tmp_path / "decode_engine.md").read_text()
