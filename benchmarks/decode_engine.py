@@ -67,7 +67,8 @@ pdllm fixed phases and SDAR's prompt prefill are not counted), ``tpf`` (tokens o
 forwards run while it decoded), ``speedup_vs_vanilla``, ``speedup_vs_dual_cache`` (both against rows of the
 same run; None where that baseline is not in it) and ``peak_gib`` (the CUDA allocator's peak, weights, and in
 the rounds the KV pool, included, with what earlier runs of the process still hold; 0 on CPU), then the
-case's own columns. Runs are ordered so that a tight
+case's own columns (rounds and rounds-e2e: ``cache_bytes``, the KV pool pages one request holds, static KV
+plus its policy's cache, and ``static_kv_bytes``, the static KV's share). Runs are ordered so that a tight
 ``--budget-s`` drops the least needed; skipped runs are listed with their reason. ``--update`` keeps the rows
 of the cases not run from an earlier file of the same name.
 """

@@ -36,6 +36,11 @@ class Final:
     build_s: float
     queue_s: float
     peak_bytes: int  # this request's own: its KV pages plus its build's transient memory
+    # Its KV pool pages (static KV plus a policy's cache) when it finished, and the most it held at once. A
+    # policy that evicts reserves only what it keeps (Sparse-dLLM's count is known at admission), so the two
+    # are equal and are what the pool's byte budget charged it.
+    pool_bytes: int = 0
+    pool_peak_bytes: int = 0
 
 
 @dataclass
@@ -151,6 +156,7 @@ class DecodeRequest:
     queue_s: float = 0.0
     build_s: float = 0.0
     build_bytes: int = 0
+    pool_peak_bytes: int = 0  # the most KV pool bytes its pages held at once
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"
 

@@ -259,6 +259,8 @@ class DecodeScheduler:
                     if pages is None:  # wait for pages; first come, first served
                         break
                     req.pages = pages
+                    held = len(pages) * self.pool.page_bytes
+                    req.pool_peak_bytes = max(req.pool_peak_bytes, held)
                 admitted.append(self._waiting.popleft())
         return admitted
 
@@ -426,8 +428,10 @@ class DecodeScheduler:
                 block = min(state.block, state.num_blocks - 1)
                 req.events.put(Partial(state.steps_taken, block, session.partial()))
             if session.done:
-                peak = len(req.pages) * self.pool.page_bytes + req.build_bytes
-                req.events.put(Final(session.result(), req.build_s, req.queue_s, peak))
+                held = len(req.pages) * self.pool.page_bytes
+                peak = held + req.build_bytes
+                final = Final(session.result(), req.build_s, req.queue_s, peak, held, req.pool_peak_bytes)
+                req.events.put(final)
                 finished.append(req)
         self._retire(finished, Status.FINISHED)
 

@@ -45,6 +45,13 @@ def _replayed(r: dict) -> str:
     return f"yes ({fmt(r.get('recorded_tpf'))})" if r.get("replayed") else "no"
 
 
+def _kv_mib(r: dict) -> str:
+    """A rounds row's pool bytes per request (``cache_bytes``: static KV + policy cache), its static share."""
+    if r.get("cache_bytes") is None:
+        return "—"
+    return f"{r['cache_bytes'] / 2**20:.2f} ({r['static_kv_bytes'] / 2**20:.2f})"
+
+
 def _common(r: dict) -> list[str]:
     return [fmt(r["tokens_per_s"], ".1f"), fmt(r["round_ms"]), fmt(r["forwards_per_round"]), fmt(r["tpf"]),
             ratio(r["speedup_vs_vanilla"]), ratio(r["speedup_vs_dual_cache"])]  # fmt: skip
@@ -88,9 +95,10 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                       for r in rows])  # fmt: skip
     if case in ("rounds", "rounds-e2e"):
         return table(["method", "context", "gen", "batch", "policy", *COMMON, "timed blocks", "peak GiB",
-                      "replayed (recorded TPF)"],
+                      "KV MiB / request (static)", "replayed (recorded TPF)"],
                      [[r["method"], str(r["context_tokens"]), str(r["gen_length"]), str(r["batch"]), r["policy"],
-                       *_common(r), r["timed_blocks"], fmt(r["peak_gib"]), _replayed(r)] for r in rows])  # fmt: skip
+                       *_common(r), r["timed_blocks"], fmt(r["peak_gib"]), _kv_mib(r), _replayed(r)]
+                      for r in rows])  # fmt: skip
     head = ["method", "context", "gen", "policy", *COMMON, "peak GiB", "timing", "fixed phases s",
             "refreshes / forwards (policy's)"]  # fmt: skip
     extra_head = {

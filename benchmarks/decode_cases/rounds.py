@@ -50,7 +50,8 @@ def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n:
     extra = SessionMaker(model, pool.page_size).pool_slots(cfg, len(prompt.query), gen, static=static)
     out: list[BatchSession] = []
     for i in range(n):
-        pages = pool.reserve(prompt.kv_tokens + extra)
+        need = prompt.kv_tokens + extra
+        pages = pool.reserve(need) if need else []  # as the scheduler: no pages for nothing to hold
         if pages is None:
             raise RuntimeError("KV pool too small for the cell")
         kv = None
@@ -92,10 +93,14 @@ def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None
     forwards = counter.count - count0 if counter else 0
     peak = peak_gib(device)
     cache = every[0].result().cache if isinstance(every[0], PolicyBatchSession) else {}
+    # One request's pool pages (static KV + its policy's cache), reserved for what it keeps: the bytes
+    # the pool's budget charges it, its peak and its size after eviction alike.
+    held = len(every[0].pages) * pool.page_bytes
+    static = prompt.kv_tokens * (pool.page_bytes // pool.page_size)
     for s in every:
         pool.release(s.pages)
     return {"seconds": seconds, "rounds": rounds, "blocks": done_blocks, "peak_gib": peak, "cache": cache,
-            "forwards": forwards}  # fmt: skip
+            "forwards": forwards, "cache_bytes": held, "static_kv_bytes": static}  # fmt: skip
 
 
 def round_check(device: torch.device) -> str:
@@ -185,7 +190,8 @@ def round_cell(bench: Bench, case: str, part_rows: list[dict], method: str, cont
     part_rows.append({"case": case, **where, "tokens_per_s": tokens / second["seconds"],
                       "round_ms": second["seconds"] / second["rounds"] * 1e3, "forwards_per_round": fpr,
                       "tpf": tpf_of(tokens / n, second["forwards"]),
-                      "peak_gib": second["peak_gib"], "timed_blocks": timed,
+                      "peak_gib": second["peak_gib"], "cache_bytes": second["cache_bytes"],
+                      "static_kv_bytes": second["static_kv_bytes"], "timed_blocks": timed,
                       "forwards": second["forwards"], "rounds": second["rounds"], "cache": second["cache"], **own})  # fmt: skip
     print(f"[done] {case} {json.dumps(where)}: {part_rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
 

@@ -75,6 +75,16 @@ def test_loop_and_rounds_per_policy_with_same_run_baselines(report: tuple[Path, 
     # a round of 16 requests runs one packed forward
     assert all(r["forwards_per_round"] == 1.0 and r["forwards"] == r["rounds"] for r in rounds)
     assert all(r["replayed"] is False for r in rounds + by_case(data, "rounds-e2e"))
+    # one request's pool pages: none for plain vanilla, fewer for Sparse-dLLM than for the dual cache
+    for method in ("vanilla", "pdllm"):
+        held = {(r["policy"], r["batch"]): (r["cache_bytes"], r["static_kv_bytes"]) for r in rounds if r["method"] == method}  # fmt: skip
+        assert all(held[p, 1] == held[p, 16] for p in LOOP_POLICIES)  # per request, whatever the batch
+        (none, static), (dual, _), (sparse, _) = (held[p, 1] for p in ("none", "dual-cache", "sparse-dllm"))
+        assert held["prefix-cache", 1][0] == held["polestar", 1][0] == dual
+        if method == "vanilla":
+            assert none == static == 0 and 0 < sparse < dual
+        else:
+            assert 0 < static <= none <= sparse <= dual  # whole 64-slot pages: equal at these sizes
     assert data["cases"]["rounds"]["policy_rounds_equal_reference"] == "40/40"
     e2e = data["cases"]["rounds-e2e"]["e2e"]
     assert {(e["context_tokens"], e["pdllm_policy"]) for e in e2e} == {
