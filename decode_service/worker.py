@@ -19,7 +19,7 @@ import torch
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.build import build_static_steps
-from pdllm.decode_service.local import LocalDecoder
+from pdllm.decode_service.local import LocalDecoder, LocalJob
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.sessions import SessionMaker, rounds_policy
@@ -149,11 +149,21 @@ class DecodeWorker:
         """Step 7 for one request over ``static`` under ``decode_policy`` (None: every row every step),
         through the decode server's scheduler (:class:`~.local.LocalDecoder`; the session it becomes:
         ``sessions.py``)."""
+        job = self.decode_job(query_ids, static, gen, decode_policy)
+        return self.local.run(job, progress, threading.Event())
+
+    def decode_job(
+        self,
+        query_ids: list[int],
+        static: StaticKV,
+        gen: GenerationConfig,
+        decode_policy: DecodePolicyConfig | None = None,
+    ) -> LocalJob:
+        """:meth:`decode`'s request, for :meth:`LocalDecoder.run_many <.local.LocalDecoder.run_many>`."""
         gen.validate()
         built = StaticDecode(list(query_ids), static, gen, cache_policy=rounds_policy(decode_policy))
-        cancelled = threading.Event()
         slots = self.sessions.pool_slots(decode_policy, len(query_ids), gen, static=True)
-        return self.local.run(lambda: built, built.kv_tokens, slots, gen, progress, cancelled)
+        return LocalJob(lambda: built, built.kv_tokens, slots, gen)
 
     def vanilla(
         self,
@@ -164,13 +174,18 @@ class DecodeWorker:
     ) -> GenerationResult:
         """A vanilla request (``prompt``: BOS included, if any) through the decode server's scheduler: in the
         rounds with its whole prompt as local rows (``sessions.py``)."""
+        return self.local.run(self.vanilla_job(prompt, gen, decode_policy), progress, threading.Event())
+
+    def vanilla_job(
+        self, prompt: list[int], gen: GenerationConfig, decode_policy: DecodePolicyConfig | None = None
+    ) -> LocalJob:
+        """:meth:`vanilla`'s request, for :meth:`LocalDecoder.run_many <.local.LocalDecoder.run_many>`."""
         gen.validate()
         if self.sessions.block_diffusion:
             sdar_decode.check_generation(gen, self.model)
-        cancelled = threading.Event()
         slots = self.sessions.pool_slots(decode_policy, len(prompt), gen, static=False)
         start = lambda: self.sessions.vanilla(list(prompt), gen, decode_policy)  # noqa: E731
-        return self.local.run(start, 0, slots, gen, progress, cancelled)
+        return LocalJob(start, 0, slots, gen)
 
     def sdar(
         self,
@@ -182,8 +197,17 @@ class DecodeWorker:
     ) -> GenerationResult:
         """A pdllm request on SDAR (``request``: its selected chunks, in order) from its built block-causal
         ``prefix``, through the decode server's scheduler."""
-        cancelled = threading.Event()
+        return self.local.run(self.sdar_job(request, gen, prefix, decode_policy), progress, threading.Event())
+
+    def sdar_job(
+        self,
+        request: Request,
+        gen: GenerationConfig,
+        prefix: BlockKVCache,
+        decode_policy: DecodePolicyConfig | None = None,
+    ) -> LocalJob:
+        """:meth:`sdar`'s request, for :meth:`LocalDecoder.run_many <.local.LocalDecoder.run_many>`."""
         prompt = len(request.instruction) + sum(map(len, request.chunks)) + len(request.query)
         slots = self.sessions.pool_slots(decode_policy, prompt, gen, static=True)
         start = lambda: self.sessions.sdar(request, gen, decode_policy, prefix)  # noqa: E731
-        return self.local.run(start, 0, slots, gen, progress, cancelled)
+        return LocalJob(start, 0, slots, gen)

@@ -4,7 +4,8 @@
 top-K selection; :class:`~pdllm.prefill_service.worker.PrefillWorker`), :meth:`PrefillingEngine.decode`
 what ``pdllm.v1.Decode`` serves (steps 6-7: static KV build, denoising;
 :class:`~pdllm.decode_service.worker.DecodeWorker`: the decode server's scheduler and batched rounds, driven
-from the caller's thread), one request at a time; :meth:`generate` runs both.
+from the caller's thread), one request at a time; :meth:`generate` runs both. :meth:`prepare` (steps 3-6)
+and :func:`decode_prepared` (step 7 of several requests in the same rounds) split it for ``eval``.
 In process the :class:`Selection` goes from one phase to the other as it is, step-3 KV included, so
 chunk-only reuses the prefill's causal chunk KV without a chunk-store round trip. The specification both
 phases must match is ``pdllm.shared.reference``.
@@ -21,12 +22,14 @@ refuses), the decode worker's very code for an SDAR request.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdllm.decode_service import sdar_decode
+from pdllm.decode_service.local import LocalDecoder, LocalJob
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
@@ -119,44 +122,54 @@ class PrefillingEngine:
         """Steps 6-7 (the decode worker's phase) for ``sel``; fills the build and decode fields of its
         trace. ``decode_policy``: which query/response rows each step recomputes (``decode_service/policies``;
         None or ``none``: all of them)."""
+        prepared = self.prepare_decode(sel, gen, decode_policy)
+        with sel.trace.phase("decode", self.device):  # the decode server's scheduler
+            result = self.decode_worker.local.run(prepared.job, progress)
+        return prepared.finish(result)
+
+    def prepare_decode(
+        self, sel: Selection, gen: GenerationConfig, decode_policy: DecodePolicyConfig | None = None
+    ) -> PreparedDecode:
+        """Step 6 for ``sel`` (its build phase in the trace): the static KV, or on SDAR the block-causal
+        prefix cache; its step 7 is the returned job, run alone (:meth:`decode`) or with others
+        (:func:`decode_prepared`)."""
         if self.block_diffusion:
-            return self._decode_block_diffusion(sel, gen, progress, decode_policy)
+            return self._prepare_block_diffusion(sel, gen, decode_policy)
         static = self.build(sel, gen)
         sel.bank = None  # the step-3 KV is not needed past the build
-        trace, device = sel.trace, self.device
-        with trace.phase("decode", device):  # the decode server's scheduler
-            result = self.decode_worker.decode(sel.request.query, static, gen, progress, decode_policy)
-        trace.decode_steps = result.steps
-        trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
-        result.timings = dict(trace.timings)
-        return result
+        job = self.decode_worker.decode_job(sel.request.query, static, gen, decode_policy)
+        return PreparedDecode(sel, job)
 
-    def _decode_block_diffusion(
-        self,
-        sel: Selection,
-        gen: GenerationConfig,
-        progress: bool,
-        decode_policy: DecodePolicyConfig | None,
-    ) -> GenerationResult:
-        """Steps 6-7 on SDAR: the block-causal prefix cache, then block diffusion over it (under FOCUS when
-        ``decode_policy`` is focus, its counters in the result's ``cache``); same trace fields as
-        :meth:`decode` (every token of a selected chunk is kept: no top-B)."""
+    def _prepare_block_diffusion(
+        self, sel: Selection, gen: GenerationConfig, decode_policy: DecodePolicyConfig | None
+    ) -> PreparedDecode:
+        """Step 6 on SDAR: the block-causal prefix cache; its step 7 is block diffusion over it (under FOCUS
+        when ``decode_policy`` is focus, its counters in the result's ``cache``); same trace fields as the
+        static build (every token of a selected chunk is kept: no top-B)."""
         sdar_decode.check_config(sel.config, gen, self.model)
         sdar_decode.check_decode_options(decode_policy, None)
-        trace, device = sel.trace, self.device
         request = sel.request  # the selected chunks, in order: what a decode worker is sent
         request = Request(request.instruction, [request.chunks[i] for i in sel.selected], request.query)
         layout = decode_layout(request, list(range(len(request.chunks))), gen.gen_length)
-        with trace.phase("build", device):
+        with sel.trace.phase("build", self.device):
             prefix = sdar_decode.build_prefix(self.model, request, layout, gen)
-        trace.kept_tokens = list(layout.chunk_lens)
+        sel.trace.kept_tokens = list(layout.chunk_lens)
         sel.bank = None
-        with trace.phase("decode", device):  # the decode server's scheduler
-            result = self.decode_worker.sdar(request, gen, prefix, decode_policy, progress)
-        trace.decode_steps = result.steps
-        trace.peak_memory_bytes, trace.memory_kind = sel.meter.peak()
-        result.timings = dict(trace.timings)
-        return result
+        return PreparedDecode(sel, self.decode_worker.sdar_job(request, gen, prefix, decode_policy))
+
+    def prepare(
+        self,
+        context_ids: Ids,
+        question_ids: Ids,
+        gen: GenerationConfig,
+        instruction_ids: Ids | None = None,
+        decode_policy: DecodePolicyConfig | None = None,
+    ) -> PreparedDecode:
+        """Steps 3-6 of one request: what :meth:`generate` does before its denoising."""
+        if self.block_diffusion:  # refuse before the prefill, not after it
+            sdar_decode.check_decode_options(decode_policy, None)
+        sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
+        return self.prepare_decode(sel, gen, decode_policy)
 
     def generate(
         self,
@@ -172,3 +185,31 @@ class PrefillingEngine:
         sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
         result = self.decode(sel, gen, progress=progress, decode_policy=decode_policy)
         return result, sel.trace
+
+
+@dataclass
+class PreparedDecode:
+    """A pdllm request with steps 3-6 done: its selection (``sel``, trace included) and its step-7 job."""
+
+    sel: Selection
+    job: LocalJob
+
+    def finish(self, result: GenerationResult) -> GenerationResult:
+        """The decode fields of the trace (steps, peak memory) and the result's phase timings; a decode
+        phase not timed around this request alone is its wall time to the result."""
+        trace = self.sel.trace
+        trace.timings.setdefault("decode", result.decode_seconds)
+        trace.decode_steps = result.steps
+        trace.peak_memory_bytes, trace.memory_kind = self.sel.meter.peak()
+        result.timings = dict(trace.timings)
+        return result
+
+
+def decode_prepared(
+    local: LocalDecoder, prepared: Sequence[PreparedDecode], progress: bool = False
+) -> list[GenerationResult]:
+    """Step 7 of ``prepared`` together (one round forwards all of them) on ``local``: any decoder of the
+    same model, so requests of engines with different settings share its rounds; results in order, their
+    traces filled as :meth:`PrefillingEngine.decode` fills them."""
+    results = local.run_many([p.job for p in prepared], progress)
+    return [p.finish(r) for p, r in zip(prepared, results, strict=True)]

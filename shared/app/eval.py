@@ -32,6 +32,8 @@ the fields ``generate --json`` and ``ask --json`` print (``shared/rpc/trace_form
 ``--record-schedule FILE`` writes every decoded sample's unmask schedule (tokens unmasked at each step,
 per block) with its cell, TPF and decode policy's counters: what ``GenerationConfig.schedule`` and
 ``benchmarks/decode_engine.py --schedule`` replay (``shared/generation/schedule.py``).
+``--eval-batch N`` denoises a cell's decodes N at a time in the same rounds (``eval_batch.py``); the rows
+do not depend on it.
 
 SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
 selected chunks (``decode_service/sdar_decode.py``), either plain or under ``--decode-policy focus``;
@@ -51,15 +53,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from pdllm.decode_service import sdar_decode
-from pdllm.protos.pdllm.v1 import generation_pb2 as pb
+from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared import settings as schema
-from pdllm.shared.app.trace import generate_traced, response
+from pdllm.shared.app.eval_batch import BatchDecoder, Decoded, Item
 from pdllm.shared.cli_args import Parser
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
@@ -77,10 +78,9 @@ from pdllm.shared.eval.long_answer import (
 from pdllm.shared.eval.report import METHODS, write_heatmaps, write_tables
 from pdllm.shared.eval.tasks import TASKS, Sample, make_sample
 from pdllm.shared.eval.tpf import TPF_NOTE, answer_tokens, parse_thresholds, threshold_header, tpf
-from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.generation.schedule import sample_record, write_schedules
 from pdllm.shared.model.loader import LoadedModel, load_model
-from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.trace_format import message_json
 
 EVAL_TASKS = (*TASKS, LONG_ANSWER, INFILLING)
@@ -142,67 +142,16 @@ def generation(settings: EvalSettings, tokenizer: object, sample: AnySample) -> 
     return gen
 
 
-def make_decoder(
-    loaded: LoadedModel,
-    method: str,
-    settings: EvalSettings,
-    train_length: int,
-    responses: list[pb.GenerateResponse] | None = None,
-    results: list[GenerationResult] | None = None,
-) -> Decoder:
-    """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``.
-    ``responses``: each decode's response (answer and trace, as ``generate`` gives it) is appended there;
-    ``results``: each decode's ``GenerationResult`` (all its slots and its steps: what TPF counts)."""
-    tok = loaded.tokenizer
+def make_decoder(loaded: LoadedModel, method: str, settings: EvalSettings, train_length: int) -> Decoder:
+    """A function (sample, generation, policy) -> answer token ids for ``method`` on ``loaded``, one
+    decode at a time (``eval_batch.py`` decodes several together)."""
+    batch = BatchDecoder(loaded, method, settings, train_length)
 
-    def done(result: GenerationResult) -> list[int]:
-        if results is not None:
-            results.append(result)
-        return result.token_ids
+    def decode(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
+        (out,) = batch.decode([Item(sample, gen, policy)])
+        return out.result.token_ids
 
-    def keep(ids: Any, result: GenerationResult, seconds: float, sel: Any = None) -> None:
-        if responses is not None:
-            text = tok.decode(result.token_ids, skip_special_tokens=True).strip()
-            n = len(ids.instruction) + len(ids.context) + len(ids.query)
-            eos = loaded.config.eos_token_id
-            responses.append(
-                response(method, loaded.path.name, text, result, n, len(ids.context), eos, seconds, sel)
-            )
-
-    if method == "vanilla":
-        from pdllm.decode_service.worker import DecodeWorker
-
-        worker = DecodeWorker(loaded.model)
-
-        def vanilla(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
-            ids = encode_prompt(tok, sample.context, sample.question)
-            prompt = list(ids.vanilla(loaded.config.bos_token_id))
-            started = time.perf_counter()
-            result = worker.vanilla(prompt, gen, policy)
-            keep(ids, result, time.perf_counter() - started)
-            return done(result)
-
-        return vanilla
-    if method != "pdllm":
-        raise ValueError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
-    from pdllm.shared.app.engine import PrefillingEngine
-
-    engines: dict[EngineConfig, PrefillingEngine] = {}
-
-    def pdllm(sample: AnySample, gen: GenerationConfig, policy: DecodePolicyConfig) -> list[int]:
-        ids = encode_prompt(tok, sample.context, sample.question)
-        cfg = settings.engine_config(loaded, train_length, len(ids.query), gen.gen_length)
-        if cfg not in engines:
-            engines[cfg] = PrefillingEngine(loaded.model, tok, cfg)
-        if responses is None:
-            out, _ = engines[cfg].generate(ids.context, ids.query, gen, decode_policy=policy)
-            return done(out)
-        started = time.perf_counter()
-        out, sel = generate_traced(engines[cfg], ids, gen, policy)  # the Selection: for the trace
-        keep(ids, out, time.perf_counter() - started, sel)
-        return done(out)
-
-    return pdllm
+    return decode
 
 
 def exact_match(prediction: str, answer: str) -> bool:
@@ -235,6 +184,7 @@ def run_grid(
     agreement: bool = False,
     on_trace: Callable[[dict], None] | None = None,
     on_schedule: Callable[[dict], None] | None = None,
+    eval_batch: int = 1,
 ) -> list[dict]:
     """Rows for every cell; ``on_cell(rows so far)`` runs after each cell so long runs keep partial results.
     ``agreement``: also decode with policy ``none`` and report the share of tokens both decodings share.
@@ -242,12 +192,16 @@ def run_grid(
     Each row carries the settings' ``threshold`` and the cell's ``tpf`` (``shared/eval/tpf.py``): its
     samples' answer tokens (up to and including the first EOS) over their decodes' steps, both summed
     (``tokens``, ``forwards``); the agreement reference decodes are not counted. ``on_schedule``: called
-    with each sample's unmask schedule record (``schedule.sample_record``)."""
+    with each sample's unmask schedule record (``schedule.sample_record``). ``eval_batch``: a cell's decodes
+    (agreement references included) denoised that many at a time in the same rounds (``eval_batch.py``;
+    the rows do not depend on it)."""
+    if eval_batch <= 0:
+        raise ValueError(f"--eval-batch must be positive (got {eval_batch})")
     tok = loaded.tokenizer
     eos, mask = loaded.config.eos_token_id, loaded.config.mask_token_id
-    responses: list[pb.GenerateResponse] | None = [] if on_trace is not None else None
-    results: list[GenerationResult] = []
-    decoders = {m: make_decoder(loaded, m, settings, train_length, responses, results) for m in methods}
+    worker = DecodeWorker(loaded.model)  # one pool and round forward for every method's decodes
+    traced = on_trace is not None
+    decoders = {m: BatchDecoder(loaded, m, settings, train_length, traced, worker) for m in methods}
     policy = settings.decode_policy
     twice = agreement and policy.name != "none"  # under none the reference is the decoding itself
     rows: list[dict] = []
@@ -263,14 +217,26 @@ def run_grid(
                         token_acc: list[float] = []
                         agree: list[float] = []
                         tokens = forwards = 0
-                        for seed, s in enumerate(cell):
+                        items: list[Item] = []
+                        for seed, s in enumerate(cell):  # each sample's decode, then its reference
                             gen = generation(settings, tok, s)
-                            results.clear()
-                            ids = decoders[method](s, gen, policy)
-                            (result,) = results
+                            label = f"{task} length={length} depth={depth} seed={seed}"
+                            items.append(Item(s, gen, policy, f"{label} policy={policy.name}"))
+                            if twice:
+                                items.append(Item(s, gen, DecodePolicyConfig(), f"{label} policy=none"))
+                        decoded: list[Decoded] = []
+                        for i in range(0, len(items), eval_batch):
+                            decoded += decoders[method].decode(items[i : i + eval_batch])
+                            bar.update(len(items[i : i + eval_batch]))
+                        per = 2 if twice else 1
+                        for seed, s in enumerate(cell):
+                            gen = items[seed * per].gen
+                            out = decoded[seed * per]
+                            result = out.result
+                            ids = result.token_ids
                             produced = answer_tokens(result.raw_tokens, eos, mask)
                             tokens += produced
-                            forwards += result.steps
+                            forwards += result.steps  # its own steps, however many shared its rounds
                             if on_schedule is not None:
                                 where = {"method": method, "decode_policy": policy.name}
                                 where |= {"threshold": settings.threshold, "task": task}
@@ -296,7 +262,7 @@ def run_grid(
                                 token_acc.append(score.token_accuracy)
                             else:
                                 exact.append(exact_match(text, s.answer))
-                            if on_trace is not None and responses:
+                            if on_trace is not None and out.response is not None:
                                 record = {
                                     "task": task,
                                     "context_length": length,
@@ -304,18 +270,14 @@ def run_grid(
                                     "seed": seed,
                                     "expected": s.answer,
                                     "exact": bool(exact[-1]),
-                                    "response": message_json(responses.pop()),
+                                    "response": message_json(out.response),
                                 }
                                 if settings.threshold is not None:  # one-token-per-step records: as ever
                                     record["threshold"] = settings.threshold
                                 on_trace(record)
-                            bar.update(1)
                             if twice:
-                                ref = decoders[method](s, gen, DecodePolicyConfig())
+                                ref = decoded[seed * per + 1].result.token_ids
                                 agree.append(token_agreement(ids, ref))
-                                if responses:
-                                    responses.clear()  # the reference decode's: not this sample's trace
-                                bar.update(1)
                             elif agreement:
                                 agree.append(1.0)
                         row = {
@@ -409,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated depths of the gold fact in the context (0: start, 1: end)",
     )
     g.add_argument("--samples", type=int, default=20, help="seeded samples per (length, depth) cell")
+    g.add_argument(
+        "--eval-batch",
+        type=int,
+        default=16,
+        metavar="N",
+        help="decode a cell's samples N at a time in the same denoising rounds, one forward per step for "
+        "all N (the rows do not change; 1: one sample at a time)",
+    )
     n = p.add_argument_group("generation")
     n.add_argument(
         "--gen-length",
@@ -501,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--tasks is empty (expected some of {', '.join(EVAL_TASKS)})")
     if args.samples <= 0:
         raise ValueError("--samples must be positive")
+    if args.eval_batch <= 0:
+        raise ValueError("--eval-batch must be positive")
     thresholds = parse_thresholds(args.threshold)
     # Checked before a long model load, named as the flags that set them. Long-answer and infilling size
     # their generation length themselves, in whole blocks: only the block length is checked for them.
@@ -595,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                 agreement=args.agreement,
                 on_trace=None if traces is None else lambda record: print(json.dumps(record), file=traces),
                 on_schedule=None if args.record_schedule is None else schedules.append,
+                eval_batch=args.eval_batch,
             )
     finally:
         if traces is not None:

@@ -89,18 +89,18 @@ def test_decode_policy_reaches_both_methods(ckpt, tmp_path, monkeypatch) -> None
     from pdllm.shared.app import engine as engine_module
 
     seen: list[tuple[str, object]] = []
-    real_vanilla, real_generate = DecodeWorker.vanilla, engine_module.PrefillingEngine.generate
+    real_vanilla, real_prepare = DecodeWorker.vanilla_job, engine_module.PrefillingEngine.prepare
 
-    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+    def vanilla_job(self, prompt, gen, policy=None):  # type: ignore[no-untyped-def]
         seen.append(("vanilla", policy))
-        return real_vanilla(self, prompt, gen, policy, **kwargs)
+        return real_vanilla(self, prompt, gen, policy)
 
-    def generate(self, *args, decode_policy=None, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(("pdllm", decode_policy))
-        return real_generate(self, *args, decode_policy=decode_policy, **kwargs)
+    def prepare(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(("pdllm", args[-1]))
+        return real_prepare(self, *args)
 
-    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
-    monkeypatch.setattr(engine_module.PrefillingEngine, "generate", generate)
+    monkeypatch.setattr(DecodeWorker, "vanilla_job", vanilla_job)
+    monkeypatch.setattr(engine_module.PrefillingEngine, "prepare", prepare)
     argv = ["--model", str(ckpt), "--tasks", "needle", "--samples", "1", "--depths", "0.5"]
     argv += ["--length-multiples", "1", "--gen-length", "4", "--block-length", "2", "--out", str(tmp_path)]
     argv += ["--decode-policy", "sparse-dllm", "--sparse-retention", "0.25", "--name", "p"]
@@ -136,13 +136,13 @@ def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) 
     from pdllm.shared.app import eval as eval_module
 
     policies: list[str] = []
-    real = DecodeWorker.vanilla
+    real = DecodeWorker.vanilla_job
 
-    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+    def vanilla_job(self, prompt, gen, policy=None):  # type: ignore[no-untyped-def]
         policies.append(policy.name)
-        return real(self, prompt, gen, policy, **kwargs)
+        return real(self, prompt, gen, policy)
 
-    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
+    monkeypatch.setattr(DecodeWorker, "vanilla_job", vanilla_job)
     # Shorter passages than the task's 128-256 tokens keep the random model's full-length decodes cheap.
     monkeypatch.setattr(eval_module, "make_eval_sample", short_passages)
     argv = ["--model", str(ckpt), *LONG, "--length-multiples", "1", "--block-length", "32"]
@@ -170,13 +170,13 @@ def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) 
 def test_agreement_under_policy_none_decodes_once(ckpt, tmp_path, monkeypatch) -> None:
 
     calls: list[str] = []
-    real = DecodeWorker.vanilla
+    real = DecodeWorker.vanilla_job
 
-    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
+    def vanilla_job(self, prompt, gen, policy=None):  # type: ignore[no-untyped-def]
         calls.append(policy.name)
-        return real(self, prompt, gen, policy, **kwargs)
+        return real(self, prompt, gen, policy)
 
-    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
+    monkeypatch.setattr(DecodeWorker, "vanilla_job", vanilla_job)
     argv = [
         "--model",
         str(ckpt),

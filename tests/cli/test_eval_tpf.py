@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.app.cli import main as pdllm_main
 from pdllm.shared.app.eval import main
+from pdllm.shared.app.eval_batch import BatchDecoder, Decoded
 from pdllm.shared.generation.sampler import GenerationResult, trim_response
 
 from ..model.tiny_checkpoint import make_tiny_checkpoint
@@ -33,14 +33,15 @@ def test_threshold_decodes_more_tokens_per_forward(ckpt, tmp_path, monkeypatch, 
     at 0.05 (the random model's confidences pass it) several tokens per forward. Each row's forwards are its
     decodes' steps, which equal the decode policy's own forward counter."""
     seen: list[tuple[float | None, GenerationResult]] = []
-    real = DecodeWorker.vanilla
+    real = BatchDecoder.decode
 
-    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
-        result = real(self, prompt, gen, policy, **kwargs)
-        seen.append((gen.threshold, result))
-        return result
+    def decode(self, items):  # type: ignore[no-untyped-def]
+        out = real(self, items)
+        if self.method == "vanilla":
+            seen.extend((item.gen.threshold, d.result) for item, d in zip(items, out, strict=True))
+        return out
 
-    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
+    monkeypatch.setattr(BatchDecoder, "decode", decode)
     argv = ["--model", str(ckpt), *GRID, "--decode-policy", "dual-cache", "--threshold", "none,0.05"]
     traces = tmp_path / "traces.jsonl"
     assert main([*argv, "--out", str(tmp_path), "--name", "t", "--traces", str(traces)]) == 0
@@ -66,7 +67,7 @@ def test_threshold_decodes_more_tokens_per_forward(ckpt, tmp_path, monkeypatch, 
 
 
 def test_tpf_counts_tokens_up_to_the_first_eos(ckpt, tmp_path, monkeypatch, capsys) -> None:
-    """Decodes counted by hand (vanilla's decode replaced by fixed results): sample 0 stops at an EOS in
+    """Decodes counted by hand (vanilla's decodes replaced by fixed results): sample 0 stops at an EOS in
     slot 3 of block 1 after 2 steps (3 tokens; the EOS fill after it and the undecoded block 2 are not
     tokens), sample 1 has no EOS, 8 tokens in 3 steps: TPF = (3 + 8) / (2 + 3) = 2.2.
 
@@ -79,11 +80,13 @@ def test_tpf_counts_tokens_up_to_the_first_eos(ckpt, tmp_path, monkeypatch, caps
         ]
     )
 
-    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
-        raw, steps = next(decodes)
-        return GenerationResult(trim_response(raw, EOS, MASK), raw, steps, decode_seconds=0.0)
+    def decode(self, items):  # type: ignore[no-untyped-def]
+        fixed = [next(decodes) for _ in items]
+        return [
+            Decoded(GenerationResult(trim_response(r, EOS, MASK), r, n, decode_seconds=0.0)) for r, n in fixed
+        ]
 
-    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
+    monkeypatch.setattr(BatchDecoder, "decode", decode)
     argv = ["--model", str(ckpt), *GRID, "--methods", "vanilla", "--threshold", "0.8"]
     assert main([*argv, "--out", str(tmp_path), "--name", "h"]) == 0
     (row,) = json.loads((tmp_path / "h.json").read_text())["rows"]
@@ -112,13 +115,15 @@ def test_threshold_on_block_diffusion(tmp_path_factory, tmp_path, monkeypatch, c
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "sdar", family="sdar")
     (path / "pdllm.json").write_text(json.dumps({"train_length": 64, "engine": {"chunk_size": 16}}))
     results: list[GenerationResult] = []
-    real = DecodeWorker.vanilla
+    real = BatchDecoder.decode
 
-    def vanilla(self, prompt, gen, policy=None, **kwargs):  # type: ignore[no-untyped-def]
-        results.append(real(self, prompt, gen, policy, **kwargs))
-        return results[-1]
+    def decode(self, items):  # type: ignore[no-untyped-def]
+        out = real(self, items)
+        if self.method == "vanilla":
+            results.extend(d.result for d in out)
+        return out
 
-    monkeypatch.setattr(DecodeWorker, "vanilla", vanilla)
+    monkeypatch.setattr(BatchDecoder, "decode", decode)
     argv = ["--model", str(path), *GRID, "--decode-policy", "focus", "--threshold", "0.05"]
     assert main([*argv, "--out", str(tmp_path), "--name", "s"]) == 0
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
