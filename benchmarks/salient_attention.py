@@ -4,11 +4,14 @@ request over its paged context plus its own rows.
 Rows per (context, salient fraction, batch), times in microseconds (CUDA events, median):
 
 - ``attention_us``: the layer's attention over every key (split-S), which the rounds run in any case;
+- ``attention_lse_us``: the same call also writing each row's log-sum-exp (``lse_out``), as the rounds
+  run it when a DyLLM update asks for it (its cost over ``attention_us`` is what handing it over adds);
 - ``two_pass_us``: the old update's extra pass, a second split-S attention with the cached values;
 - ``salient_us``: the salient-column kernel, forming ``A_t``'s normalizer itself (K-only pass);
-- ``salient_lse_us``: the same kernel given the row log-sum-exp (what it costs once the attention hands
-  its LSE over: the salient columns only);
-- ``max_rel_err``: the salient kernel against ``attention - two_pass`` in float32.
+- ``salient_lse_us``: the same kernel given the attention's row log-sum-exp (the salient columns only:
+  what DyLLM's rounds run);
+- ``max_rel_err`` / ``lse_rel_err``: the salient kernel without / with the attention's LSE against
+  ``attention - two_pass`` in float32.
 
 ``--smoke`` runs tiny shapes on the CPU under the Triton interpreter (set ``TRITON_INTERPRET=1``).
 """
@@ -91,16 +94,19 @@ def run_cell(batch: int, rows: int, context: int, frac: float, args, dtype, devi
     )
     full = lambda: split_s_attention(*pages, k_local=p["k_local"], v_local=p["v_new"], **kw)  # noqa: E731
     second = lambda: split_s_attention(*pages, k_local=p["k_local"], v_local=p["v_old"], **kw)  # noqa: E731
-    lse = torch.zeros(p["q"].shape[:2], dtype=torch.float32, device=device)  # timing only: values unused
-    want = full().float() - second().float()
-    got = salient_attention(*sal, max_q_len=rows)
-    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    lse = torch.empty(p["q"].shape[:2], dtype=torch.float32, device=device)
+    with_lse = lambda: split_s_attention(*pages, k_local=p["k_local"], v_local=p["v_new"], lse_out=lse, **kw)  # noqa: E731
+    want = with_lse().float() - second().float()  # lse now holds the attention's row log-sum-exp
+    rel = lambda got: ((got - want).norm() / want.norm().clamp_min(1e-30)).item()  # noqa: E731
+    err = rel(salient_attention(*sal, max_q_len=rows))
+    lse_err = rel(salient_attention(*sal, lse=lse, max_q_len=rows))
     return dict(
         batch=batch, rows=rows, context=context, salient_fraction=frac, salient_rows=int(p["mask"].sum()),
-        attention_us=timed(full, args.reps), two_pass_us=timed(second, args.reps),
+        attention_us=timed(full, args.reps), attention_lse_us=timed(with_lse, args.reps),
+        two_pass_us=timed(second, args.reps),
         salient_us=timed(lambda: salient_attention(*sal, max_q_len=rows), args.reps),
         salient_lse_us=timed(lambda: salient_attention(*sal, lse=lse, max_q_len=rows), args.reps),
-        max_rel_err=err,
+        max_rel_err=err, lse_rel_err=lse_err,
     )  # fmt: skip
 
 

@@ -16,8 +16,9 @@ and FFN outputs are two tensors of its own (``[layers, rows, .]``). Per step
   their cached K/V (written back into the slots); after the attention, salient rows keep the exact context,
   the others ``C_{t-1} + A_t ΔV`` with ``ΔV`` the value change, zero outside the salient rows, so only the
   salient columns of ``A_t`` are summed (``kernels/salient_attention.py``; exactly the reference's
-  ``A_t V_t - A_t V_{t-1}``, without its second attention: ``A_t``'s normalizer still reads every key,
-  K only, while the weighted sum reads the salient rows' keys and value changes only); the rows whose
+  ``A_t V_t - A_t V_{t-1}``, without its second attention: ``A_t``'s normalizer is the row's log-sum-exp
+  that the round's attention already formed over the same keys (``PagedBatchAttention.lse``), so the
+  update reads only the salient rows' keys and value changes); the rows whose
   context turned past τ are the layer's salient set, and they keep their fresh FFN output, the others
   their cached one.
 
@@ -162,6 +163,7 @@ class DyLLMRound:
             device,
         )
         self.approximate = not all(exact)
+        self.wants_lse = self.approximate  # A_t's normalizer, from the attention (LayerEdits)
         self.entries = to_device([e for e, _, _ in members], torch.long, device)
         self.entry_meta: tuple[PagedBatchAttention, torch.Tensor, torch.Tensor] | None = None
         self.sizes, self.max_q = sizes, max(sizes)
@@ -215,6 +217,7 @@ class DyLLMRound:
         context = exact
         if self.approximate:
             assert self.dv is not None and self.new_k is not None
+            assert attention.lse is not None  # asked for by wants_lse
             table, kv_lens = self._entries_of(attention)
             columns, counts = salient_columns(self.salient, self.member, len(self.edits))
             update = salient_attention if attention.kernel == "triton" else salient_attention_reference
@@ -228,6 +231,9 @@ class DyLLMRound:
                 self.dv,
                 columns,
                 counts,
+                # The attention's normalizer over these rows' keys (static KV, then the entry's rows as
+                # before() left them): the same set A_t spans, so no K-only pass over every key.
+                lse=attention.lse.index_select(0, self.rows),
                 max_q_len=self.max_q,
             ).reshape(n, -1)
             approx = (before.float() + delta).to(before.dtype)

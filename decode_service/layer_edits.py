@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 
 class LayerEdits(Protocol):
-    """The edited parts of one kind in a round."""
+    """The edited parts of one kind in a round. ``wants_lse``: :meth:`after` reads the attention's row
+    log-sum-exp (``attention.lse``), so the attention computes it."""
+
+    wants_lse: bool
 
     def before(self, layer: int, k: torch.Tensor, v: torch.Tensor, attention: PagedBatchAttention) -> None:
         """Before the attention: ``k``, ``v`` ``[T, Hkv, D]`` the round's fresh K/V (editable in place)."""

@@ -2,7 +2,8 @@
 
 :class:`PagedBatchAttention` is the backend a round's forward passes to every layer: it stores the K/V a
 round writes into the pool (``writes``, then the per-layer ``stores``), then runs one split-S call over all
-entries (the Triton kernel, or :func:`gathered_attention` off the GPU).
+entries (the Triton kernel, or :func:`gathered_attention` off the GPU). Where a policy's edit asks for it
+(``wants_lse``), the call also keeps each row's log-sum-exp in :attr:`PagedBatchAttention.lse`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class PagedBatchAttention:
     fresh K/V each layer also stores in the pool, where later rounds read them as paged KV (a decode
     policy's cache of local rows). Each layer stores before it attends, so an entry may read slots another
     entry of the same round stores (block diffusion: a finished block's record, earlier model blocks).
+
+    ``lse``: after a layer call, each packed row's natural-log log-sum-exp ``[T, Hq]`` float32 of the
+    scores it was normalized over (its static KV pages, then its entry's local rows as the edits left
+    them), when some edit ``wants_lse``; else None (and not computed).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class PagedBatchAttention:
         self.edits: list[LayerEdits] = []  # a policy's edits of some parts' layers (``layer_edits.py``)
         # A chunk-prefill forward's rows after the round's (``prefill_rows.py``): attended on their own.
         self.prefill: PrefillRows | None = None
+        self.lse: torch.Tensor | None = None
 
     @property
     def edit_ffn(self) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
@@ -94,9 +100,12 @@ class PagedBatchAttention:
         for e in self.edits:
             e.before(layer, kl, vl, self)
         kv_lens = self.kv_lens if self.drop is None else self.kv_lens - self.drop[layer]
+        wants = any(e.wants_lse for e in self.edits)
+        self.lse = qt.new_empty(qt.shape[:2], dtype=torch.float32) if wants else None
         out = self.paged(
-            layer, qt, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len, kl, vl
-        )
+            layer, qt, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len, kl, vl,
+            lse_out=self.lse,
+        )  # fmt: skip
         for e in self.edits:
             out = e.after(layer, qt, kl, out, self)
         if piece is not None:
@@ -114,17 +123,20 @@ class PagedBatchAttention:
         max_kv_len: int,
         k_local: torch.Tensor | None = None,
         v_local: torch.Tensor | None = None,
+        lse_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Split-S attention ``[T, Hq, D]`` of packed queries ``q`` ``[T, Hq, D]`` over layer ``layer``'s
-        pool pages (and local K/V, if given), in this round's kernel."""
+        pool pages (and local K/V, if given), in this round's kernel; each row's natural-log log-sum-exp
+        written into ``lse_out`` ``[T, Hq]`` float32 when given."""
         args = (q, self.kv[layer, 0], self.kv[layer, 1], page_table, kv_lens, q_offsets)
         if self.kernel == "triton":
             from pdllm.kernels.split_s_attention import split_s_attention
 
             return split_s_attention(
-                *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len
-            )
-        return gathered_attention(q, *args[1:], k_local=k_local, v_local=v_local)
+                *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len,
+                lse_out=lse_out,
+            )  # fmt: skip
+        return gathered_attention(q, *args[1:], k_local=k_local, v_local=v_local, lse_out=lse_out)
 
 
 def gathered_attention(
@@ -136,10 +148,12 @@ def gathered_attention(
     q_offsets: torch.Tensor,
     k_local: torch.Tensor | None = None,
     v_local: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rounds' attention off the GPU: per session, its pages gathered and its local K/V appended, one
     SDPA call (memory-efficient, unlike the split-S kernel's torch reference, whose ``[T, S]`` scores a
-    vanilla session's thousands of rows would make gigabytes). Same signature as the kernel."""
+    vanilla session's thousands of rows would make gigabytes). Same signature as the kernel; ``lse_out``
+    (SDPA does not return its normalizer) is formed from the same keys by :func:`row_lse`."""
     out = torch.empty_like(q)
     offs, lens = q_offsets.tolist(), kv_lens.tolist()
     for b, kv_len in enumerate(lens):
@@ -151,4 +165,25 @@ def gathered_attention(
             k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
             v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
         out[q0:q1] = sdpa(q[q0:q1].transpose(0, 1)[None], k[None], v[None])[0].transpose(0, 1)
+        if lse_out is not None:
+            lse_out[q0:q1] = row_lse(q[q0:q1], k)
+    return out
+
+
+def row_lse(q: torch.Tensor, k: torch.Tensor, max_scores: int = 1 << 24) -> torch.Tensor:
+    """``log Σ_j exp(q·k_j / sqrt(D))`` ``[rows, Hq]`` float32 of queries ``[rows, Hq, D]`` over keys
+    ``[Hkv, L, D]`` (query head ``h`` reads KV head ``h // G``), in slices of rows of at most
+    ``max_scores`` scores, so a long request's ``[Hq, rows, L]`` scores never exist at once."""
+    rows, hq, d = q.shape
+    hkv, length = k.shape[0], k.shape[1]
+    g = hq // hkv
+    kt = k.float().transpose(1, 2)  # [Hkv, D, L]
+    step = max(1, max_scores // max(1, hq * length))
+    out = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
+    for i in range(0, rows, step):
+        part = q[i : i + step].float()
+        n = part.shape[0]
+        grouped = part.reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
+        lse = torch.logsumexp(grouped @ kt * d**-0.5, -1)  # [Hkv, n * G]
+        out[i : i + n] = lse.view(hkv, n, g).permute(1, 0, 2).reshape(n, hq)
     return out

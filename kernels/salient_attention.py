@@ -21,7 +21,7 @@ Layout (``B`` requests, ragged query lengths; the same as :mod:`.split_s_attenti
 - ``dv``: ``[T, Hkv, D]`` packed like ``q``: the value change of each local row (read at salient rows only).
 - ``salient``: ``[T]`` packed row indices; request ``b``'s salient columns are
   ``salient[q_offsets[b] : q_offsets[b] + counts[b]]`` (rows of its own range).
-- ``lse``: optional ``[T, Hq]`` float32, natural log.
+- ``lse``: optional ``[T, Hq]`` float32, natural log (what the split-S kernel writes into ``lse_out``).
 - returns ``[T, Hq, D]`` float32.
 
 GQA: a program owns one (row block, request, KV head) and stacks the ``G = Hq / Hkv`` query heads of that KV

@@ -12,6 +12,9 @@ Layout (all tensors on one device; ``B`` requests, ragged query lengths):
 - ``k_local, v_local``: ``[total_q, Hkv, D]`` packed like ``q`` (the request's query + response tokens), or
   None. Attention is bidirectional: every query sees all of its request's paged tokens and local tokens.
 - returns ``[total_q, Hq, D]`` in ``q``'s dtype. A request with no keys at all gets zeros.
+- ``lse_out``: optional contiguous float32 ``[total_q, Hq]``, written with each row's natural-log
+  log-sum-exp of its scaled scores over every key it attends to (-inf where it has none): the normalizer
+  the salient-column update (:mod:`.salient_attention`) takes as ``lse``. Not given: nothing is written.
 
 GQA: a program owns one (request, KV head) and stacks the ``G = Hq / Hkv`` query heads of that KV head
 as extra query rows (row ``r`` = token ``r // G``, head ``h*G + r % G``), so each K/V tile is loaded once
@@ -37,6 +40,7 @@ from pdllm.kernels.split_s_reference import (
     SplitPlan,
     SplitSConfig,
     check_inputs,
+    check_lse_out,
     naive_attention,
     plan_splits,
     split_s_attention_reference,
@@ -79,6 +83,27 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _merge_splits(OP, LSE, o_off, l_off, ok, n_split, s_ops, s_lss,
+                      BLOCK: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+        # Each split's partial output weighted by exp2 of its base-2 log-sum-exp; returns the merged output
+        # and the row's total base-2 log-sum-exp (-inf where no split saw a key).
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, D], tl.float32)
+        for s in range(0, n_split):
+            ls = tl.load(LSE + s * s_lss + l_off, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+            po = tl.load(OP + s * s_ops + o_off, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+            m_new = tl.maximum(m, ls)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(ls - m_safe)
+            acc = acc * alpha[:, None] + po * w[:, None]
+            w_sum = w_sum * alpha + w
+            m = m_new
+        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
+
+    @triton.jit
     def _page_rows(PT, PF, b, h, n0, arange_n, end, s_pt, s_kp, s_kh,
                    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FILL: tl.constexpr):  # fmt: skip
         """Element offsets of the K/V rows of logical slots ``n0 + arange_n`` and which are tokens."""
@@ -102,13 +127,13 @@ if triton is not None:
 
     @triton.jit
     def _split_s_kernel(
-        Q, KP, VP, PT, PF, KVL, QO, KL, VL, OP, LSE, OUT, CNT,
+        Q, KP, VP, PT, PF, KVL, QO, KL, VL, OP, LSE, OUT, CNT, RLSE,
         qk_scale, split_size,
         s_qt, s_qh, s_kp, s_kh, s_pt, s_lt, s_lh, s_vt, s_vh, s_ops, s_opt, s_oph, s_lss, s_lst, s_ot, s_oh,
         G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_LOCAL: tl.constexpr, HAS_FILL: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, ROW_LSE: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -169,11 +194,13 @@ if triton is not None:
                     m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
 
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
             if SINGLE:
                 ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
                 tl.store(ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                if ROW_LSE:  # natural log (x ln 2): the unit of torch.logsumexp and the salient update
+                    tl.store(RLSE + tok * (G * HKV) + head, lse * 0.6931471805599453, mask=row_ok)
             else:
-                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
                 ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
                 tl.store(ptr, o, mask=row_ok[:, None])
                 tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)
@@ -184,59 +211,30 @@ if triton is not None:
                     idx = pid_bh * tl.num_programs(0) + pid_m
                     done = tl.atomic_add(CNT + idx, 1, sem="acq_rel", scope="gpu")
                     if done == tl.num_programs(1) - 1:
-                        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                        w_sum = tl.zeros([BLOCK_M], tl.float32)
-                        acc = tl.zeros([BLOCK_M, D], tl.float32)
-                        for s in range(0, tl.num_programs(1)):
-                            ls = tl.load(
-                                LSE + s * s_lss + tok * s_lst + head,
-                                mask=row_ok,
-                                other=float("-inf"),
-                                cache_modifier=".cg",
-                            )
-                            po = tl.load(
-                                OP
-                                + s * s_ops
-                                + tok[:, None] * s_opt
-                                + head[:, None] * s_oph
-                                + offs_d[None, :],
-                                mask=row_ok[:, None],
-                                other=0.0,
-                                cache_modifier=".cg",
-                            )
-                            m_new = tl.maximum(m, ls)
-                            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                            alpha = tl.exp2(m - m_safe)
-                            w = tl.exp2(ls - m_safe)
-                            acc = acc * alpha[:, None] + po * w[:, None]
-                            w_sum = w_sum * alpha + w
-                            m = m_new
-                        res = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+                        res, total = _merge_splits(
+                            OP, LSE, tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :],
+                            tok * s_lst + head, row_ok, tl.num_programs(1), s_ops, s_lss, BLOCK_M, D, ".cg",
+                        )  # fmt: skip
                         # (a new name: `ptr` above points at fp32 partials, a different type)
                         out_ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
                         tl.store(out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                        if ROW_LSE:  # natural log (x ln 2)
+                            tl.store(RLSE + tok * (G * HKV) + head, total * 0.6931471805599453, mask=row_ok)
                         tl.atomic_xchg(CNT + idx, 0)  # leave the workspace zeroed for the next call
 
     @triton.jit
-    def _merge_kernel(OP, LSE, OUT, n_split, n_rows, s_ops, s_lss, BLOCK_R: tl.constexpr, D: tl.constexpr):
+    def _merge_kernel(OP, LSE, OUT, RLSE, n_split, n_rows, s_ops, s_lss,
+                      BLOCK_R: tl.constexpr, D: tl.constexpr, ROW_LSE: tl.constexpr):  # fmt: skip
+        # Rows are (token, head) pairs in [total_q, Hq] order, which is also ``lse_out``'s.
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = rows < n_rows
         offs_d = tl.arange(0, D)
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        w_sum = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for s in range(0, n_split):
-            lse = tl.load(LSE + s * s_lss + rows, mask=ok, other=float("-inf"))
-            o = tl.load(OP + s * s_ops + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            w_sum = w_sum * alpha + w
-            m = m_new
-        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        out, total = _merge_splits(
+            OP, LSE, rows[:, None] * D + offs_d[None, :], rows, ok, n_split, s_ops, s_lss, BLOCK_R, D, ""
+        )
         tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=ok[:, None])
+        if ROW_LSE:  # natural log (x ln 2)
+            tl.store(RLSE + rows, total * 0.6931471805599453, mask=ok)
 
 
 def _num_sms(device: torch.device, config: SplitSConfig) -> int:
@@ -262,8 +260,9 @@ def split_s_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     workspace: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the split-S kernel (see the module docstring for layouts).
+    """Launch the split-S kernel (see the module docstring for layouts; ``lse_out`` there).
 
     ``config`` None: the tuned table's config for this device and shape bucket, else the heuristic's, fitted
     to the device's shared memory for this dtype (:func:`pdllm.kernels.split_s_tuning.select_config`, host
@@ -280,6 +279,7 @@ def split_s_attention(
     if triton is None:
         raise RuntimeError("split_s_attention needs triton; use split_s_attention_reference on this machine")
     check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
+    check_lse_out(q, lse_out)
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_pages.shape
     g = hq // hkv
@@ -296,12 +296,12 @@ def split_s_attention(
     if total_q == 0 or max_q_len == 0:
         return torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     if config is not None:
-        return _launch(*args, config, max_q_len, max_kv_len, workspace)
+        return _launch(*args, config, max_q_len, max_kv_len, workspace, lse_out)
     max_total = max_kv_len + (max_q_len if k_local is not None else 0)
     sel = select_config(q.device, q.dtype, max_q_len * g, max_total, batch * hkv, d, page)
 
     def reference() -> torch.Tensor:
-        return split_s_attention_reference(*args)
+        return split_s_attention_reference(*args, lse_out=lse_out)
 
     if sel.config is None:
         warn_once(
@@ -312,7 +312,7 @@ def split_s_attention(
         return reference()
     cfg = sel.config
     key = ("split_s_attention", q.dtype, d, page, cfg.block_m, cfg.block_n, cfg.num_stages, cfg.fused_merge)
-    return guarded(key, lambda: _launch(*args, cfg, max_q_len, max_kv_len, workspace), reference)
+    return guarded(key, lambda: _launch(*args, cfg, max_q_len, max_kv_len, workspace, lse_out), reference)
 
 
 def _launch(
@@ -330,6 +330,7 @@ def _launch(
     max_q_len: int,
     max_kv_len: int,
     workspace: torch.Tensor | None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_pages.shape
@@ -364,23 +365,25 @@ def _launch(
     kl = k_local if has_local else q
     vl = v_local if has_local else q
     fill = page_fill if page_fill is not None else page_table
+    row_lse = lse_out if lse_out is not None else lse  # unused by the kernels without ROW_LSE
     scale = d**-0.5 if scale is None else scale
     grid = (plan.m_blocks, plan.num_splits, batch * hkv)
     _split_s_kernel[grid](
         q, k_pages, v_pages, page_table, fill, kv_lens, q_offsets, kl, vl, o_part, lse, out, counters,
-        scale * LOG2E, plan.split_size,
+        row_lse, scale * LOG2E, plan.split_size,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), page_table.stride(0),
         kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1), ops, opt, oph, lss, lst, out.stride(0), out.stride(1),
         G=g, HKV=hkv, D=d, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single, FUSED=fused,
         # fp32 inputs (tests, small fp32 models) get exact fp32 dots; tf32 would cost them ~1e-3 relative
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROW_LSE=lse_out is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if not single and not fused:
         n_rows = total_q * hq
         block_r = 16
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-            o_part, lse, out, plan.num_splits, n_rows, ops, lss, BLOCK_R=block_r, D=d, num_warps=4
-        )
+            o_part, lse, out, row_lse, plan.num_splits, n_rows, ops, lss,
+            BLOCK_R=block_r, D=d, ROW_LSE=lse_out is not None, num_warps=4,
+        )  # fmt: skip
     return out

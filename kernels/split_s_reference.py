@@ -160,6 +160,19 @@ def check_inputs(
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
+def check_lse_out(q: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    """``lse_out`` None, or contiguous float32 ``[total_q, Hq]`` on ``q``'s device (the kernels index it
+    as one row of ``Hq`` per query token)."""
+    if lse_out is None:
+        return
+    want = tuple(q.shape[:2])
+    if tuple(lse_out.shape) != want or lse_out.dtype != torch.float32 or not lse_out.is_contiguous():
+        raise ValueError(f"lse_out must be contiguous float32 {list(want)}, got {lse_out.dtype} "
+                         f"{tuple(lse_out.shape)} (contiguous: {lse_out.is_contiguous()})")  # fmt: skip
+    if lse_out.device != q.device:
+        raise ValueError(f"lse_out must be on {q.device}, got {lse_out.device}")
+
+
 def gather_request(
     b: int,
     k_pages: torch.Tensor,
@@ -229,9 +242,12 @@ def split_s_attention_reference(
     page_fill: torch.Tensor | None = None,
     scale: float | None = None,
     config: SplitSConfig | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernel's algorithm in torch: per-split partial attention (fp32) merged by log-sum-exp."""
+    """The kernel's algorithm in torch: per-split partial attention (fp32) merged by log-sum-exp; the
+    merged natural-log LSE ``[total_q, Hq]`` written into ``lse_out`` when given (-inf: no key)."""
     check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
+    check_lse_out(q, lse_out)
     config = config or SplitSConfig()
     total_q, hq, d = q.shape
     hkv = k_pages.shape[1]
@@ -271,4 +287,7 @@ def split_s_attention_reference(
         w = torch.exp(lse - torch.where(torch.isinf(top), torch.zeros_like(top), top))
         merged = (w[..., None] * o).sum(-2) / w.sum(-1).clamp_min(1e-30)[..., None]  # [Hkv, G, lq, D]
         out[q0:q1] = merged.permute(2, 0, 1, 3).reshape(q1 - q0, hq, d).to(q.dtype)
+        if lse_out is not None:  # top + log(sum w): -inf where no split saw a key (top and w.sum both 0)
+            total = torch.where(torch.isinf(top), top, top + torch.log(w.sum(-1, keepdim=True)))[..., 0]
+            lse_out[q0:q1] = total.permute(2, 0, 1).reshape(q1 - q0, hq)
     return out

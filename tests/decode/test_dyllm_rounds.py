@@ -12,22 +12,29 @@ Planted by hand (failures here, mixed rounds / scheduler, of 4 / 1):
 
 Through the Triton kernels (``dyllm_triton_case.py``, under the interpreter), planted: the salient-column
 update's weights without the log-sum-exp rescale -> the case fails.
+
+The update's normalizer is the round attention's row log-sum-exp (``PagedBatchAttention.lse``); planted:
+that LSE over the static pages only (the rows' own keys left out, torch path) -> the mixed rounds, the
+scheduler and the LSE test fail; stored in base 2 (the split-S kernel's one-split store) -> the Triton case
+fails; the update called with ``lse=None`` (back to its K-only pass) -> the LSE test fails.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdllm.decode_service.dyllm_rounds import DyLLMBatchSession
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
 from pdllm.decode_service.request import DecodeRequest, Final, StaticDecode, Status
-from pdllm.decode_service.rounds import BatchSession
+from pdllm.decode_service.rounds import BatchSession, decode_round
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import rounds_policy
 from pdllm.shared.generation.sampler import GenerationConfig
@@ -118,6 +125,68 @@ def test_dyllm_sessions_share_mixed_rounds_and_equal_their_references(family: st
     assert plain.state.tokens.tolist() == alone(m, CASES[1], 7)
     for s, p in zip(others, policies, strict=True):
         assert s.result().raw_tokens == reference(m, POLICY_CASES[4], 4, p)[0]
+
+
+def update_normalizer(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor,
+) -> torch.Tensor:
+    """``[n, Hq]`` float64: the normalizer of ``A_t`` by the salient update's own definition, from its
+    arguments: ``logsumexp(q·k / sqrt(D))`` over each request's paged slots below ``kv_len``, then its
+    own rows' keys (``k_local``), slot by slot through the page table."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, page = k_pages.shape[1], k_pages.shape[2]
+    out = torch.empty(q.shape[:2], dtype=torch.float64)
+    offs = q_offsets.tolist()
+    for b, n in enumerate(kv_lens.tolist()):
+        q0, q1 = offs[b], offs[b + 1]
+        paged = [k_pages[int(page_table[b, j // page]), :, j % page] for j in range(n)]  # [Hkv, D] each
+        keys = torch.stack(paged + list(k_local[q0:q1])).double().repeat_interleave(hq // hkv, 1)
+        out[q0:q1] = torch.logsumexp(torch.einsum("thd,lhd->thl", q[q0:q1].double(), keys) / d**0.5, -1)
+    return out
+
+
+def spy_on_lse(update: Callable[..., torch.Tensor], given: list[int]) -> Callable[..., torch.Tensor]:
+    """``update`` checked on every call: given the attention's ``lse``, equal to :func:`update_normalizer`."""
+
+    def spy(*args: torch.Tensor, lse: torch.Tensor | None = None, **kw: object) -> torch.Tensor:
+        assert lse is not None, "the salient update was left to its K-only pass"
+        torch.testing.assert_close(lse.double(), update_normalizer(*args[:6]), rtol=1e-5, atol=1e-5)
+        given.append(lse.shape[0])
+        return update(*args, lse=lse, **kw)
+
+    return spy
+
+
+def test_the_salient_update_takes_the_attentions_log_sum_exp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every approximate update in the torch rounds is handed the attention's row LSE (no K-only pass),
+    equal to the normalizer over the keys ``A_t`` spans (static KV and cached rows before the queried ones,
+    then the queried rows' keys as ``before`` left them), and the sessions still end as their references."""
+    from pdllm.decode_service import dyllm_rounds
+
+    given: list[int] = []
+    spy = spy_on_lse(dyllm_rounds.salient_attention_reference, given)
+    monkeypatch.setattr(dyllm_rounds, "salient_attention_reference", spy)
+    m = tiny_model("dream", seed=0, num_layers=4)
+    pool = pool_for(m, pages=128)
+    forward = round_forward("eager", m, pool)
+    want = [
+        dyllm_reference(m, POLICY_CASES[3], 3, KNOBS[1]),
+        dyllm_reference(m, POLICY_CASES[0], 0, KNOBS[0]),
+    ]
+    sessions = [dyllm_session(pool, m, dyllm_built(m, POLICY_CASES[3], 3, KNOBS[1])),
+                dyllm_session(pool, m, dyllm_built(m, POLICY_CASES[0], 0, KNOBS[0]))]  # fmt: skip
+    active = [*sessions, session(m, pool, CASES[1], 7)]
+    while active:
+        decode_round(forward, active)
+        active = [s for s in active if not s.done]
+    assert len(given) > 4
+    for s, (tokens, cache) in zip(sessions, want, strict=True):
+        assert (s.result().raw_tokens, s.result().cache) == (tokens, cache)
 
 
 def test_triton_dyllm_rounds_equal_their_references_under_interpreter() -> None:
