@@ -19,6 +19,7 @@ Rows per (context, salient fraction, batch), times in microseconds (CUDA events,
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -135,12 +136,14 @@ def main() -> None:
                 rows.append(run_cell(batch, args.rows, context, frac, args, dtype, device))
                 print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    meta = dict(device=name, dtype=str(dtype), command=" ".join(sys.argv), hkv=args.hkv, group=args.group,
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    command = "python " + " ".join(sys.argv)
+    meta = dict(device=name, date=date, dtype=str(dtype), command=command, hkv=args.hkv, group=args.group,
                 head_dim=args.head_dim)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "salient_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     cols = list(rows[0])
-    lines = [f"# salient-column update vs second attention pass ({name}, {dtype})", "",
+    lines = [f"# salient-column update vs second attention pass ({name}, {dtype})", "", f"{date}, `{command}`", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
     lines += ["| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
               for r in rows]  # fmt: skip
