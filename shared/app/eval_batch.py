@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pdllm.decode_service.local import LocalDecodeError, LocalJob
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
-from pdllm.shared.app.engine import PrefillingEngine, PreparedDecode
+from pdllm.shared.app.engine import PrefillingEngine, PreparedDecode, decode_prepared
 from pdllm.shared.app.trace import response
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
@@ -82,8 +82,12 @@ class BatchDecoder:
         """``items`` prepared in order, then denoised together; results in the order of ``items``. A
         failed decode raises naming its item, once all of them have ended."""
         prepared = [self._prepare(item) for item in items]
+        local = self.worker.local
         try:
-            results = self.worker.local.run_many([p.job for p in prepared])
+            if self.method == "pdllm":  # their traces filled as the engine's own decode fills them
+                results = decode_prepared(local, [p.pdllm for p in prepared if p.pdllm is not None])
+            else:
+                results = local.run_many([p.job for p in prepared])
         except LocalDecodeError as exc:
             first = min(exc.errors)
             names = ", ".join(items[i].label or f"#{i}" for i in sorted(exc.errors))
@@ -108,9 +112,7 @@ class BatchDecoder:
         return _Prepared(ids, ready.job, time.perf_counter() - started, ready)
 
     def _finish(self, p: _Prepared, result: GenerationResult) -> Decoded:
-        sel = None
-        if p.pdllm is not None:
-            result, sel = p.pdllm.finish(result), p.pdllm.sel
+        sel = None if p.pdllm is None else p.pdllm.sel
         if not self.traced:
             return Decoded(result)
         loaded, ids = self.loaded, p.ids

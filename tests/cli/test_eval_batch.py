@@ -103,3 +103,26 @@ def test_run_many_keeps_the_others_results_when_one_fails(dream) -> None:
     assert [(r.raw_tokens, r.steps) for r in got] == [(r.raw_tokens, r.steps) for r in alone]
     with pytest.raises(RuntimeError, match="^no session$"):  # one request: its own error, as it is
         worker.local.run(LocalJob(broken, 0, 0, gen))
+
+
+def test_a_failed_decode_names_its_sample(dream, tmp_path, monkeypatch) -> None:
+    """One sample's request fails in a batch of four: the error names that sample's cell and seed."""
+    real = DecodeWorker.vanilla_job
+    made: list[int] = []
+
+    def vanilla_job(self, prompt, gen, policy=None):  # type: ignore[no-untyped-def]
+        made.append(1)
+        if len(made) == 3:  # the third sample's
+
+            def broken() -> Any:
+                raise RuntimeError("no session")
+
+            return LocalJob(broken, 0, 0, gen)
+        return real(self, prompt, gen, policy)
+
+    monkeypatch.setattr(DecodeWorker, "vanilla_job", vanilla_job)
+    argv = ["--model", str(dream), *GRID[:8], "--gen-length", "4", "--methods", "vanilla"]
+    with pytest.raises(
+        RuntimeError, match=r"vanilla decode of needle length=128 depth=0.5 seed=2 .*no session"
+    ):
+        main([*argv, "--eval-batch", "4", "--out", str(tmp_path), "--name", "f"])
