@@ -4,23 +4,24 @@ cached rows' hidden states at a refresh and recompute the drifting ones at an up
 A :class:`PolestarBatchSession` is a :class:`~.policy_rounds.PolicyBatchSession` under the dual cache's row
 ranges (Polestar-Cache is the dual cache with drift-triggered recomputation; its reference loop,
 ``tests/reference/policy.py``'s ``PolicyLogits`` with ``policies/polestar.PolestarStep``, is the
-specification). Its per-layer work is ``PolestarState``'s, shared with the reference; only where the K/V live
-differs:
+specification). Its per-layer work is ``policies/polestar_device.DevicePolestarState``'s: the reference's
+values, kept and chosen on the device:
 
 - a **refresh** round stores the cached rows' K/V as the dual cache does and, at every layer,
   :class:`PolestarRecord` clusters those rows' layer inputs (read by a forward pre-hook), keeps the
-  centroids on the device and offloads the residuals to the CPU;
+  centroids and the residual codes on the device (``polestar_device_store``: its GPU memory cost);
 - a **cached step with no update due** (§4.3: no more than T tokens unmasked since the last update) is a
   plain dual-cache step: it shares graph-replayed rounds with any other session;
 - an **update** step forwards the block as the dual cache does and, at every layer before the round's
   attention, :class:`PolestarUpdate` writes the block's fresh K/V into the session's spare cache slots (so
   the pool holds every local row), computes the drift proxy over them, recomputes the chosen rows' q/k/v
-  from their stored inputs, writes their K/V over their cache slots (the block's queries, in the round's
-  attention just after, read them), attends them over the static KV and every local row (one split-S call
-  on the session's pages, in the round's kernel), and carries their outputs to the next layer.
+  from their stored inputs over a padded row list of a length known on the host, writes the real rows' K/V
+  over their cache slots (the block's queries, in the round's attention just after, read them), attends
+  them over the static KV and every local row (one split-S call on the session's pages, in the round's
+  kernel), and carries their outputs to the next layer.
 
-Refresh and update rounds run eagerly (their choices are made inside the forward) and read the device
-several times per layer (the k-means' convergence, the drift choice, the residuals' copy to the CPU).
+Refresh and update rounds run eagerly (their choices are made inside the forward). An update reads nothing
+back from the device; a refresh reads once, after its last layer (the bounds of the padded row lists).
 Sessions of every other kind share those rounds. Speed and profile: ``benchmarks/results/
 polestar_rounds_notes.md``.
 """
@@ -36,6 +37,7 @@ import torch
 
 from pdllm.decode_service.policies import StepContext, StepPlan
 from pdllm.decode_service.policies.polestar import Polestar, PolestarState
+from pdllm.decode_service.policies.polestar_device import DevicePolestarState, masked_rows
 from pdllm.decode_service.policy_rounds import PolicyBatchSession
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import RoundRows
@@ -49,13 +51,15 @@ class PolestarBatchSession(PolicyBatchSession):
     ``[hi, N)``), then ``hi - lo`` spare slots where an update puts the block's fresh K/V."""
 
     runs: ClassVar[tuple[str, ...]] = ("polestar",)
-    polestar: PolestarState = field(default_factory=PolestarState)
+    polestar: DevicePolestarState = field(default_factory=DevicePolestarState)
     # (page, slot in page) of every local row, ``[2, N]`` long on the device, from the last refresh
     row_slots: torch.Tensor | None = None
     # int32 on the device: the slots an update's recomputed rows read (static KV + every local row), then
     # the session's pages (the split-S call's kv_lens and page table)
     paged: torch.Tensor | None = None
     span: tuple[int, int] = (0, 0)  # the forwarded rows [lo, hi) of the block's cached steps
+    # per padded row count: the split-S call's query offsets [0, count] (built once, not per layer)
+    q_offsets: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def _plan(self, ctx: StepContext) -> StepPlan:
         # The reference's rows hook is what the stores below do in the rounds.
@@ -157,14 +161,17 @@ class PolestarUpdate:
         picked = state.drifting(self.policy, self.model, layer, keys.transpose(0, 1)[None])
         if picked is None:
             return
-        rows, x = picked
-        qd, kd, vd = state.project(self.model, layer, x, (rows + s.query_start)[None])
-        kv[0][pages[rows], :, offsets[rows]] = kd[0].transpose(0, 1)
-        kv[1][pages[rows], :, offsets[rows]] = vd[0].transpose(0, 1)
+        rows, valid, x = picked
+        qd, kd, vd = PolestarState.project(self.model, layer, x, (rows + s.query_start)[None])
+        at = (pages[rows], slice(None), offsets[rows])
+        # Padding rows keep their cached K/V: the rows are distinct, so each slot is written once.
+        kv[0][at] = masked_rows(valid, kd[0].transpose(0, 1), kv[0][at])
+        kv[1][at] = masked_rows(valid, vd[0].transpose(0, 1), kv[1][at])
         n = rows.numel()
-        q_offsets = to_device([0, n], torch.int32, qd.device)
+        if n not in s.q_offsets:
+            s.q_offsets[n] = to_device([0, n], torch.int32, qd.device)
         slots = s.kv_tokens + offsets.numel()  # static KV + every local row
         out = attention.paged(
-            layer, qd[0].transpose(0, 1), s.paged[1:][None], s.paged[:1], q_offsets, n, slots
+            layer, qd[0].transpose(0, 1), s.paged[1:][None], s.paged[:1], s.q_offsets[n], n, slots
         )
-        state.finish(self.model, layer, rows, x, out.transpose(0, 1)[None])
+        state.finish(self.model, layer, rows, valid, x, out.transpose(0, 1)[None], offsets.numel())
