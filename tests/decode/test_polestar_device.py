@@ -2,10 +2,10 @@
 reference's, the rows an update recomputes against the oracle's (``tests/oracles/polestar.py``), and no
 device-to-host read while an update runs.
 
-Planted: the padded rows' K/V written unmasked -> 14 of the 24 Polestar cases of ``test_polestar_rounds.py``
-and ``test_vanilla_rounds.py`` fail. Planted: ``choose_clusters`` taking the M smallest drifts -> the choice
-test and every rows test fail. Planted: the choice read back with ``.tolist()``, or a boolean-mask gather in
-``drifting`` -> the no-read test fails.
+Planted: the padded rows' K/V written unmasked -> every rows test here (tokens) and 14 of the 20
+rounds-vs-reference cases of ``test_polestar_rounds.py`` fail. Planted: ``choose_clusters`` taking the M
+smallest drifts -> the choice test and every rows test fail. Planted: the choice read back with
+``.tolist()``, or a boolean-mask gather in ``drifting`` -> the no-read test fails.
 """
 
 from __future__ import annotations
