@@ -2,6 +2,7 @@
 
     python benchmarks/polestar_round_profile.py               # CUDA (results/polestar_round_profile_notes.md)
     python benchmarks/polestar_round_profile.py --batch 16    # 16 sessions in the same rounds
+    python benchmarks/polestar_round_profile.py --recompute per-layer  # the knob's other rule
     python benchmarks/polestar_round_profile.py --sync-check  # CUDA: fail on a device sync in an update
     python benchmarks/polestar_round_profile.py --smoke       # CPU: a tiny model, eager rounds
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="sessions decoded together (default 1)")
     ap.add_argument("--sync-check", action="store_true", help="CUDA: error on a device sync in an update")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, a short prompt, eager rounds")
+    ap.add_argument("--recompute", choices=["propagated", "per-layer"], default="propagated")
     a = ap.parse_args(argv)
     if not a.smoke and not torch.cuda.is_available():
         print("needs CUDA (or --smoke)")
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = Prompt([mcfg.bos_token_id, *random_ids(context, mcfg.vocab_size, rng), *question], None, 0)
     instrument(device, a.sync_check)
     try:
-        profile(model, pool, forward, prompt, gen, a.batch, device)
+        profile(model, pool, forward, prompt, gen, a.batch, device, a.recompute)
     finally:
         for owner, name, original in reversed(PATCHED):
             setattr(owner, name, original)
@@ -132,6 +135,7 @@ def profile(
     gen: GenerationConfig,
     batch: int,
     device: torch.device,
+    recompute: str,
 ) -> None:
     """Two blocks of ``batch`` sessions, twice; prints the second (warm) run's rounds and pieces."""
     assert gen.block_length is not None
@@ -139,6 +143,8 @@ def profile(
         SECONDS.clear()
         CALLS.clear()
         active = sessions(model, pool, prompt, gen, "polestar", batch)
+        for s in active:  # the paper's knobs but the recompute rule
+            s.policy = dataclasses.replace(s.policy, recompute=recompute)
         kinds: dict[str, list[float]] = collections.defaultdict(list)
         for _ in range(2 * gen.block_length):
             before = [(s.polestar.updates, s.stats.refreshes) for s in active]
