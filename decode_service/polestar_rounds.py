@@ -96,8 +96,8 @@ class PolestarBatchSession(PolicyBatchSession):
 
 @dataclass
 class PolestarRecord:
-    """A refresh round's :data:`~.round_attention.LayerStore`: per layer, cluster and offload the inputs of the
-    session's cached rows (``PolestarState.record``) and keep their drift proxy over every local row."""
+    """A refresh round's :data:`~.round_attention.LayerStore`: per layer, cluster and encode the inputs of the
+    session's cached rows (``DevicePolestarState.record``) and keep their drift proxy over every local row."""
 
     session: PolestarBatchSession
     policy: Polestar
@@ -128,7 +128,7 @@ class PolestarRecord:
 @dataclass
 class PolestarUpdate:
     """An update step's :data:`~.round_attention.LayerStore`: per layer, recompute the session's drifting cached
-    rows (``PolestarState.drifting`` / ``project`` / ``finish``) over its pool pages."""
+    rows (``DevicePolestarState.drifting`` / ``finish``, ``PolestarState.project``) over its pool pages."""
 
     session: PolestarBatchSession
     policy: Polestar

@@ -115,9 +115,9 @@ def layer_proxy(model: Any, layer: int, store: ClusteredHidden, k: torch.Tensor)
 @dataclass
 class PolestarState:
     """One session's Polestar state: per layer the clustered hidden states and the last proxy; the block's
-    unmasked count at the last update; counters. Its methods are the per-layer work of a step, shared by
-    the reference hook (:class:`PolestarStep`) and the batched rounds (``decode_service/polestar_rounds``),
-    which differ only in where the K/V live and how the recomputed rows attend."""
+    unmasked count at the last update; counters. Its methods are the per-layer work of a step in the
+    reference hook (:class:`PolestarStep`); the batched rounds (``decode_service/polestar_rounds``) run
+    ``polestar_device.DevicePolestarState``, the same values chosen and kept on the device."""
 
     stores: list[ClusteredHidden] = field(default_factory=list)
     log_prev: list[torch.Tensor] = field(default_factory=list)
