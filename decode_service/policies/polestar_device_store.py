@@ -31,9 +31,10 @@ from .polestar_store import quantize
 
 def kmeans_fixed(x: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
     """``polestar_store.spherical_kmeans``'s cluster ids ``[n]`` with all ``rounds`` rounds run and no
-    convergence check. Equal to it: once an assignment repeats, the directions computed from it repeat too
-    (the same deterministic ops on the same inputs), so rounds past convergence change nothing. Cluster
-    occupancy by ``index_add_`` (``bincount`` sizes its output from the device on CUDA)."""
+    convergence check. Equal to it where ``index_add_`` is deterministic (CPU; tested): once an assignment
+    repeats, the directions computed from it repeat too, so rounds past convergence change nothing. On CUDA
+    its float atomics may reorder a sum, so a later round could flip a near-tie the converging version never
+    revisits. Cluster occupancy by ``index_add_`` (``bincount`` sizes its output from the device on CUDA)."""
     n = x.shape[0]
     u = F.normalize(x.float(), dim=-1)
     init = torch.div(torch.arange(k, device=x.device) * n, k, rounding_mode="floor")
