@@ -13,7 +13,8 @@ Differences from the reference store, none of them in the values:
   At Dream-7B shapes (``H`` = 3584, 28 layers) with a 1K prompt and gen 256 (``n`` ~ 1,272 rows): about
   28 x 1,272 x 3,604 B = 128 MB per request for int8 codes, 1.75x the dual cache's K/V of the same rows
   (``2 x 4 x 128 x 2`` = 2,048 B per row per layer). An update adds transient float32 buffers of
-  ``4 n H`` bytes (18 MB) per layer.
+  ``4 n H`` bytes (18 MB) per layer. Beside the store, each layer keeps its last drift proxy on the device
+  (``4 Hq C N`` bytes: 1.2 MB per layer at C = 8, 33 MB per request), as the reference does.
 - **K-means with a fixed round count** (:func:`kmeans_fixed`): no convergence check that reads the device.
 - **Cluster sizes' top-M sum** (:attr:`DeviceClusteredHidden.top_rows`): a device scalar, read once per
   refresh by the caller; it bounds the rows an update recomputes at the layer.
