@@ -130,9 +130,10 @@ class PagedBatchAttention:
         written into ``lse_out`` ``[T, Hq]`` float32 when given."""
         args = (q, self.kv[layer, 0], self.kv[layer, 1], page_table, kv_lens, q_offsets)
         if self.kernel == "triton":
-            from pdllm.kernels.split_s_attention import split_s_attention
+            # today's kernel unless $PDLLM_SPLIT_S=hopper picks the experimental TMA variant
+            from pdllm.kernels.split_s_hopper import paged_kernel
 
-            return split_s_attention(
+            return paged_kernel()(
                 *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len,
                 lse_out=lse_out,
             )  # fmt: skip
