@@ -152,7 +152,8 @@ def compiled_facts(kernel: object | None) -> dict:
         "n_spills": getattr(kernel, "n_spills", None),
         "shared_bytes": getattr(meta, "shared", None),
         "num_warps": getattr(meta, "num_warps", None),
-        "ir_warp_specialize": "warp_specialize" in ttgir,
+        "ir_warp_specialize": "ttg.warp_specialize"
+        in ttgir,  # the op; the loop attribute is tt.warp_specialize
         "ir_tma": "tma" in ttgir.lower(),
     }
 
