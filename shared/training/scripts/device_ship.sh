@@ -9,6 +9,8 @@
 #   L only, 5 depths x 4 samples, blocks of 32 (its answers are 128-256 tokens: ~0.5 s a decode on an H100).
 #   QUICK_ARGS: extra quick_eval flags (e.g. fewer lengths: the gate reads vanilla at 1024 only); QUICK_S:
 #   its time limit (default 100 s).
+#   NPROC: GPUs to train on (default 1); above 1, torchrun trains one model data-parallel over NPROC GPUs
+#   (each rank draws the config's tokens_per_batch, so the global batch is NPROC times it).
 # shellcheck disable=SC2086  # QUICK_ARGS and EVAL_ARGS_* are flag lists, word-split on purpose
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -17,7 +19,11 @@ out=${OUT:-/tmp/out}; run=/tmp/run/model; mkdir -p "$out"
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
 python -c "import pdllm.shared.training.train" || exit 3
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-python -m pdllm.shared.training.train --config "$cfg" --out "$run" --max-minutes "$minutes" 2>&1 \
+launch=(python -m pdllm.shared.training.train)
+if [ "${NPROC:-1}" -gt 1 ]; then
+  launch=(python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m pdllm.shared.training.train)
+fi
+"${launch[@]}" --config "$cfg" --out "$run" --max-minutes "$minutes" 2>&1 \
   | tr '\r' '\n' | grep -v '^\s*$' > "$out/train.log"
 tail -n 5 "$out/train.log"
 timeout "${QUICK_S:-100}" python -m pdllm.shared.training.quick_eval --model "$run/checkpoint" --samples 8 \
