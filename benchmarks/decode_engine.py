@@ -37,19 +37,21 @@ Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and `
                  dual cache on the whole prompt, at 8K / 16K / 32K and gen 32 / 256.
 
 ``--schedule FILE`` (a ``pdllm eval --record-schedule`` file; ``--schedule-select method=pdllm,threshold=0.9``
-keeps some of its samples): the rounds and rounds-e2e requests unmask the recorded counts per step, the most
-confident masked positions (``decode_cases/replay.py``: request i replays sample i mod N, fitted to the
-cell's gen and block length), so speed is measured at a recorded TPF. Their rows carry ``replayed: true``,
-``recorded_tpf`` (the eval's TPF of the samples replayed), ``schedule_tpf`` (tokens per step as replayed)
-and ``timed_blocks`` as the rounds timed; ``tpf`` and tokens/s count the tokens the replayed steps
-unmasked. Without it, rows carry ``replayed: false``.
+keeps some of its samples): the rounds, rounds-e2e and focus-batched requests unmask the recorded counts per
+step, the most confident masked positions (``decode_cases/replay.py``: request i replays sample i mod N,
+fitted to the cell's gen and blocks in pieces of the recorded block length; focus-batched: the same schedule
+for request i in its plain and FOCUS runs), so speed is measured at a recorded TPF. Their rows carry
+``replayed: true``, ``recorded_tpf`` (the eval's TPF of the samples replayed) and ``schedule_tpf`` (tokens
+per step as replayed), the rounds' also ``timed_blocks`` as the rounds timed; ``tpf`` and tokens/s count
+the tokens the replayed steps unmasked. Without it, rows carry ``replayed: false``.
   compute-skip   DyLLM and FOCUS (their reference loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
   focus-batched  FOCUS in the decode worker's rounds (``focus-rounds``: the scheduler, every request
                  submitted at once) against plain block diffusion in the same rounds (``plain-rounds``), on
                  SDAR-8B shapes at ``--focus-batches`` (1, 16), gen ``--focus-gen`` (32); tokens/s = batch x
-                 gen / seconds, the prompts' builds included; warm-up: one block of the same configuration.
+                 gen / seconds, the prompts' builds included; warm-up: one block of the same configuration;
+                 ``rows_frac``: FOCUS's rows past layer 1 / plain's.
   polestar       Polestar-Cache's step cost against the dual cache in the loop, at the paper's knobs, with
                  update threshold 0 and with exact (``none``) residuals; gen ``--polestar-gen`` (32: one
                  block; the old script's 256 makes the threshold-0 run alone ~1 min).
@@ -188,7 +190,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "on a GPU a minute of Triton compiles and graph captures)",
     )
     ap.add_argument("--schedule", type=Path, default=None,
-                    help="rounds, rounds-e2e: requests replay the unmask counts of this `pdllm eval --record-schedule` "
+                    help="rounds, rounds-e2e, focus-batched: requests replay the unmask counts of this `pdllm eval --record-schedule` "
                     "file (rows labelled replayed) instead of one token per step")  # fmt: skip
     ap.add_argument("--schedule-select", default=None,
                     help="--schedule: only its samples with these key=value fields, e.g. method=pdllm,threshold=0.9")  # fmt: skip

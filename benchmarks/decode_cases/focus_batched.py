@@ -1,5 +1,6 @@
 """The ``focus-batched`` case: FOCUS in the decode worker's rounds against plain block diffusion in the same
-rounds, on SDAR shapes."""
+rounds, on SDAR shapes; with ``--schedule``, both at replayed unmask counts (request ``i`` replays the same
+schedule in each run, so they compare at equal tokens per forward)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any
 import torch
 
 from benchmarks.decode_cases.bench import Bench, per_round, speedup, tpf_of
+from benchmarks.decode_cases.replay import replayed_tokens
 from benchmarks.e2e_speedup import QUERY_TOKENS, random_ids
 from benchmarks.harness import peak_gib, reset_peak
 from benchmarks.shapes import sync
 from pdllm.decode_service import block_rounds
+from pdllm.decode_service.block_diffusion import answer_spans, generation_block
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies.focus import FocusConfig
@@ -35,15 +38,28 @@ def case_focus_batched(bench: Bench) -> None:
         for focus, layer_graphs in ((None, True), (FocusConfig(), True), (FocusConfig(), False)):
             speed = sdar_rounds_row(bench, case, model, prompts, batch, focus, plain_rounds, layer_graphs)
             plain_rounds = speed if focus is None else plain_rounds
+    pace = "one token per step" if bench.replay is None else "replayed schedules"
     bench.meta(case)["setup"] = (
         f"{model.config.model_id} (model block {model.config.block_size}), generation block {a.block}, prompt "
-        f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, one token per step. "
+        f"{a.vanilla_context} context + {QUERY_TOKENS} question tokens, gen {a.focus_gen}, {pace}. "
         "plain-rounds: plain block diffusion in the decode worker's rounds (the scheduler, graph buckets, "
         "split-S attention over the pool; a finished block's record rides in the next round); focus-rounds: "
         "FOCUS in the same rounds (its selection is made inside the forward: attention eager, each layer's "
         "work around it replayed as CUDA graphs; focus-rounds-eager-layers: every op eager); all requests submitted "
         "at once, the prompts' prefill (the builds) in the time; round_ms: seconds / rounds."
-    )
+    ) + ("" if bench.replay is None else " " + bench.replay.note())
+
+
+def replayed_gens(
+    bench: Bench, model: Any, prompt_tokens: int, gen: GenerationConfig, n: int
+) -> list[GenerationConfig]:
+    """``gen`` for each of ``n`` requests of ``prompt_tokens``: with ``--schedule``, request ``i``'s replayed
+    schedule fitted to its block diffusion spans (aligned to absolute positions, so a span may be shorter
+    than the block: fitting by block index alone would count steps the request never runs)."""
+    if bench.replay is None:
+        return [gen] * n
+    spans = answer_spans(prompt_tokens, gen.gen_length, generation_block(gen, model.config.block_size))
+    return bench.replay.gens(gen, n, spans, start=prompt_tokens)
 
 
 def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]], batch: int,
@@ -73,12 +89,12 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
         model, pool, "triton" if cuda else "torch", capture=cuda, layer_graphs=layer_graphs
     )
 
-    def run(g: GenerationConfig) -> tuple[float, list[DecodeRequest], int]:
+    def run(gens: list[GenerationConfig]) -> tuple[float, list[DecodeRequest], int]:
         sched = DecodeScheduler(model, pool, forward, start_thread=False)
         jobs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, g) in enumerate(zip(prompts, gens, strict=True)):
             tensor = torch.tensor(prompt, device=bench.device)
-            start = lambda t=tensor: start_block_decode(model, t, g, focus=focus)  # noqa: E731
+            start = lambda t=tensor, g=g: start_block_decode(model, t, g, focus=focus)  # noqa: E731
             jobs.append(DecodeRequest(f"s{i}", start, threading.Event(), False, cache_tokens=slots))
         sync(bench.device)
         begin = time.perf_counter()
@@ -89,26 +105,35 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
         sync(bench.device)
         return time.perf_counter() - begin, jobs, sched.rounds
 
+    p = len(prompts[0])
+    gens = replayed_gens(bench, model, p, gen, batch)  # request i: the same schedule in every run of the cell
     try:
-        run(bench.gen(a.block))  # warm-up: one block, every graph bucket captured
+        # warm-up: one block at the timed run's pace, every graph bucket captured
+        run(replayed_gens(bench, model, p, bench.gen(a.block), batch))
         reset_peak(bench.device)
         with counter.tally() as tally, counter.excluding(block_rounds, "prefill_blocks"):
-            seconds, jobs, rounds = run(gen)
+            seconds, jobs, rounds = run(gens)
         failed = [j.request_id for j in jobs if j.status is not Status.FINISHED]
         if failed:
             raise RuntimeError(f"requests did not finish: {failed}")
     except Exception as exc:
         bench.error(case, where, exc)
         return
-    speed = batch * a.focus_gen / seconds
+    tokens, own = batch * a.focus_gen, {"replayed": False}
+    if bench.replay is not None:  # what each request's schedule unmasks in the rounds run
+        tokens = replayed_tokens([g.schedule for g in gens if g.schedule], rounds)
+        spans = answer_spans(p, gen.gen_length, generation_block(gen, model.config.block_size))
+        own = bench.replay.columns(gen, batch, spans, start=p)
+    speed = tokens / seconds
     caches = [e.result.cache for j in jobs for e in list(j.events.queue) if isinstance(e, Final)]
     done = sum(c.get("rows_forwarded", 0) for c in caches)
     total = sum(c.get("rows_plain", 0) for c in caches)
     bench.add({"case": case, "policy": name, "method": "vanilla", "context_tokens": a.vanilla_context,
                "gen_length": a.focus_gen, "batch": batch, "tokens_per_s": speed, "round_ms": seconds / rounds * 1e3,
-               "forwards_per_round": per_round(tally.forwards, rounds), "tpf": tpf_of(a.focus_gen, tally.forwards),
+               "forwards_per_round": per_round(tally.forwards, rounds), "tpf": tpf_of(tokens / batch, tally.forwards),
                "speedup_vs_vanilla": None, "peak_gib": peak_gib(bench.device),
                "model": model.config.model_id, "rows_frac": done / total if total else None, "seconds": seconds,
                "forwards": tally.forwards, "rounds": rounds,
-               "speedup_vs_plain_rounds": speedup(speed, plain_rounds) if focus is not None else None})  # fmt: skip
+               "speedup_vs_plain_rounds": speedup(speed, plain_rounds) if focus is not None else None,
+               **own})  # fmt: skip
     return speed

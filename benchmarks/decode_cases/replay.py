@@ -1,16 +1,20 @@
-"""``--schedule FILE``: the rounds cases' requests unmask as a recorded decode did (``pdllm eval
---record-schedule``), so random weights decode at a real tokens-per-forward.
+"""``--schedule FILE``: the rounds and focus-batched cases' requests unmask as a recorded decode did
+(``pdllm eval --record-schedule``), so random weights decode at a real tokens-per-forward.
 
 Request ``i`` of a cell replays recorded sample ``i mod N`` (the file's samples, in order, those matching
-``--schedule-select``), fitted to the cell's gen and block length by ``schedule.replayed``: block ``b``
-replays recorded block ``b mod (recorded blocks)`` (a decode that stopped at EOS recorded only its blocks up
-to the EOS, so a longer answer repeats them), its counts read in order, cycling, until they cover the block,
-the step that would pass it cut to fit. Each step unmasks exactly its count (``GenerationConfig.schedule``),
-so every shape of a round, its graph bucket included, is the same in the capture run and the timed run.
+``--schedule-select``), fitted to the cell's blocks by ``schedule.replayed_spans``: each block is cut into
+pieces of the sample's recorded block length (at absolute multiples of it: block diffusion's alignment),
+piece ``g`` replays recorded block ``g mod (recorded blocks)`` (a decode that stopped at EOS recorded only
+its blocks up to the EOS, so a longer answer repeats them), its counts read in order, cycling, until they
+cover the piece, the step that would pass it cut to fit. Recorded and replayed at one block length, block
+``b`` replays recorded block ``b``; an SDAR judge recorded at ``--block-length 4`` and replayed in blocks
+of 32 replays per 4-token block. Each step unmasks exactly its count (``GenerationConfig.schedule``), so
+every shape of a round, its graph bucket included, is the same in the capture run and the timed run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,13 +25,16 @@ from pdllm.shared.generation.schedule import (
     as_schedule,
     load_schedules,
     parse_select,
-    replayed,
+    replayed_spans,
     schedule_tpf,
 )
 
+Spans = Sequence[tuple[int, int]]
+
 FITTING = (
-    "request i replays recorded sample i mod N; block b replays recorded block b mod (blocks recorded), "
-    "its counts cycled until they cover the block, the last cut to fit"
+    "request i replays recorded sample i mod N; each block is cut into pieces of the recorded block length "
+    "(at absolute multiples of it), piece g replays recorded block g mod (blocks recorded), its counts "
+    "cycled until they cover the piece, the last cut to fit"
 )
 
 
@@ -45,22 +52,34 @@ class Replay:
         header, samples = load_schedules(path, parse_select(select))
         return cls(Path(path), header, samples, select or "")
 
-    def schedules(self, gen: GenerationConfig, n: int) -> list[Schedule]:
-        """The schedules of a cell's ``n`` requests, fitted to ``gen``."""
-        picked = [self.samples[i % len(self.samples)]["steps"] for i in range(n)]
-        return [replayed(as_schedule(s), gen.gen_length, gen.block) for s in picked]
+    def schedules(
+        self, gen: GenerationConfig, n: int, spans: Spans | None = None, start: int = 0
+    ) -> list[Schedule]:
+        """The schedules of a cell's ``n`` requests, fitted to ``gen``'s blocks, or to ``spans`` (a block
+        diffusion request's, aligned to absolute positions; its answer starting at ``start``)."""
+        if spans is None:
+            spans = [(b * gen.block, (b + 1) * gen.block) for b in range(gen.num_blocks)]
+        picked = [self.samples[i % len(self.samples)] for i in range(n)]
+        # a sample without its block length: one piece per block
+        return [replayed_spans(as_schedule(s["steps"]), spans, s.get("block_length") or gen.block, start)
+                for s in picked]  # fmt: skip
 
-    def gens(self, gen: GenerationConfig, n: int) -> list[GenerationConfig]:
-        """``gen`` for each of a cell's ``n`` requests, with its replayed schedule."""
-        return [replace(gen, schedule=s) for s in self.schedules(gen, n)]
+    def gens(
+        self, gen: GenerationConfig, n: int, spans: Spans | None = None, start: int = 0
+    ) -> list[GenerationConfig]:
+        """``gen`` for each of a cell's ``n`` requests, with its replayed schedule (``spans``, ``start``: as
+        :meth:`schedules`)."""
+        return [replace(gen, schedule=s) for s in self.schedules(gen, n, spans, start)]
 
-    def columns(self, gen: GenerationConfig, n: int) -> dict[str, Any]:
+    def columns(
+        self, gen: GenerationConfig, n: int, spans: Spans | None = None, start: int = 0
+    ) -> dict[str, Any]:
         """A replayed row's own columns: ``recorded_tpf`` (the eval's TPF of the samples replayed: answer
         tokens up to EOS over forwards, pooled) and ``schedule_tpf`` (tokens per step of the schedules as
         replayed: every slot unmasked, fitted to the cell)."""
         used = [self.samples[i % len(self.samples)] for i in range(min(n, len(self.samples)))]
         forwards = sum(s["forwards"] for s in used)
-        fitted = self.schedules(gen, n)
+        fitted = self.schedules(gen, n, spans, start)
         cells = sorted({f"{s.get('method')}/{s.get('decode_policy')}/{s.get('threshold')}" for s in used})
         return {
             "replayed": True,

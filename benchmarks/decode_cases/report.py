@@ -41,7 +41,7 @@ def markdown(report: dict) -> str:
 
 
 def _replayed(r: dict) -> str:
-    """A rounds row's pace: one token per step, or a replayed schedule and its recorded TPF."""
+    """A row's pace: one token per step, or a replayed schedule and its recorded TPF."""
     return f"yes ({fmt(r.get('recorded_tpf'))})" if r.get("replayed") else "no"
 
 
@@ -74,10 +74,10 @@ def case_table(case: str, rows: list[dict]) -> list[str]:
                       for r in rows])  # fmt: skip
     if case == "focus-batched":
         return table(["model", "policy", "batch", "gen", *COMMON[:4], "vs plain batched", "vs plain rounds",
-                      "rows computed / plain", "peak GiB"],
+                      "rows computed / plain", "peak GiB", "replayed (recorded TPF)"],
                      [[r["model"], r["policy"], str(r["batch"]), str(r["gen_length"]), *_common(r)[:4],
                        ratio(r["speedup_vs_vanilla"]), ratio(r.get("speedup_vs_plain_rounds")), fmt(r["rows_frac"]),
-                       fmt(r["peak_gib"])] for r in rows])  # fmt: skip
+                       fmt(r["peak_gib"]), _replayed(r)] for r in rows])  # fmt: skip
     if case == "serve":
         return table(["policy", "concurrency x context", "requests", "failed", "req/s", "vs none", "step p50 ms",
                       "step p99 ms", "unloaded step ms", "p99 / unloaded", "file", "vs file"],

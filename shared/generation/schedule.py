@@ -11,7 +11,8 @@ device back).
 A replayed response need not have the recorded one's shape. :func:`block_counts` fits it: block ``b``
 replays recorded block ``b mod (recorded blocks)`` (a decode that stopped at EOS recorded only its blocks
 up to the EOS), its counts read in order, cycling, until they cover the block's length; the step that
-would pass the length is cut to it.
+would pass the length is cut to it. Replayed in longer blocks than recorded (:func:`replayed_spans`), a
+block is first cut into pieces of the recorded block length, each replaying one recorded block.
 """
 
 from __future__ import annotations
@@ -54,9 +55,41 @@ def block_counts(schedule: Schedule, block: int, length: int) -> list[int]:
     return fit_counts(schedule[block % len(schedule)], length)
 
 
-def replayed(schedule: Schedule, gen_length: int, block: int) -> Schedule:
-    """``schedule`` fitted to a response of ``gen_length`` in blocks of ``block``: what a replay runs."""
-    return tuple(tuple(block_counts(schedule, b, block)) for b in range(gen_length // block))
+def replayed(schedule: Schedule, gen_length: int, block: int, unit: int | None = None) -> Schedule:
+    """``schedule`` fitted to a response of ``gen_length`` in blocks of ``block`` (pieces of ``unit``, the
+    recorded block length: :func:`replayed_spans`): what a replay runs."""
+    spans = [(b * block, (b + 1) * block) for b in range(gen_length // block)]
+    return replayed_spans(schedule, spans, unit or block)
+
+
+def replayed_spans(
+    schedule: Schedule, spans: Sequence[tuple[int, int]], unit: int, start: int = 0
+) -> Schedule:
+    """``schedule`` fitted to a response decoded in blocks ``spans`` (response ``[lo, hi)``; position 0 at
+    absolute position ``start``), one recorded block per piece: each span is cut at absolute multiples of
+    ``unit`` (the recorded block length), piece ``g`` of the response replays recorded block
+    ``g mod (recorded blocks)`` (:func:`fit_counts`), and a span's steps are its pieces' in order.
+
+    With ``unit`` a multiple of the spans' block length (their boundaries on its multiples) every span is
+    one piece: block ``b`` replays recorded block ``b``. A smaller unit is a recording in shorter blocks, e.g. block diffusion (SDAR) decoded at its
+    model block of 4 and replayed in generation blocks of 32: each 4-token piece then takes the steps one
+    recorded 4-token block took (pieces aligned to absolute positions, as SDAR aligns its blocks, so a
+    partial first block replays the recorded partial first block), and the replay keeps its tokens per
+    forward; cycling one recorded block over 32 positions would not (a recorded 1-token first block would
+    pace a whole 32-token block at one token per step)."""
+    if unit <= 0:
+        raise ValueError(f"unit must be positive, got {unit}")
+    out: list[tuple[int, ...]] = []
+    g = 0
+    for lo, hi in spans:
+        steps: list[int] = []
+        a = lo
+        while a < hi:
+            b = min(hi, ((start + a) // unit + 1) * unit - start)
+            steps += block_counts(schedule, g, b - a)
+            g, a = g + 1, b
+        out.append(tuple(steps))
+    return tuple(out)
 
 
 def schedule_tpf(schedule: Schedule) -> float:

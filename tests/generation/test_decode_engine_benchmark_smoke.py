@@ -1,9 +1,13 @@
 """``benchmarks/decode_engine.py --smoke`` on CPU (tiny models, the shipped one for TPF): every case's rows,
 their baselines from the same run, forwards counted per round, TPF up to EOS, the time budget and
-``--update``; ``--schedule``: rounds rows at replayed unmask counts.
+``--update``; ``--schedule``: rounds rows, and focus-batched's plain and FOCUS rows, at replayed unmask counts.
 
 Planted and seen failing: a replayed row's tokens counted as one per request and round
-(``n * rounds``) -> the replayed-rows test fails on ``tpf`` (1.0 against 4.0)."""
+(``n * rounds``) -> the replayed-rows test fails on ``tpf`` (1.0 against 4.0); the same in focus-batched
+(``batch * rounds``) -> the replayed focus-batched test fails on ``tpf`` (1.0 against 3.2); FOCUS rows
+replaying request i + 1's schedule while plain rows replay request i's -> it fails on ``forwards`` (8
+against 5); FOCUS and plain schedules fitted to uniform blocks of 8 instead of the request's aligned
+spans (7, 8, 1) -> it fails on ``rounds`` (6 against 5)."""
 
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.decode_engine import CASES, ROW_KEYS, main
+from benchmarks.e2e_speedup import QUERY_TOKENS
 
 SCHEDULES = Path(__file__).resolve().parents[1] / "fixtures" / "unmask_schedules.json"
+# recorded on a tiny random SDAR checkpoint at block length 4 (its model block); how: the file's header
+SDAR_SCHEDULES = SCHEDULES.with_name("unmask_schedules_sdar.json")
 
 LOOP_POLICIES = {"none", "dual-cache", "sparse-dllm", "prefix-cache", "polestar"}
 
@@ -251,4 +258,59 @@ def test_replayed_rounds_unmask_the_recorded_counts(tmp_path: Path) -> None:
     assert any(r["tpf"] > 1.5 for r in rows)  # several tokens per forward, as recorded
     for case in ("rounds", "rounds-e2e"):
         assert "Replayed schedules: unmask_schedules.json (4 samples" in data["cases"][case]["setup"]
+    assert "| yes (" in (tmp_path / "decode_engine.md").read_text()
+
+
+def _pieces_fitted(steps: list[list[int]], prompt: int, gen: int, unit: int) -> list[int]:
+    """A recorded SDAR schedule as a block diffusion request replays it, flat: its answer (at absolute
+    positions ``prompt`` onwards) cut at absolute multiples of ``unit``, piece g replaying recorded block
+    g mod (recorded blocks), its counts cycled until they cover the piece, the last cut."""
+    cuts = [0, *(r for r in range(1, gen) if (prompt + r) % unit == 0), gen]
+    out = []
+    for g, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        counts, left, i = steps[g % len(steps)], b - a, 0
+        while left:
+            out.append(min(counts[i % len(counts)], left))
+            left -= out[-1]
+            i += 1
+    return out
+
+
+def test_replayed_focus_batched_runs_plain_and_focus_at_one_schedule(tmp_path: Path) -> None:
+    """``--schedule`` on focus-batched: request i replays the file's sample i mod N in the plain and the FOCUS
+    runs alike, per recorded 4-token block (the schedule was recorded at block length 4; the smoke cells
+    decode in generation blocks of 8); tokens are what those schedules unmask in the rounds run, and
+    ``rows_frac`` is still FOCUS's rows past layer 1 over plain's."""
+    argv = ["--smoke", "--cases", "focus-batched", "--schedule", str(SDAR_SCHEDULES), "--out", str(tmp_path)]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "decode_engine.json").read_text())
+    assert data["cases"]["focus-batched"]["errors"] == []
+    samples = json.loads(SDAR_SCHEDULES.read_text())["samples"]
+    rows = by_case(data, "focus-batched")
+    assert {(r["policy"], r["batch"]) for r in rows} == {
+        (p, b) for p in ("plain-rounds", "focus-rounds", "focus-rounds-eager-layers") for b in (1, 3)
+    }
+    prompt = 1 + 48 + QUERY_TOKENS  # BOS + the smoke context + the question
+    for r in rows:
+        used = [samples[i % len(samples)] for i in range(r["batch"])]
+        flat = [_pieces_fitted(s["steps"], prompt, r["gen_length"], 4) for s in used]
+        tokens = sum(sum(f[: r["rounds"]]) for f in flat)
+        assert tokens == r["batch"] * r["gen_length"]  # every slot unmasked, each by its schedule
+        # one step per request and round, all admitted at once: the longest schedule's rounds
+        assert r["replayed"] is True and r["forwards"] == r["rounds"] == max(map(len, flat))
+        assert r["tpf"] == pytest.approx(tokens / r["batch"] / r["forwards"])
+        assert r["tokens_per_s"] * r["seconds"] == pytest.approx(tokens)
+        assert r["schedule_tpf"] == round(sum(map(sum, flat)) / sum(map(len, flat)), 4)
+        assert r["recorded_tpf"] == round(
+            sum(s["tokens"] for s in used) / sum(s["forwards"] for s in used), 4
+        )
+        plain = next(p for p in rows if p["policy"] == "plain-rounds" and p["batch"] == r["batch"])
+        assert r["schedule_tpf"] == plain["schedule_tpf"]
+        if r is not plain:
+            assert 0 < r["rows_frac"] < 1.0
+            assert r["speedup_vs_plain_rounds"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+    assert any(r["tpf"] > 2 for r in rows)  # several tokens per forward, as recorded
+    assert (
+        "Replayed schedules: unmask_schedules_sdar.json (4 samples" in data["cases"]["focus-batched"]["setup"]
+    )
     assert "| yes (" in (tmp_path / "decode_engine.md").read_text()

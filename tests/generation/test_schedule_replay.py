@@ -9,7 +9,8 @@
   many passed (none at or below T ranks above one above it; with none above T both take the first most
   confident), and the same tokens give the same logits at the next step. FOCUS is the exception, and
   why is tested: its budget is raised to a replayed step's count, as to a fixed schedule's.
-- The fitting of a schedule to another response shape.
+- The fitting of a schedule to another response shape, per recorded block when recorded in shorter
+  blocks (SDAR at its model block, replayed in longer generation blocks aligned to absolute positions).
 
 Planted and seen failing: the replayed step index read one ahead (``self._schedule[self.step_in_block + 1]``
 in ``DeviceDenoiseState.scheduled`` and ``DenoiseState.apply``) -> 19 of the 20 tests fail: the exact-count
@@ -28,7 +29,7 @@ from pdllm.decode_service.policy_rounds import batch_session
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round
 from pdllm.decode_service.sessions import SessionMaker
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig
-from pdllm.shared.generation.schedule import block_counts, fit_counts, replayed, schedule_tpf
+from pdllm.shared.generation.schedule import block_counts, fit_counts, replayed, replayed_spans, schedule_tpf
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.decode.helpers import pool_for
 from tests.engine.helpers import tokens
@@ -148,6 +149,16 @@ def test_fitting_a_schedule_to_another_shape() -> None:
     assert block_counts(((4,), (1, 3)), 2, 4) == [4]  # block 2 replays recorded block 0
     assert replayed(((2, 2), (1, 1, 2)), 16, 8) == ((2, 2, 2, 2), (1, 1, 2, 1, 1, 2))
     assert schedule_tpf(((2, 2), (1, 1, 2))) == pytest.approx(8 / 5)
+    # recorded at block 4, replayed in SDAR spans of a 73-token prompt (blocks of 8 aligned to absolute
+    # positions): pieces [0,3) [3,7) | [7,11) [11,15) | [15,16), piece g replaying recorded block g mod 3
+    sdar = ((1,), (2, 2), (3, 1))
+    assert replayed_spans(sdar, [(0, 7), (7, 15), (15, 16)], 4, start=73) == (
+        (1, 1, 1, 2, 2),
+        (3, 1, 1, 1, 1, 1),
+        (1,),
+    )
+    assert replayed_spans(sdar, [(0, 8), (8, 16)], 32) == replayed(sdar, 16, 8)  # a unit past the block
+    assert replayed(sdar, 16, 8, unit=4) == ((1, 1, 1, 1, 2, 2), (3, 1, 1, 1, 1, 1))
     with pytest.raises(ValueError, match="no threshold"):
         GenerationConfig(gen_length=4, steps=4, threshold=0.5, schedule=((4,),)).validate()
     with pytest.raises(ValueError, match="positive integers"):
