@@ -7,20 +7,15 @@ Differences: the split merge always runs as the second launch (``fused_merge`` i
 unused), and a program whose row block is empty runs zero-trip loops instead of skipping the body, so the
 key loop is not nested in a branch (the warp-specialization pass wants a top-level loop).
 
-TMA: one layer of the pool, ``[num_pages, Hkv, page_size, D]`` dense, is one 2-D descriptor over its
-``[num_pages * Hkv * page_size, D]`` rows; the tile of logical slots ``n0 .. n0 + BLOCK_N`` (``BLOCK_N <=
-page_size``, so it never leaves its page) is the box at row ``(page * Hkv + head) * page_size + n0 %
-page_size``. Only whole tiles of tokens take it (no ``page_fill``, the serving path); the ragged tail, holed
-pages and local K/V keep masked pointer loads, so no garbage slot is ever multiplied in.
+Kernels: ``auto`` runs the all-TMA kernel of :mod:`.split_s_hopper_ws` (Q, every paged tile, tails and
+holes included, and local K/V through descriptors; its key loop warp-specialized), the only layout Triton
+3.6's Hopper warp-specialization pass compiles (offline for sm_90: a ``ttg.warp_specialize`` op at
+64x64 tiles, 4 warps, 2 stages). ``tma`` and ``plain`` run :mod:`.split_s_hopper_tma` (pointer loads for
+Q, the ragged tail and local K/V; whole tiles through TMA or pointer loads; no ``page_fill`` under
+``tma``).
 
-Features (``mode``): ``"auto"`` asks for TMA + warp specialization, ``"tma"`` for TMA alone, ``"plain"``
-for pointer loads. A feature the Triton build or device lacks, a pool layout TMA cannot address, or a
-compile failure drops to the next mode down (logged once per cause); :class:`LaunchInfo` says what ran.
-
-Compiled offline for sm_90 with Triton 3.6 (no GPU): ``tma`` builds; ``auto`` fails in the Hopper
-warp-specialization pass (its producer hand-off takes only TMA loads) while the Q load, the masked tail or the
-local K/V loop use pointer loads; with all three removed it emits a warp-specialized loop. So ``auto`` here
-drops to ``tma`` on Triton 3.6 until those loads go through descriptors too.
+Features (``mode``): a feature the Triton build or device lacks, a layout TMA cannot address, or a compile
+failure drops to the next mode down (logged once per cause); :class:`LaunchInfo` says what ran.
 
 Selection: :func:`paged_kernel` returns this launcher when ``$PDLLM_SPLIT_S`` is ``hopper``, else today's.
 """
@@ -36,6 +31,7 @@ import torch
 
 from pdllm.kernels.resources import guarded, warn_once
 from pdllm.kernels.split_s_attention import LOG2E, _num_sms, split_s_attention
+from pdllm.kernels.split_s_hopper_ws import group_pad, ws_descriptors, ws_unsupported
 from pdllm.kernels.split_s_reference import (
     SplitSConfig,
     check_inputs,
@@ -49,7 +45,9 @@ try:
     import triton
     import triton.language as tl
 
-    from pdllm.kernels.split_s_attention import _attend, _merge_kernel, _page_rows
+    from pdllm.kernels.split_s_attention import _merge_kernel
+    from pdllm.kernels.split_s_hopper_tma import _split_s_hopper_kernel, launch_pointer_q  # noqa: F401
+    from pdllm.kernels.split_s_hopper_ws import _split_s_ws_kernel
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
     triton = None
 
@@ -75,113 +73,6 @@ class LaunchInfo:
     ws: bool = False
     kernel: object | None = None
     dropped: str = ""
-
-
-if triton is not None:
-
-    @triton.jit
-    def _tma_tile(KD, VD, pages, first, n0, h, HKV: tl.constexpr, PAGE: tl.constexpr, SPAN: tl.constexpr):
-        # The box of slots n0 .. n0 + BLOCK_N of one request, head h: one page, so one descriptor load each.
-        # Its page id comes out of the split's ids already in registers, not a load: a pointer load in the
-        # loop is what Triton's Hopper warp specialization cannot hand from producer to consumers.
-        page = tl.sum(tl.where(tl.arange(0, SPAN) == n0 // PAGE - first, pages, 0))
-        row = (page * HKV + h) * PAGE + n0 % PAGE
-        return KD.load([row, 0]), VD.load([row, 0])
-
-    @triton.jit
-    def _split_s_hopper_kernel(
-        Q, KP, VP, KD, VD, PT, PF, KVL, QO, KL, VL, OP, LSE, OUT, RLSE,
-        qk_scale, split_size,
-        s_qt, s_qh, s_kp, s_kh, s_pt, s_lt, s_lh, s_vt, s_vh, s_ops, s_opt, s_oph, s_lss, s_lst, s_ot, s_oh,
-        G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_LOCAL: tl.constexpr, HAS_FILL: tl.constexpr, SINGLE: tl.constexpr,
-        PRECISION: tl.constexpr, ROW_LSE: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr,
-        SPAN: tl.constexpr,
-    ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        pid_bh = tl.program_id(2)
-        b = pid_bh // HKV
-        h = pid_bh % HKV
-        q_start = tl.load(QO + b)
-        lq = tl.load(QO + b + 1) - q_start
-        kv_len = tl.load(KVL + b)
-        total = kv_len
-        if HAS_LOCAL:
-            total = kv_len + lq
-        n_begin = pid_s * split_size
-        # An empty row block gets an empty key range: zero-trip loops and masked stores, no branch.
-        n_end = tl.where(pid_m * BLOCK_M < lq * G, tl.minimum(n_begin + split_size, total), n_begin)
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < lq * G
-        tok = (q_start + offs_m // G).to(tl.int64)
-        head = h * G + offs_m % G
-        offs_d = tl.arange(0, D)
-        q = tl.load(
-            Q + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
-        )
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        arange_n = tl.arange(0, BLOCK_N)
-        paged_end = tl.minimum(n_end, kv_len)
-        full_end = n_begin
-        if not HAS_FILL:
-            # Whole tiles of tokens first, unmasked (most of the work), then the ragged rest.
-            full_end = n_begin + tl.maximum(paged_end - n_begin, 0) // BLOCK_N * BLOCK_N
-            if USE_TMA:
-                # The page ids of this split's whole tiles, loaded once (SPAN >= pages a split touches).
-                first = n_begin // PAGE
-                slots = first + tl.arange(0, SPAN)
-                pages = tl.load(PT + b * s_pt + slots, mask=slots * PAGE < full_end, other=0)
-                if WS:
-                    for n0 in tl.range(n_begin, full_end, BLOCK_N, warp_specialize=True):
-                        k, v = _tma_tile(KD, VD, pages, first, n0, h, HKV, PAGE, SPAN)
-                        m_i, l_i, acc = _attend(q, k, v, arange_n, m_i, l_i, acc, qk_scale, False, PRECISION)
-                else:
-                    for n0 in tl.range(n_begin, full_end, BLOCK_N):
-                        k, v = _tma_tile(KD, VD, pages, first, n0, h, HKV, PAGE, SPAN)
-                        m_i, l_i, acc = _attend(q, k, v, arange_n, m_i, l_i, acc, qk_scale, False, PRECISION)
-            else:
-                for n0 in tl.range(n_begin, full_end, BLOCK_N):
-                    row, valid = _page_rows(PT, PF, b, h, n0, arange_n, paged_end, s_pt, s_kp, s_kh,
-                                            D, PAGE, BLOCK_N, HAS_FILL)  # fmt: skip
-                    k = tl.load(KP + row[:, None] + offs_d[None, :])
-                    v = tl.load(VP + row[:, None] + offs_d[None, :])
-                    m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, False, PRECISION)
-        for n0 in range(full_end, paged_end, BLOCK_N):
-            row, valid = _page_rows(PT, PF, b, h, n0, arange_n, paged_end, s_pt, s_kp, s_kh,
-                                    D, PAGE, BLOCK_N, HAS_FILL)  # fmt: skip
-            k = tl.load(KP + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(VP + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
-        if HAS_LOCAL:
-            for n0 in range(tl.maximum(n_begin, kv_len), n_end, BLOCK_N):
-                offs_n = n0 + arange_n
-                valid = offs_n < n_end
-                tok_n = (q_start + offs_n - kv_len).to(tl.int64)
-                k = tl.load(
-                    KL + (tok_n * s_lt + h * s_lh)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
-                )
-                v = tl.load(
-                    VL + (tok_n * s_vt + h * s_vh)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
-                )
-                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
-
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
-        if SINGLE:
-            ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
-            tl.store(ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-            if ROW_LSE:  # natural log (x ln 2), as split_s_attention writes it
-                tl.store(RLSE + tok * (G * HKV) + head, lse * 0.6931471805599453, mask=row_ok)
-        else:
-            ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
-            tl.store(ptr, o, mask=row_ok[:, None])
-            tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)
 
 
 def _interpreting() -> bool:
@@ -216,8 +107,8 @@ def _modes(mode: str, device: torch.device, k_pages: torch.Tensor, block_n: int,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     order = list(MODES[MODES.index(mode) :])
-    if holes:  # every tile is masked: nothing for TMA to load (not worth a warning)
-        return ["plain"]
+    if holes:  # the tma mode's unmasked tiles need whole pages; the all-TMA kernel masks holes
+        order = [m for m in order if m != "tma"]
     why = tma_unsupported(device, k_pages, block_n)
     if why is not None and order[0] != "plain":
         warn_once(("split_s_hopper", "tma", why), f"split_s_hopper: no TMA ({why}); pointer loads")
@@ -288,6 +179,10 @@ def split_s_attention_hopper(
     shape_key = (q.dtype, d, page, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                  k_local is not None, page_fill is not None, lse_out is not None)  # fmt: skip
     modes = _modes(mode, q.device, k_pages, cfg.block_n, page_fill is not None)
+    why = ws_unsupported(cfg.block_m, cfg.block_n, page, hq // hkv, q, k_local, v_local)
+    if modes[0] == "auto" and why is not None:
+        warn_once(("split_s_hopper", "ws", why), f"split_s_hopper: no all-TMA kernel ({why}); next mode")
+        modes.pop(0)
     for m in modes:
         key = (m, *shape_key)
         if key in _FAILED:
@@ -333,7 +228,8 @@ def _launch(
     has_local = k_local is not None
     max_total = max_kv_len + (max_q_len if has_local else 0)
     out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
-    plan = plan_splits(max_total, batch, hkv, max_q_len * g, config, _num_sms(q.device, config))
+    rows = group_pad(g) if mode == "auto" else g  # query rows per token in a row block
+    plan = plan_splits(max_total, batch, hkv, max_q_len * rows, config, _num_sms(q.device, config))
     single = plan.num_splits == 1
     if single:
         o_part = lse = out  # unused by the kernel when SINGLE
@@ -343,30 +239,26 @@ def _launch(
         lse = torch.empty(plan.num_splits, total_q, hq, dtype=torch.float32, device=q.device)
         ops, opt, oph, _ = o_part.stride()
         lss, lst, _ = lse.stride()
-    use_tma = mode != "plain"
-    if use_tma:
-        kd = TensorDescriptor.from_tensor(k_pages.view(-1, d), [config.block_n, d])
-        vd = TensorDescriptor.from_tensor(v_pages.view(-1, d), [config.block_n, d])
-    else:
-        kd, vd = k_pages, v_pages  # unused by the kernel without USE_TMA
-    kl = k_local if has_local else q
-    vl = v_local if has_local else q
-    fill = page_fill if page_fill is not None else page_table
-    row_lse = lse_out if lse_out is not None else lse  # unused by the kernels without ROW_LSE
     scale = d**-0.5 if scale is None else scale
     grid = (plan.m_blocks, plan.num_splits, batch * hkv)
-    kernel = _split_s_hopper_kernel[grid](
-        q, k_pages, v_pages, kd, vd, page_table, fill, kv_lens, q_offsets, kl, vl, o_part, lse, out, row_lse,
-        scale * LOG2E, plan.split_size,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), page_table.stride(0),
-        kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1), ops, opt, oph, lss, lst, out.stride(0), out.stride(1),
-        G=g, HKV=hkv, D=d, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single,
-        # fp32 inputs get exact fp32 dots, as in split_s_attention
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROW_LSE=lse_out is not None,
-        USE_TMA=use_tma, WS=mode == "auto", SPAN=span_pages(plan.split_size, page), num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    info.tma, info.ws, info.kernel = use_tma, mode == "auto", kernel
+    fill = page_fill if page_fill is not None else page_table
+    row_lse = lse_out if lse_out is not None else lse  # unused by the kernels without ROW_LSE
+    span = span_pages(plan.split_size, page)
+    if mode == "auto":
+        descs = ws_descriptors(q, k_pages, v_pages, k_local, v_local, config.block_m, config.block_n, g)
+        kernel = _split_s_ws_kernel[grid](
+            *descs, page_table, fill, kv_lens, q_offsets, o_part, lse, out, row_lse, scale * LOG2E,
+            plan.split_size, page_table.stride(0), ops, opt, oph, lss, lst, out.stride(0), out.stride(1),
+            G=g, GP=group_pad(g), HKV=hkv, D=d, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROW_LSE=lse_out is not None, WS=True,
+            SPAN=span, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    else:
+        kernel = launch_pointer_q(q, k_pages, v_pages, page_table, fill, kv_lens, q_offsets, k_local, v_local,
+                                   o_part, lse, out, row_lse, scale, plan.split_size, grid, config, mode, span,
+                                   (ops, opt, oph, lss, lst), single, lse_out is not None)  # fmt: skip
+    info.tma, info.ws, info.kernel = mode != "plain", mode == "auto", kernel
     if not single:
         n_rows = total_q * hq
         block_r = 16

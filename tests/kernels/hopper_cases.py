@@ -78,7 +78,7 @@ def case_hopper() -> None:
         assert _rel(split_s_attention_hopper(*p.args()), naive) < tol
         print(f"hopper {q_lens} {kv_lens} page={page} bn={block_n} {dtype}: auto/tma/plain ok")
 
-    # page_fill given (holed pages): every tile goes through masked pointer loads, TMA or not.
+    # page_fill given (holed pages): the tma mode's whole tiles need full pages, so it takes pointer loads.
     p = make_problem(gen, [3, 4], [[20, 7], [33]], 2, 2, 32, 16)
     cfg = SplitSConfig(block_m=16, block_n=16, num_splits=2)
     info = LaunchInfo()
@@ -86,6 +86,39 @@ def case_hopper() -> None:
     assert not info.tma and not info.ws, info
     assert _rel(got, split_s_attention_reference(*p.args(), config=cfg)) < 1e-5
     print("hopper page_fill ok")
+
+
+def case_hopper_all_tma() -> None:
+    """The all-TMA kernel (``auto``) on partial tiles: holed pages (``page_fill``) and splits whose last
+    tile is part of a page, every slot that is not a token NaN; shifted boxes must read none of them."""
+    from pdllm.kernels.split_s_hopper import LaunchInfo, split_s_attention_hopper
+    from pdllm.kernels.split_s_reference import SplitSConfig, split_s_attention_reference
+
+    gen = torch.Generator().manual_seed(2)
+    for chunks, page, block_n, splits, holes in [
+        ([[20, 7], [33, 5, 16]], 16, 16, 2, True),  # holes: chunks ending mid-page
+        ([[20, 7], [33, 5, 16]], 32, 16, 3, True),  # two tiles per page, holes in either
+        ([[45], [70]], 32, 16, 4, False),  # no page_fill: the last split's tile ends inside a page
+    ]:
+        p = make_problem(gen, [3, 5], chunks, 2, 3, 32, page)
+        if not holes:  # exact kv_lens instead of whole pages
+            p = dataclasses.replace(p, page_fill=None, kv_lens=torch.tensor([sum(c) for c in chunks]).int())
+        fill = p.page_fill
+        for b in range(p.page_table.shape[0]):  # poison every pool slot that is not a token
+            n = int(p.kv_lens[b])
+            for j in range(-(-n // page)):
+                used = int(fill[b, j]) if fill is not None else min(page, n - j * page)
+                p.k_pages[p.page_table[b, j].long(), :, used:] = float("nan")
+                p.v_pages[p.page_table[b, j].long(), :, used:] = float("nan")
+        cfg = SplitSConfig(block_m=16, block_n=block_n, num_splits=splits)
+        lse, want_lse = torch.empty(p.q.shape[:2]), torch.empty(p.q.shape[:2])
+        want = split_s_attention_reference(*p.args(), config=cfg, lse_out=want_lse)
+        info = LaunchInfo()
+        got = split_s_attention_hopper(*p.args(), config=cfg, lse_out=lse, mode="auto", info=info)
+        assert info.tma and info.ws and not info.dropped, info
+        assert torch.isfinite(got).all() and _rel(got, want) < 1e-5, (chunks, _rel(got, want))
+        assert _rel(lse, want_lse) < 1e-5, chunks
+        print(f"all-TMA {chunks} page={page} bn={block_n} splits={splits} ok")
 
 
 def case_hopper_drop() -> None:
@@ -116,5 +149,7 @@ def case_hopper_drop() -> None:
 
 
 if __name__ == "__main__":
-    {"hopper": case_hopper, "hopper_drop": case_hopper_drop}[sys.argv[1]]()
+    {"hopper": case_hopper, "hopper_drop": case_hopper_drop, "hopper_all_tma": case_hopper_all_tma}[
+        sys.argv[1]
+    ]()
     print("ok")

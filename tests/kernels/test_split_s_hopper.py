@@ -3,7 +3,9 @@
 - Under the Triton interpreter (``hopper_cases.py``): the TMA tile path itself (the interpreter emulates
   host tensor descriptors), the TMA-only and plain modes, against the torch reference and the float64
   gather, with ``lse_out``, over a pool whose unused slots hold NaN. A page off by one in the descriptor
-  coordinate (``(page + 1) * HKV`` in ``_tma_tile``) fails ``hopper``. Warp specialization is a compiler
+  coordinate (``(page + 1) * HKV`` in ``_tma_tile``) fails ``hopper``. ``hopper_all_tma``: the all-TMA
+  kernel on holed pages and tails inside a page; loading a partial tile unshifted (box at slot 0, the
+  slots past its ``r`` tokens masked only in the scores) leaks the pool's NaN through V and fails it. Warp specialization is a compiler
   transform the interpreter does not run: only that asking for it keeps the numerics is checked here.
 - A mode that fails to compile drops to the next one, once per shape.
 - ``$PDLLM_SPLIT_S`` picks the rounds' launcher; unset, today's kernel.
@@ -29,7 +31,7 @@ CASES = Path(__file__).with_name("hopper_cases.py")
 pytest.importorskip("triton", reason="triton not installed; the GPU run covers the variant")
 
 
-@pytest.mark.parametrize("case", ["hopper", "hopper_drop"])
+@pytest.mark.parametrize("case", ["hopper", "hopper_drop", "hopper_all_tma"])
 def test_hopper_variant_under_interpreter(case: str) -> None:
     run_under_interpreter(CASES, case, timeout_s=300)
 
