@@ -177,7 +177,8 @@ def run_kernel(name: str, case: Case, ref: torch.Tensor, ref_err: float | None, 
         row["rel_err"] = float(diff.norm() / ref.float().norm().clamp_min(1e-30))
         row["finite"] = bool(torch.isfinite(out).all())
         if name != "today":
-            row.update(requested_ws=name == "hopper_auto", tma=info.tma, ws=info.ws, dropped=info.dropped)
+            row.update(requested_ws=name == "hopper_auto", tma=info.tma, ws=info.ws, dropped=info.dropped,
+                       num_stages=info.num_stages)  # fmt: skip
         row.update(compiled_facts(got[-1] if name == "today" and got else info.kernel))
         fns = [launcher(name, case, i, info) for i in range(len(case.copies))]
         us, mode = time_us(lambda: [f() for f in fns], reps=20, target_s=target_s)

@@ -10,9 +10,9 @@ key loop is not nested in a branch (the warp-specialization pass wants a top-lev
 Kernels: ``auto`` runs the all-TMA kernel of :mod:`.split_s_hopper_ws` (Q, every paged tile, tails and
 holes included, and local K/V through descriptors; its key loop warp-specialized), the only layout Triton
 3.6's Hopper warp-specialization pass compiles (offline for sm_90: a ``ttg.warp_specialize`` op at
-64x64 tiles, 4 warps, 2 stages). ``tma`` and ``plain`` run :mod:`.split_s_hopper_tma` (pointer loads for
-Q, the ragged tail and local K/V; whole tiles through TMA or pointer loads; no ``page_fill`` under
-``tma``).
+64x64 tiles, 4 warps), its stage count capped before launch to what fits the device's shared memory.
+``tma`` and ``plain`` run :mod:`.split_s_hopper_tma` (pointer loads for Q, the ragged tail and local K/V;
+whole tiles through TMA or pointer loads; no ``page_fill`` under ``tma``).
 
 Features (``mode``): a feature the Triton build or device lacks, a layout TMA cannot address, or a compile
 failure drops to the next mode down (logged once per cause); :class:`LaunchInfo` says what ran.
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdllm.kernels.resources import guarded, warn_once
+from pdllm.kernels.resources import guarded, smem_limit, warn_once
 from pdllm.kernels.split_s_attention import LOG2E, _num_sms, split_s_attention
-from pdllm.kernels.split_s_hopper_ws import group_pad, ws_descriptors, ws_unsupported
+from pdllm.kernels.split_s_hopper_ws import fit_stages, group_pad, ws_descriptors, ws_unsupported
 from pdllm.kernels.split_s_reference import (
     SplitSConfig,
     check_inputs,
@@ -61,17 +61,20 @@ __all__ = ["ENV", "MODES", "LaunchInfo", "paged_kernel", "split_s_attention_hopp
 ENV = "PDLLM_SPLIT_S"
 MODES = ("auto", "tma", "plain")
 _FAILED: dict[tuple, str] = {}  # (mode, shape key) -> why it failed
+_STAGES: dict[tuple, int] = {}  # (device, constexprs, warps, requested stages) -> stages that fit
 
 
 @dataclass
 class LaunchInfo:
     """What the last launch really used: TMA loads, a warp-specialized loop, the compiled main kernel
-    (Triton's object, with ``n_regs``/``n_spills`` on CUDA; None under the interpreter), and why a
-    requested feature was dropped."""
+    (Triton's object, with ``n_regs``/``n_spills`` on CUDA; None under the interpreter), its pipeline
+    stages (``auto`` may take fewer than the config asks, to fit shared memory), and why a requested feature
+    was dropped."""
 
     tma: bool = False
     ws: bool = False
     kernel: object | None = None
+    num_stages: int = 0
     dropped: str = ""
 
 
@@ -244,21 +247,31 @@ def _launch(
     fill = page_fill if page_fill is not None else page_table
     row_lse = lse_out if lse_out is not None else lse  # unused by the kernels without ROW_LSE
     span = span_pages(plan.split_size, page)
+    stages = config.num_stages
     if mode == "auto":
         descs = ws_descriptors(q, k_pages, v_pages, k_local, v_local, config.block_m, config.block_n, g)
-        kernel = _split_s_ws_kernel[grid](
-            *descs, page_table, fill, kv_lens, q_offsets, o_part, lse, out, row_lse, scale * LOG2E,
-            plan.split_size, page_table.stride(0), ops, opt, oph, lss, lst, out.stride(0), out.stride(1),
+        call = (*descs, page_table, fill, kv_lens, q_offsets, o_part, lse, out, row_lse, scale * LOG2E,
+                plan.split_size, page_table.stride(0), ops, opt, oph, lss, lst, out.stride(0), out.stride(1))  # fmt: skip
+        meta = dict(
             G=g, GP=group_pad(g), HKV=hkv, D=d, PAGE=page, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROW_LSE=lse_out is not None, WS=True,
-            SPAN=span, num_warps=config.num_warps, num_stages=config.num_stages,
+            SPAN=span, num_warps=config.num_warps,
         )  # fmt: skip
+
+        def shared_of(num_stages: int) -> int:  # compiles (cached), launches nothing
+            compiled = _split_s_ws_kernel.warmup(*call, grid=grid, num_stages=num_stages, **meta)
+            return (compiled.result() if hasattr(compiled, "result") else compiled).metadata.shared
+
+        if not _interpreting():  # the interpreter has no shared memory to run out of
+            key = (q.device, q.dtype, *sorted(meta.items()), config.num_stages)
+            stages = ws_stages(key, config.num_stages, q.device, shared_of)
+        kernel = _split_s_ws_kernel[grid](*call, num_stages=stages, **meta)
     else:
         kernel = launch_pointer_q(q, k_pages, v_pages, page_table, fill, kv_lens, q_offsets, k_local, v_local,
                                    o_part, lse, out, row_lse, scale, plan.split_size, grid, config, mode, span,
                                    (ops, opt, oph, lss, lst), single, lse_out is not None)  # fmt: skip
-    info.tma, info.ws, info.kernel = mode != "plain", mode == "auto", kernel
+    info.tma, info.ws, info.kernel, info.num_stages = mode != "plain", mode == "auto", kernel, stages
     if not single:
         n_rows = total_q * hq
         block_r = 16
@@ -267,6 +280,24 @@ def _launch(
             BLOCK_R=block_r, D=d, ROW_LSE=lse_out is not None, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def ws_stages(key: tuple, requested: int, device: torch.device, shared_of: Callable[[int], int]) -> int:
+    """Pipeline stages for the warp-specialized kernel: the most, up to ``requested``, whose compile
+    (``shared_of``) fits the device's shared memory, chosen before any launch and cached per ``key``. None
+    fitting raises, which drops ``auto`` to the next mode for this shape (logged once)."""
+    if key not in _STAGES:
+        limit = smem_limit(device)
+        stages = fit_stages(requested, shared_of, limit)
+        if stages is None:
+            raise RuntimeError(
+                f"the warp-specialized kernel needs more than {limit} B of shared memory at 1 stage"
+            )
+        if stages < requested:
+            warn_once(("split_s_hopper", "stages", key), f"split_s_hopper: auto at {stages} stages instead of "
+                      f"{requested} (shared memory limit {limit} B)")  # fmt: skip
+        _STAGES[key] = stages
+    return _STAGES[key]
 
 
 def span_pages(split_size: int, page: int) -> int:
@@ -286,5 +317,6 @@ def paged_kernel() -> Callable[..., torch.Tensor]:
 
 
 def reset() -> None:
-    """Forget failed modes (tests)."""
+    """Forget failed modes and chosen stage counts (tests)."""
     _FAILED.clear()
+    _STAGES.clear()

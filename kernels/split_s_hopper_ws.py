@@ -20,14 +20,18 @@ local K/V makes it assert or decline. So this kernel has no masked pointer load 
   puts both loops in one warp-specialized region.
 
 At 64-row blocks the pass gives each of its two consumer warp groups the whole block (the same rows,
-stored twice, identical values); 128-row blocks fail in its data partitioning. The tile configs it takes
-are recorded in benchmarks/results/attention_notes.md.
+stored twice, identical values); at 128 rows its data partitioning has no rule for the reshape of Q. The
+layout that lets it split the rows (a 2-D in-kernel Q descriptor, the local loop in its own launch), the
+tile configs it takes and their shared memory are recorded in benchmarks/results/attention_notes.md; the
+launcher caps the stage count to the device's shared memory (:func:`fit_stages`).
 
 Page ids (and fills) of a split are loaded once before the loop into a ``SPAN`` vector; the loop picks its
 tile's id out of registers, since a pointer load in the loop body is another thing the pass refuses.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -44,12 +48,25 @@ try:
 except ImportError:  # pragma: no cover - Triton before host tensor descriptors
     TensorDescriptor = None
 
-__all__ = ["group_pad", "ws_descriptors", "ws_unsupported"]
+__all__ = ["fit_stages", "group_pad", "ws_descriptors", "ws_unsupported"]
 
 
 def group_pad(g: int) -> int:
     """The query-head group padded to a power of two: the Q descriptor box's head extent."""
     return 1 << (g - 1).bit_length()
+
+
+def fit_stages(requested: int, shared_of: Callable[[int], int], limit: int) -> int | None:
+    """The largest stage count <= ``requested`` whose kernel needs at most ``limit`` bytes of shared memory
+    (``shared_of(stages)``: Triton's ``metadata.shared`` of that compile), None if not even 1 stage fits.
+
+    The specialized kernel keeps a K and a V buffer per stage for each of its two loops, so a stage costs
+    ``4 * BLOCK_N * D`` elements: 64x64 tiles, D 128, bf16 need 208 KiB at 2 stages and 272 KiB at 3, over
+    an H100's 227 KiB; Triton would compile that and refuse the launch, so the launcher asks first."""
+    for stages in range(requested, 0, -1):
+        if shared_of(stages) <= limit:
+            return stages
+    return None
 
 
 def ws_unsupported(

@@ -8,6 +8,9 @@
   slots past its ``r`` tokens masked only in the scores) leaks the pool's NaN through V and fails it. Warp specialization is a compiler
   transform the interpreter does not run: only that asking for it keeps the numerics is checked here.
 - A mode that fails to compile drops to the next one, once per shape.
+- ``auto`` caps its pipeline stages to the device's shared memory before launching (a fake device property
+  and the byte counts of offline sm_90 compiles stand in for the GPU); not even 1 stage fitting drops it.
+  Taking the requested count without checking it (``or stages == requested`` in ``fit_stages``) fails both.
 - ``$PDLLM_SPLIT_S`` picks the rounds' launcher; unset, today's kernel.
 - The device A/B harness in ``--smoke`` mode (interpreter) and with every kernel failing (recorded, not
   fatal), so it cannot rot before its GPU run.
@@ -63,6 +66,60 @@ def test_no_tma_off_hopper_or_for_crossing_tiles(monkeypatch: pytest.MonkeyPatch
     assert sh.tma_unsupported(torch.device("cpu"), pages, 16) is None
     assert "cross pages" in sh.tma_unsupported(torch.device("cpu"), pages, 32)
     assert "dense" in sh.tma_unsupported(torch.device("cpu"), pages.transpose(0, 1), 16)
+
+
+# Triton 3.6 metadata.shared of the all-TMA kernel for sm_90 (64x64 tiles, 4 warps, D 128, bf16, local K/V).
+WS_SHARED = {1: 147_696, 2: 213_232, 3: 278_976}
+
+
+def test_fit_stages_takes_the_most_that_fit() -> None:
+    from pdllm.kernels.resources import H100_SMEM
+    from pdllm.kernels.split_s_hopper_ws import fit_stages
+
+    asked: list[int] = []
+
+    def shared_of(stages: int) -> int:
+        asked.append(stages)
+        return WS_SHARED[stages]
+
+    assert fit_stages(3, shared_of, H100_SMEM) == 2 and asked == [3, 2]
+    asked.clear()
+    assert fit_stages(2, shared_of, H100_SMEM) == 2 and asked == [2]  # no compile beyond the ask
+    assert fit_stages(3, shared_of, 150_000) == 1
+    assert fit_stages(3, shared_of, 101_376) is None  # an sm_86-sized opt-in limit
+
+
+def test_auto_stages_from_a_fake_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import torch
+
+    from pdllm.kernels import resources
+    from pdllm.kernels import split_s_hopper as sh
+
+    optin = {"bytes": 232_448}
+    fake = lambda index: types.SimpleNamespace(shared_memory_per_block_optin=optin["bytes"])  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", fake)
+    resources.reset()
+    sh.reset()
+    compiles: list[int] = []
+
+    def shared_of(stages: int) -> int:
+        compiles.append(stages)
+        return WS_SHARED[stages]
+
+    dev = torch.device("cuda", 0)
+    try:
+        assert sh.ws_stages(("lq96", 3), 3, dev, shared_of) == 2
+        assert sh.ws_stages(("lq96", 3), 3, dev, shared_of) == 2 and compiles == [3, 2]  # cached per key
+        assert sh.ws_stages(("lq32", 2), 2, dev, shared_of) == 2
+        optin["bytes"] = 101_376
+        resources.reset()
+        with pytest.raises(RuntimeError, match="shared memory"):
+            sh.ws_stages(("small", 3), 3, dev, shared_of)
+    finally:
+        resources.reset()
+        sh.reset()
 
 
 def test_ab_harness_smoke(tmp_path: Path) -> None:
