@@ -33,9 +33,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.decode_engine import Prompt, sessions  # noqa: E402
 from benchmarks.e2e_speedup import QUERY_TOKENS, random_ids  # noqa: E402
 from benchmarks.shapes import build_model, dream7b, sync, tiny  # noqa: E402
-from pdllm.decode_service import polestar_rounds  # noqa: E402
+from pdllm.decode_service import polestar_record_group, polestar_update_group  # noqa: E402
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig  # noqa: E402
-from pdllm.decode_service.policies import polestar_device, polestar_device_store  # noqa: E402
+from pdllm.decode_service.policies import polestar_batch  # noqa: E402
 from pdllm.decode_service.round_graphs import GraphedRoundForward  # noqa: E402
 from pdllm.decode_service.rounds import EagerRoundForward, decode_round  # noqa: E402
 from pdllm.shared.generation.sampler import GenerationConfig  # noqa: E402
@@ -78,17 +78,16 @@ def sync_checked(owner: Any, name: str) -> None:
 
 
 def instrument(device: torch.device, sync_check: bool) -> None:
+    """Time the Polestar group stores (one call per layer for all sessions in a phase) and their pieces."""
     if sync_check:
-        sync_checked(polestar_rounds.PolestarUpdate, "__call__")
+        sync_checked(polestar_update_group.UpdateGroup, "__call__")
         return
-    timed(polestar_rounds.PolestarRecord, "__call__", "record store (per layer)", device)
-    timed(polestar_rounds.PolestarUpdate, "__call__", "update store (per layer)", device)
-    for name in ("record", "drifting", "finish"):
-        timed(polestar_device.DevicePolestarState, name, f"state.{name}", device)
-    for name in ("update", "_decode", "_encode"):
-        timed(polestar_device_store.DeviceClusteredHidden, name, f"store.{name}", device)
-    timed(polestar_device_store, "kmeans_fixed", "k-means", device)
-    timed(polestar_device, "layer_proxy", "drift proxy", device)
+    timed(polestar_record_group.RecordGroup, "__call__", "record store (per layer, all sessions)", device)
+    timed(polestar_update_group.UpdateGroup, "__call__", "update store (per layer, all sessions)", device)
+    timed(polestar_update_group.UpdateGroup, "_finish", "update o_proj/MLP", device)
+    for name in ("stack", "update", "encode", "decode", "proxy"):
+        timed(polestar_batch.StackedLayer, name, f"stacked.{name}", device)
+    timed(polestar_record_group, "kmeans_batched", "k-means (batched)", device)
 
 
 def main(argv: list[str] | None = None) -> int:

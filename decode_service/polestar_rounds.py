@@ -4,8 +4,10 @@ cached rows' hidden states at a refresh and recompute the drifting ones at an up
 A :class:`PolestarBatchSession` is a :class:`~.policy_rounds.PolicyBatchSession` under the dual cache's row
 ranges (Polestar-Cache is the dual cache with drift-triggered recomputation; its reference loop,
 ``tests/reference/policy.py``'s ``PolicyLogits`` with ``policies/polestar.PolestarStep``, is the
-specification). Its per-layer work is ``policies/polestar_device.DevicePolestarState``'s: the reference's
-values, kept and chosen on the device:
+specification). Its per-layer work is the reference's values, kept and chosen on the device, and run for all
+of a round's sessions in the same phase (same policy) at once: its :class:`PolestarRecord` /
+:class:`PolestarUpdate` parts become one ``polestar_record_group.RecordGroup`` / ``polestar_update_group.
+UpdateGroup`` per round (``round_attention.group_stores``), one set of ops per layer over those sessions:
 
 - a **refresh** round stores the cached rows' K/V as the dual cache does and, at every layer,
   :class:`PolestarRecord` clusters those rows' layer inputs (read by a forward pre-hook), keeps the
@@ -17,29 +19,29 @@ values, kept and chosen on the device:
   the pool holds every local row), computes the drift proxy over them, recomputes the chosen rows' q/k/v
   from their stored inputs over a padded row list of a length known on the host, writes the real rows' K/V
   over their cache slots (the block's queries, in the round's attention just after, read them), attends
-  them over the static KV and every local row (one split-S call on the session's pages, in the round's
+  them over the static KV and every local row (one split-S call, an entry per session, in the round's
   kernel), and carries their outputs to the next layer.
 
 Refresh and update rounds run eagerly (their choices are made inside the forward). An update reads nothing
-back from the device; a refresh reads once, after its last layer (the bounds of the padded row lists).
+back from the device; a refresh reads once, after its last layer (the bounds of the padded row lists of all
+its sessions).
 Sessions of every other kind share those rounds. Speed and profile: ``benchmarks/results/
 polestar_rounds_notes.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
+from pdllm.decode_service.polestar_record_group import RecordGroup
+from pdllm.decode_service.polestar_update_group import UpdateGroup
 from pdllm.decode_service.policies import StepContext, StepPlan
-from pdllm.decode_service.policies.polestar import Polestar, PolestarState
-from pdllm.decode_service.policies.polestar_device import DevicePolestarState, masked_rows
+from pdllm.decode_service.policies.polestar import Polestar
+from pdllm.decode_service.policies.polestar_device import DevicePolestarState
 from pdllm.decode_service.policy_rounds import PolicyBatchSession
-from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.rounds import RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationResult
@@ -58,8 +60,7 @@ class PolestarBatchSession(PolicyBatchSession):
     # the session's pages (the split-S call's kv_lens and page table)
     paged: torch.Tensor | None = None
     span: tuple[int, int] = (0, 0)  # the forwarded rows [lo, hi) of the block's cached steps
-    # per padded row count: the split-S call's query offsets [0, count] (built once, not per layer)
-    q_offsets: dict[int, torch.Tensor] = field(default_factory=dict)
+    refresh_rows: int = 0  # local rows N at the last refresh (a block's updates see the same rows)
 
     def _plan(self, ctx: StepContext) -> StepPlan:
         # The reference's rows hook is what the stores below do in the rounds.
@@ -82,8 +83,8 @@ class PolestarBatchSession(PolicyBatchSession):
             pages = [p for p, _ in slots]
             self.row_slots = to_device(pages + [o for _, o in slots], torch.long, self.device).view(2, n)
             self.paged = to_device([self.kv_tokens + n, *self.pages], torch.int32, self.device)
-            positions = torch.arange(self.query_start, self.query_start + n, device=self.device)
-            return replace(rows, store=PolestarRecord(self, policy, positions))
+            self.refresh_rows = n
+            return replace(rows, store=PolestarRecord(self, policy))
         if not state.update_due(policy, ctx.unmasked):
             return rows
         return replace(rows, store=PolestarUpdate(self, policy))
@@ -96,82 +97,33 @@ class PolestarBatchSession(PolicyBatchSession):
 
 @dataclass
 class PolestarRecord:
-    """A refresh round's :data:`~.round_attention.LayerStore`: per layer, cluster and encode the inputs of the
-    session's cached rows (``DevicePolestarState.record``) and keep their drift proxy over every local row."""
+    """A refresh round's part for one session: the round's refreshing sessions of the same policy become one
+    ``polestar_record_group.RecordGroup`` (``round_attention.group_stores``), called once per layer."""
 
     session: PolestarBatchSession
     policy: Polestar
-    positions: torch.Tensor  # [N] every local row's position
-    model: Any = None
-    # each layer's input [1, T, H], filled by the round's forward before the layer
-    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    @contextmanager
-    def attach(self, model: Any) -> Iterator[None]:
-        self.model = model
-        yield
+    @property
+    def group_key(self) -> tuple[str, Polestar]:
+        return ("polestar-record", self.policy)
 
-    def __call__(
-        self, layer: int, base: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: Any
-    ) -> None:
-        s = self.session
-        own = slice(base, base + self.positions.numel())
-        x = self.layer_inputs.pop(layer)[0, own]
-        s.polestar.record(
-            self.policy, self.model, layer, x, k[own].transpose(0, 1)[None], s.span, self.positions
-        )
-        if layer == len(self.model.model.layers) - 1:  # the reference's peak: full local K/V + the stores
-            n = self.positions.numel()
-            s.stats.cache_bytes = max(s.stats.cache_bytes, n * s.row_bytes + s.polestar.num_bytes())
+    @staticmethod
+    def grouped(parts: list[tuple[int, PolestarRecord]]) -> RecordGroup:
+        return RecordGroup([p.session for _, p in parts], [b for b, _ in parts], parts[0][1].policy)
 
 
 @dataclass
 class PolestarUpdate:
-    """An update step's :data:`~.round_attention.LayerStore`: per layer, recompute the session's drifting cached
-    rows (``DevicePolestarState.drifting`` / ``finish``, ``PolestarState.project``) over its pool pages."""
+    """An update step's part for one session: the round's updating sessions of the same policy become one
+    ``polestar_update_group.UpdateGroup``, called once per layer."""
 
     session: PolestarBatchSession
     policy: Polestar
-    model: Any = None
 
-    @contextmanager
-    def attach(self, model: Any) -> Iterator[None]:
-        self.model = model
-        yield
+    @property
+    def group_key(self) -> tuple[str, Polestar]:
+        return ("polestar-update", self.policy)
 
-    def __call__(
-        self,
-        layer: int,
-        base: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attention: PagedBatchAttention,
-    ) -> None:
-        s, state = self.session, self.session.polestar
-        assert s.row_slots is not None and s.paged is not None
-        lo, hi = s.span
-        pages, offsets = s.row_slots
-        kv = attention.kv[layer]
-        # The block's fresh K/V into the spare slots: the pool then holds every local row of the step.
-        fresh = slice(base + lo, base + hi)
-        kv[0][pages[lo:hi], :, offsets[lo:hi]] = k[fresh]
-        kv[1][pages[lo:hi], :, offsets[lo:hi]] = v[fresh]
-        keys = kv[0][pages, :, offsets]  # [N, Hkv, D] in row order
-        picked = state.drifting(self.policy, self.model, layer, keys.transpose(0, 1)[None])
-        if picked is None:
-            return
-        rows, valid, x = picked
-        qd, kd, vd = PolestarState.project(self.model, layer, x, (rows + s.query_start)[None])
-        at = (pages[rows], slice(None), offsets[rows])
-        # Padding rows keep their cached K/V: the rows are distinct, so each slot is written once.
-        kv[0][at] = masked_rows(valid, kd[0].transpose(0, 1), kv[0][at])
-        kv[1][at] = masked_rows(valid, vd[0].transpose(0, 1), kv[1][at])
-        n = rows.numel()
-        if n not in s.q_offsets:
-            s.q_offsets[n] = to_device([0, n], torch.int32, qd.device)
-        slots = s.kv_tokens + offsets.numel()  # static KV + every local row
-        out = attention.paged(
-            layer, qd[0].transpose(0, 1), s.paged[1:][None], s.paged[:1], s.q_offsets[n], n, slots
-        )
-        state.finish(self.model, layer, rows, valid, x, out.transpose(0, 1)[None], offsets.numel())
+    @staticmethod
+    def grouped(parts: list[tuple[int, PolestarUpdate]]) -> UpdateGroup:
+        return UpdateGroup([p.session for _, p in parts], [b for b, _ in parts], parts[0][1].policy)

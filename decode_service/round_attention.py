@@ -9,7 +9,7 @@ entries (the Triton kernel, or :func:`gathered_attention` off the GPU). Where a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,24 @@ called before the layer's attention; it may store into ``attention.kv`` (the poo
 ``attention.paged``. A store with an ``attach(model)`` context manager has it entered around the forward;
 one with a ``layer_inputs`` dict gets each layer's input ``[1, T, H]`` there, under the layer's index, before
 the layer runs (Polestar-Cache's refresh)."""
+
+
+def group_stores(stores: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """``stores`` (first packed row, store) with those that share a ``group_key`` replaced by one store,
+    their type's ``grouped`` of them (in the first one's place): one call per layer for all of them.
+    Grouped stores touch only their own sessions' rows and slots, so their order does not matter."""
+    groups: dict[Any, list[tuple[int, Any]]] = {}
+    out: list[tuple[int, Any]] = []
+    for base, store in stores:
+        key = getattr(store, "group_key", None)
+        if key is None:
+            out.append((base, store))
+        elif key in groups:
+            groups[key].append((base, store))
+        else:
+            groups[key] = [(base, store)]
+            out.append((base, groups[key]))
+    return [(b, type(s[0][1]).grouped(s) if isinstance(s, list) else s) for b, s in out]
 
 
 class PagedBatchAttention:

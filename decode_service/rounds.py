@@ -30,7 +30,7 @@ import torch
 
 from pdllm.decode_service.device_state import DeviceBatch, DeviceDenoiseState
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.decode_service.round_attention import LayerStore, PagedBatchAttention
+from pdllm.decode_service.round_attention import LayerStore, PagedBatchAttention, group_stores
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, predict_many
 from pdllm.shared.model.transformer import DiffusionLM
@@ -254,6 +254,7 @@ class PackedRound:
                 if part.edit is not None:
                     assert part.rows is None, "an edited part forwards all its rows"
                     out.edits.append((len(out.entries) - 1, first, part.edit))
+        out.stores = group_stores(out.stores)  # Polestar-Cache: one store per phase for all its sessions
         return out
 
     def table(self, sessions: int, width: int) -> torch.Tensor:

@@ -1,11 +1,9 @@
 """Polestar-Cache's device-side update in the rounds (``policies/polestar_device*.py``): its pieces against the
-reference's, the rows an update recomputes against the oracle's (``tests/oracles/polestar.py``), and no
-device-to-host read while an update runs.
+reference's and no device-to-host read while several sessions' batched update runs (the rows an update
+recomputes against the oracle's: ``test_polestar_batch.py``).
 
-Planted: the padded rows' K/V written unmasked -> every rows test here (tokens) and 14 of the 20
-rounds-vs-reference cases of ``test_polestar_rounds.py`` fail. Planted: ``choose_clusters`` taking the M
-smallest drifts -> the choice test and every rows test fail. Planted: the choice read back with
-``.tolist()``, or a boolean-mask gather in ``drifting`` -> the no-read test fails.
+Planted: ``choose_clusters`` taking the M smallest drifts -> the choice test fails. Planted: the choice read back with
+``.tolist()``, or a boolean-mask gather in ``UpdateGroup`` -> the no-read test fails.
 """
 
 from __future__ import annotations
@@ -19,21 +17,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdllm.decode_service.kv_pool import DecodeKVPool
-from pdllm.decode_service.polestar_rounds import PolestarBatchSession, PolestarRecord, PolestarUpdate
+from pdllm.decode_service.polestar_record_group import RecordGroup
+from pdllm.decode_service.polestar_rounds import PolestarBatchSession
+from pdllm.decode_service.polestar_update_group import UpdateGroup
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.policies.polestar import select_clusters
-from pdllm.decode_service.policies.polestar_device import DevicePolestarState, choose_clusters
+from pdllm.decode_service.policies.polestar_device import choose_clusters
 from pdllm.decode_service.policies.polestar_device_store import DeviceClusteredHidden, kmeans_fixed
 from pdllm.decode_service.policies.polestar_store import ClusteredHidden, spherical_kmeans
 from pdllm.decode_service.policy_rounds import batch_session, cache_slots
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import EagerRoundForward
+from pdllm.decode_service.rounds import EagerRoundForward, decode_round
 from pdllm.shared.generation.sampler import GenerationConfig
-from tests.decode.helpers import pool_for, run_rounds
+from tests.decode.helpers import pool_for
 from tests.oracles.cases import PROMPT
 from tests.oracles.cases import model as oracle_model
-from tests.oracles.polestar import polestar_decode
 
 # (clusters, top, T, drift threshold, format, recompute): both recompute modes, every format
 KNOBS = [
@@ -57,11 +56,13 @@ def _policy(knobs: tuple) -> DecodePolicyConfig:
     return DecodePolicyConfig("polestar", polestar={f"polestar_{n}": v for n, v in zip(names, knobs)})
 
 
-def _vanilla_session(m: Any, pool: DecodeKVPool, knobs: tuple) -> PolestarBatchSession:
+def _vanilla_session(
+    m: Any, pool: DecodeKVPool, knobs: tuple, prompt: list[int] = PROMPT
+) -> PolestarBatchSession:
     policy = make_policy(_policy(knobs))
-    pages = pool.reserve(cache_slots(len(PROMPT), GEN, policy))
+    pages = pool.reserve(cache_slots(len(prompt), GEN, policy))
     assert pages is not None
-    s = batch_session(m, StaticDecode(list(PROMPT), None, GEN, cache_policy=policy), pages, pool.page_size)
+    s = batch_session(m, StaticDecode(list(prompt), None, GEN, cache_policy=policy), pages, pool.page_size)
     assert isinstance(s, PolestarBatchSession)
     return s
 
@@ -121,34 +122,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=str)
-def test_rows_an_update_recomputes_equal_the_oracles(knobs: tuple) -> None:
-    m = oracle_model("dream")
-    pool = pool_for(m)
-    s = _vanilla_session(m, pool, knobs)
-    seen: list[list[list[int]]] = []
-    inner = DevicePolestarState.drifting
-
-    def spy(state: DevicePolestarState, policy: Any, model: Any, layer: int, k: torch.Tensor) -> Any:
-        if layer == 0:
-            seen.append([])
-        picked = inner(state, policy, model, layer, k)
-        seen[-1].append([] if picked is None else picked[0][picked[1]].sort().values.tolist())
-        return picked
-
-    clusters, top, t, drift, fmt, recompute = knobs
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DevicePolestarState, "drifting", spy)
-        run_rounds(EagerRoundForward(m, pool, "torch"), [s])
-    tokens, counters, oracle = polestar_decode(
-        m, PROMPT, GEN.gen_length, GEN.block_length, GEN.steps, None, clusters, top, t, drift, fmt,
-        recompute=recompute,
-    )  # fmt: skip
-    assert s.result().raw_tokens == tokens
-    assert seen == oracle.recomputed
-    assert s.polestar.rows_recomputed == counters["rows_recomputed"] > 0
-
-
 class _Reads(TorchDispatchMode):
     """Ops that read the device from the host, or wait on it to size their output (boolean indexing,
     ``nonzero``, ``unique``...), land in ``seen``; not while ``paused`` (the attention backend's calls)."""
@@ -204,27 +177,34 @@ def _device_reads(reads: list[str]) -> Iterator[None]:
 
 @pytest.mark.parametrize("knobs", [KNOBS[0], KNOBS[2]], ids=str)
 def test_an_update_reads_nothing_from_the_device(knobs: tuple) -> None:
+    """Three sessions of different lengths, started together: their batched updates read nothing, their
+    batched refresh reads once for all of them."""
     m = oracle_model("llada")
-    pool = pool_for(m)
-    s = _vanilla_session(m, pool, knobs)
+    pool = pool_for(m, pages=96)
+    sessions = [_vanilla_session(m, pool, knobs, PROMPT[:n]) for n in (16, 9, 12)]
     update_reads: list[str] = []
     refresh_reads: list[list[str]] = []
-    update, record = PolestarUpdate.__call__, PolestarRecord.__call__
+    update, record = UpdateGroup.__call__, RecordGroup.__call__
 
-    def watched_update(self: PolestarUpdate, *args: Any) -> None:
+    def watched_update(self: UpdateGroup, *args: Any) -> None:
+        assert len(self.sessions) == 3
         with _device_reads(update_reads):
             update(self, *args)
 
-    def watched_record(self: PolestarRecord, layer: int, *args: Any) -> None:
+    def watched_record(self: RecordGroup, layer: int, *args: Any) -> None:
+        assert len(self.sessions) == 3
         if layer == 0:
             refresh_reads.append([])
         with _device_reads(refresh_reads[-1]):
             record(self, layer, *args)
 
+    forward = EagerRoundForward(m, pool, "torch")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(PolestarUpdate, "__call__", watched_update)
-        mp.setattr(PolestarRecord, "__call__", watched_record)
-        run_rounds(EagerRoundForward(m, pool, "torch"), [s])
-    assert s.polestar.updates > 0 and s.polestar.rows_recomputed > 0  # updates ran
+        mp.setattr(UpdateGroup, "__call__", watched_update)
+        mp.setattr(RecordGroup, "__call__", watched_record)
+        while not all(s.done for s in sessions):
+            decode_round(forward, [s for s in sessions if not s.done])
+    for s in sessions:  # updates ran
+        assert s.polestar.updates > 0 and s.polestar.rows_recomputed > 0
     assert update_reads == []
     assert refresh_reads and all(r == ["tolist"] for r in refresh_reads)  # one read per refresh
