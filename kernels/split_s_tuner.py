@@ -4,6 +4,9 @@ Tuning (CUDA only; times every :func:`candidates` config with CUDA-graph replay,
 candidate is >= 3% faster, merges the winners into ``--out``, replacing this device's entries it re-tuned)::
 
     python -m pdllm.kernels.split_s_tuner --out kernels/split_s_tuned.json [--budget-s 420]
+
+``--candidates FILE`` times the configs listed there (a JSON list of config objects, the table's fields)
+instead of :func:`candidates`, the fixed default still first.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pdllm.kernels.split_s_tuning import (
     ENTRY_FIELDS,
     TABLE_VERSION,
     ShapeBucket,
+    config_from_dict,
     config_to_dict,
     device_name,
     parse_table,
@@ -57,6 +61,15 @@ def candidates(bucket: ShapeBucket) -> list[SplitSConfig]:
     if bucket.page < 64:
         out.append(SplitSConfig(block_n=max(16, bucket.page)))  # the one-page-per-tile fast path
     return out
+
+
+def load_candidates(path: Path) -> list[SplitSConfig]:
+    """The configs listed in ``path`` (a JSON list of config objects), the default prepended if absent."""
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{path}: need a non-empty JSON list of config objects")
+    cfgs = [config_from_dict(d) for d in raw]
+    return cfgs if cfgs[0] == SplitSConfig() else [SplitSConfig(), *[c for c in cfgs if c != SplitSConfig()]]
 
 
 def call_cost(
@@ -137,9 +150,14 @@ def graph_time_us(fn: Call, target_s: float = 0.15, max_reps: int = 20) -> float
 
 
 def tune_bucket(
-    shape: TuneShape, bucket: ShapeBucket, dtype: torch.dtype, dev: torch.device | None = None
+    shape: TuneShape,
+    bucket: ShapeBucket,
+    dtype: torch.dtype,
+    dev: torch.device | None = None,
+    cands: list[SplitSConfig] | None = None,
 ) -> dict:
-    """Time every candidate on ``shape``; returns the table entry (plus ``timings`` for the details file)."""
+    """Time every candidate (``cands``, else :func:`candidates`; the first is the default to beat) on
+    ``shape``; returns the table entry (plus ``timings`` for the details file)."""
     dev = dev if dev is not None else torch.device("cuda", torch.cuda.current_device())
     _, nbytes = call_cost(shape.batch, shape.lq, shape.hq, shape.hkv, shape.head_dim, shape.kv_tokens, 2)
     # >= 200 MB per replay, so the KV comes from HBM, not L2 (one copy off CUDA: the interpreter check).
@@ -147,7 +165,7 @@ def tune_bucket(
     make = _runner(shape, dtype, replicas, dev)
     want = make(SplitSConfig())()[0].float()
     timings: list[tuple[SplitSConfig, float, str]] = []
-    for cfg in candidates(bucket):
+    for cfg in cands if cands is not None else candidates(bucket):
         try:
             fn = make(cfg)
             err = float((fn()[0].float() - want).norm() / want.norm())
@@ -208,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--max-call-ms", type=float, default=12.0, help="skip shapes predicted slower than this")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new buckets after this")
+    ap.add_argument("--candidates", type=Path, default=None, help="JSON list of configs to time instead")
     a = ap.parse_args(argv)
+    cands = load_candidates(a.candidates) if a.candidates is not None else None
     if not torch.cuda.is_available():
         raise SystemExit("the tuner times kernels on a CUDA device; none is available")
     t0, dtype = time.monotonic(), torch.bfloat16
@@ -230,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"budget spent: {bucket} left to the heuristic", flush=True)
             continue
         try:
-            entry = tune_bucket(shape, bucket, dtype)
+            entry = tune_bucket(shape, bucket, dtype, cands=cands)
         except Exception as e:  # e.g. out of memory: this bucket stays with the heuristic
             print(f"{bucket}: not tuned ({type(e).__name__}: {str(e)[:200]})", flush=True)
             continue

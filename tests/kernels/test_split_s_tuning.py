@@ -274,3 +274,31 @@ def test_write_table_merges_and_refuses_a_malformed_target(tmp_path: Path) -> No
     with pytest.raises(st.SplitSTableError):
         tuner.write_table(bad, [_entry(H100, _bucket(), CFG_C)])
     assert bad.read_text() == '{"version": 1, "entries": [{}]}'
+
+
+def test_candidates_file_replaces_the_tuners_list_and_keeps_the_default_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "cands.json"
+    path.write_text(json.dumps([st.config_to_dict(CFG_A), {"block_m": 128}]))
+    cands = tuner.load_candidates(path)
+    assert cands == [SplitSConfig(), CFG_A, SplitSConfig(block_m=128)]
+    made: list[SplitSConfig] = []
+
+    def runner(*_args: object) -> Callable[[SplitSConfig], Callable[[], list[torch.Tensor]]]:
+        def make(cfg: SplitSConfig) -> Callable[[], list[torch.Tensor]]:
+            made.append(cfg)
+            return lambda: [torch.ones(4)]
+
+        return make
+
+    monkeypatch.setattr(tuner, "_runner", runner)
+    monkeypatch.setattr(tuner, "graph_time_us", lambda fn: 50.0 if made[-1] == cands[2] else 100.0)
+    shape = tuner.TuneShape(1, 32, 1024, 64)
+    entry = tuner.tune_bucket(shape, _bucket(), BF16, torch.device("cpu"), cands=cands)
+    assert made[1:] == cands  # made[0]: the reference output
+    assert entry["config"] == st.config_to_dict(SplitSConfig(block_m=128))
+    for bad in ("[]", '[{"block_q": 64}]'):
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            tuner.load_candidates(path)

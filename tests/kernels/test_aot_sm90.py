@@ -1,0 +1,80 @@
+"""The offline sm_90 compile study (benchmarks/aot_sm90.py): its smoke run writes both files, with each
+row compiled or recorded as a failure; a Triton that cannot be imported fails every row, not the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import aot_sm90
+from benchmarks.aot_sm90_cases import build_cases
+
+
+def _sm90_compiler_available() -> bool:
+    try:
+        from triton.backends.nvidia import compiler
+
+        return Path(compiler.get_ptxas(90).path).exists()
+    except Exception:  # noqa: BLE001 - no Triton, no NVIDIA backend, no ptxas: all mean "cannot compile"
+        return False
+
+
+def test_occupancy_math() -> None:
+    # 255 registers round up to 256: 65536 / (256 * 32) = 8 warps, so 2 four-warp programs.
+    assert aot_sm90.occupancy(255, 4, 50_000)["progs_by_regs"] == 2
+    assert aot_sm90.occupancy(168, 4, 50_000)["progs_by_regs"] == 3
+    assert aot_sm90.occupancy(169, 4, 50_000)["progs_by_regs"] == 2
+    assert aot_sm90.occupancy(128, 8, 50_000)["progs_by_regs"] == 2
+    occ = aot_sm90.occupancy(64, 4, 100 * 1024)
+    assert (occ["progs_by_regs"], occ["progs_by_smem"], occ["progs_per_sm"]) == (8, 2, 2)
+    assert aot_sm90.occupancy(64, 4, 240 * 1024)["progs_per_sm"] == 0  # over the 227 KB per program
+
+
+def test_smoke_writes_the_table(tmp_path: Path) -> None:
+    assert aot_sm90.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "aot_sm90.json").read_text())
+    md = (tmp_path / "aot_sm90.md").read_text()
+    assert data["meta"]["target"] == "cuda:90" and "--smoke" in data["meta"]["command"]
+    assert [r["kernel"] for r in data["rows"]] == ["merge", "split_s"]
+    if _sm90_compiler_available():
+        for r in data["rows"]:
+            assert r["ok"], r
+            assert r["regs"] > 0 and r["progs_per_sm"] >= 1 and r["triton"]
+            assert r["spill_stores"] is not None
+    else:  # this machine cannot compile for sm_90: each row says why
+        assert all(not r["ok"] and r["error"] for r in data["rows"])
+    assert md.count("\n| smoke |") == 2
+
+
+def test_a_triton_that_cannot_load_is_a_recorded_failure(tmp_path: Path) -> None:
+    fake = tmp_path / "fake_triton"
+    (fake / "triton").mkdir(parents=True)
+    (fake / "triton" / "__init__.py").write_text("raise ImportError('planted: not a real Triton')\n")
+    out = tmp_path / "out"
+    assert aot_sm90.main(["--smoke", "--triton-path", str(fake), "--out", str(out)]) == 0
+    rows = json.loads((out / "aot_sm90.json").read_text())["rows"]
+    assert len(rows) == 2
+    assert all(not r["ok"] and "planted" in r["error"] for r in rows)
+    assert "FAILED" in (out / "aot_sm90.md").read_text()
+
+
+def test_a_crashing_worker_loses_only_its_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = tmp_path / "worker.py"
+    # Aborts (as an MLIR assertion would) on the first case, answers the rest.
+    worker.write_text(
+        "import json, os, sys\n"
+        "cases = json.load(sys.stdin)\n"
+        "for c in cases:\n"
+        "    print('START ' + c['id'], flush=True)\n"
+        "    if c['id'].endswith('000'):\n"
+        "        sys.stderr.write('Assertion failed\\n'); os.abort()\n"
+        "    print('RESULT ' + json.dumps({'id': c['id'], 'ok': False, 'error': 'x', 'triton': 't'}), flush=True)\n"
+    )
+    monkeypatch.setattr(aot_sm90, "WORKER", worker)
+    cases = build_cases(["smoke"])
+    res = aot_sm90.run_cases(cases, None)
+    first, second = (res[c["id"]] for c in cases)
+    assert not first["ok"] and "Assertion failed" in first["error"]
+    assert second["error"] == "x"
