@@ -211,15 +211,18 @@ if triton is not None:
                     idx = pid_bh * tl.num_programs(0) + pid_m
                     done = tl.atomic_add(CNT + idx, 1, sem="acq_rel", scope="gpu")
                     if done == tl.num_programs(1) - 1:
-                        res, total = _merge_splits(
+                        res, merged_lse = _merge_splits(
                             OP, LSE, tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :],
                             tok * s_lst + head, row_ok, tl.num_programs(1), s_ops, s_lss, BLOCK_M, D, ".cg",
                         )  # fmt: skip
-                        # (a new name: `ptr` above points at fp32 partials, a different type)
+                        # (new names: `ptr` above points at fp32 partials and `total` is the int key count;
+                        # Triton refuses a name rebound to another type)
                         out_ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
                         tl.store(out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
                         if ROW_LSE:  # natural log (x ln 2)
-                            tl.store(RLSE + tok * (G * HKV) + head, total * 0.6931471805599453, mask=row_ok)
+                            tl.store(
+                                RLSE + tok * (G * HKV) + head, merged_lse * 0.6931471805599453, mask=row_ok
+                            )
                         tl.atomic_xchg(CNT + idx, 0)  # leave the workspace zeroed for the next call
 
     @triton.jit

@@ -78,3 +78,24 @@ def test_a_crashing_worker_loses_only_its_case(tmp_path: Path, monkeypatch: pyte
     first, second = (res[c["id"]] for c in cases)
     assert not first["ok"] and "Assertion failed" in first["error"]
     assert second["error"] == "x"
+
+
+@pytest.mark.skipif(not _sm90_compiler_available(), reason="this Triton cannot compile for sm_90 here")
+def test_every_split_s_variant_compiles_for_sm90(tmp_path: Path) -> None:
+    """The kernel's constexpr branches the interpreter cannot type-check compile for the GPU: the fused merge,
+    one split, holed pages and the row LSE. (Found by this check: the fused merge rebinding the int key
+    count `total` to the merged fp32 LSE, which Triton refuses, so every fused-merge launch fell back.)"""
+    from benchmarks.aot_sm90_cases import main_case
+
+    cases = [main_case("check", 64, 64, 4, 2, fused=True, note="fused merge")]
+    cases.append(main_case("check", 64, 64, 4, 2, fused=True, fill=True, note="fused merge, holed pages"))
+    lse = main_case("check", 64, 64, 4, 2, fused=True, note="fused merge, row LSE")
+    lse["constexprs"]["ROW_LSE"] = True
+    cases.append(lse)
+    for i, c in enumerate(cases):
+        c["id"] = f"check-{i}"
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    assert aot_sm90.main(["--configs", str(tmp_path / "cases.json"), "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "aot_sm90.json").read_text())["rows"]
+    assert len(rows) == 3
+    assert all(r["ok"] for r in rows), [r.get("error", "")[:300] for r in rows if not r["ok"]]
