@@ -24,7 +24,7 @@ def answer_slots(raw: list[int], eos_id: int | None, mask_id: int) -> int:
 
 
 def case_polestar_tpf(bench: Bench) -> None:
-    from pdllm.shared.app.eval import EvalSettings, eval_sample, exact_match
+    from pdllm.shared.app.eval_settings import EvalSettings, eval_sample, exact_match
     from pdllm.shared.eval.long_answer import answer_gen_length
     from pdllm.shared.prompt import encode_prompt
 

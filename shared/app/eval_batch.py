@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdllm.decode_service.local import LocalDecodeError, LocalJob
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
 from pdllm.shared.app.engine import PrefillingEngine, PreparedDecode, decode_prepared
+from pdllm.shared.app.eval_settings import AnySample, EvalSettings
 from pdllm.shared.app.trace import response
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
@@ -25,9 +26,6 @@ from pdllm.shared.eval.report import METHODS
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.loader import LoadedModel
 from pdllm.shared.prompt import encode_prompt
-
-if TYPE_CHECKING:  # eval.py imports this module
-    from pdllm.shared.app.eval import AnySample, EvalSettings
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def short_passages(tokenizer, context_tokens: int, depth: float, seed: int) -> L
 def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) -> None:
     """long-answer on a random model: exact-passage rate, token accuracy and agreement with no-cache
     decoding per cell, in the JSON rows and as Markdown tables; each sample decoded twice (policy, none)."""
-    from pdllm.shared.app import eval as eval_module
+    from pdllm.shared.app import eval_settings
 
     policies: list[str] = []
     real = DecodeWorker.vanilla_job
@@ -144,7 +144,7 @@ def test_long_answer_scores_passages_and_agreement(ckpt, tmp_path, monkeypatch) 
 
     monkeypatch.setattr(DecodeWorker, "vanilla_job", vanilla_job)
     # Shorter passages than the task's 128-256 tokens keep the random model's full-length decodes cheap.
-    monkeypatch.setattr(eval_module, "make_eval_sample", short_passages)
+    monkeypatch.setattr(eval_settings, "make_eval_sample", short_passages)
     argv = ["--model", str(ckpt), *LONG, "--length-multiples", "1", "--block-length", "32"]
     argv += ["--decode-policy", "dual-cache", "--agreement", "--out", str(tmp_path), "--name", "la"]
     assert main(argv) == 0  # --gen-length 8 (the default) does not divide 32: long-answer sizes its own

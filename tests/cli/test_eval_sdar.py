@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from pdllm.shared.app.engine import PrefillingEngine
-from pdllm.shared.app.eval import EvalSettings, main, make_decoder
+from pdllm.shared.app.eval import main
+from pdllm.shared.app.eval_grid import make_decoder
+from pdllm.shared.app.eval_settings import EvalSettings
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.eval.tasks import make_sample
 from pdllm.shared.generation.sampler import GenerationConfig

@@ -130,7 +130,7 @@ def test_gen_length_covers_span_and_eos_in_whole_blocks() -> None:
 def test_eval_cli_scores_infilling(tmp_path, monkeypatch) -> None:
     """``pdllm eval --tasks infilling`` on a random tiny model: exact-span rate and token accuracy per cell,
     both methods, in the JSON rows and the Markdown tables."""
-    from pdllm.shared.app import eval as eval_module
+    from pdllm.shared.app import eval_settings
     from pdllm.shared.app.eval import main
     from tests.model.tiny_checkpoint import make_tiny_checkpoint
 
@@ -144,7 +144,7 @@ def test_eval_cli_scores_infilling(tmp_path, monkeypatch) -> None:
         made.append(make_infill_sample(tokenizer, context_tokens, depth, seed, docs=DOCS, bounds=(8, 16)))
         return made[-1]
 
-    monkeypatch.setattr(eval_module, "make_infill_sample", small_spans)
+    monkeypatch.setattr(eval_settings, "make_infill_sample", small_spans)
     argv = ["--model", str(ckpt), "--tasks", "infilling", "--samples", "2", "--depths", "0.5"]
     argv += ["--length-multiples", "1", "--block-length", "16", "--out", str(tmp_path), "--name", "inf"]
     assert main(argv) == 0

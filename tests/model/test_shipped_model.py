@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdllm.shared.app.eval import EvalSettings, exact_match, generation, make_decoder
+from pdllm.shared.app.eval_grid import make_decoder
+from pdllm.shared.app.eval_settings import EvalSettings, exact_match, generation
 from pdllm.shared.eval.tasks import ci_samples
 from pdllm.shared.model.loader import DEFAULT_MODEL_DIR, load_model
 
