@@ -33,7 +33,8 @@ from pdllm.decode_service.block_diffusion import (
     prefill_blocks,
 )
 from pdllm.decode_service.request import BlockDecode
-from pdllm.decode_service.rounds import BatchSession, RoundRows
+from pdllm.decode_service.round_packing import RoundRows
+from pdllm.decode_service.rounds import BatchSession
 from pdllm.shared.decode_policy import FocusConfig
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM

@@ -37,7 +37,8 @@ from pdllm.decode_service.layer_edits import PartEdit
 from pdllm.decode_service.policies.dyllm_base import DyLLMConfig, DyLLMStats, context_cosine, step_kind
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import CachingSession, RoundRows
+from pdllm.decode_service.round_packing import RoundRows
+from pdllm.decode_service.rounds import CachingSession
 from pdllm.kernels.salient_attention import salient_attention, salient_attention_reference, salient_columns
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationResult

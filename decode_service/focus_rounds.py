@@ -36,7 +36,8 @@ from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusS
 from pdllm.decode_service.policies.focus_select import importance_batched, select_batched
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import CachingSession, RoundRows
+from pdllm.decode_service.round_packing import RoundRows
+from pdllm.decode_service.rounds import CachingSession
 from pdllm.decode_service.split_rounds import SplitRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult

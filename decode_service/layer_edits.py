@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from pdllm.decode_service.round_attention import PagedBatchAttention
-    from pdllm.decode_service.rounds import PackedRound
+    from pdllm.decode_service.round_packing import PackedRound
 
 
 class LayerEdits(Protocol):

@@ -42,7 +42,7 @@ from pdllm.decode_service.policies import StepContext, StepPlan
 from pdllm.decode_service.policies.polestar import Polestar
 from pdllm.decode_service.policies.polestar_device import DevicePolestarState
 from pdllm.decode_service.policy_rounds import PolicyBatchSession
-from pdllm.decode_service.rounds import RoundRows
+from pdllm.decode_service.round_packing import RoundRows
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationResult
 

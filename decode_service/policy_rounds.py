@@ -41,7 +41,8 @@ from pdllm.decode_service.policies import CachePolicy, CacheStats, DualCache, St
 from pdllm.decode_service.policies.sparse_dllm import SaliencyKeep, SparseDLLM, kept_count
 from pdllm.decode_service.request import BlockDecode, Started
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import BatchSession, CachingSession, RoundRows
+from pdllm.decode_service.round_packing import RoundRows
+from pdllm.decode_service.rounds import BatchSession, CachingSession
 from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult

@@ -36,7 +36,8 @@ import torch
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.prefill_rows import CarriedPiece, PrefillRows
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import EagerRoundForward, PackedRound
+from pdllm.decode_service.round_packing import PackedRound
+from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.transformer import DiffusionLM
 

@@ -35,7 +35,7 @@ from pdllm.decode_service.block_rounds import BlockBatchSession
 from pdllm.decode_service.focus_rounds import FocusRound, _copies
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
 from pdllm.decode_service.request import BlockDecode
-from pdllm.decode_service.rounds import RoundRows
+from pdllm.decode_service.round_packing import RoundRows
 from pdllm.decode_service.split_rounds import SplitRows
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM

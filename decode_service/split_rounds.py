@@ -21,7 +21,7 @@ import torch
 
 from pdllm.decode_service.layer_edits import group_edits
 from pdllm.decode_service.round_attention import PagedBatchAttention
-from pdllm.decode_service.rounds import PackedRound, part_writes
+from pdllm.decode_service.round_packing import PackedRound, part_writes
 from pdllm.shared.generation.device_sampler import to_device
 
 if TYPE_CHECKING:

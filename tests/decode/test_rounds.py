@@ -17,7 +17,8 @@ from pdllm.decode_service.round_graphs import (
     query_bucket,
     token_bucket,
 )
-from pdllm.decode_service.rounds import EagerRoundForward, PackedRound, decode_round
+from pdllm.decode_service.round_packing import PackedRound
+from pdllm.decode_service.rounds import EagerRoundForward, decode_round
 from tests.decode.helpers import CASES, alone, pool_for, round_forward, run_rounds, session
 from tests.engine.helpers import model
 from tests.interpreter import run_under_interpreter
