@@ -119,10 +119,19 @@ def _cfg(row: dict) -> str:
     if row["kernel"] == "merge":
         return f"R{k['BLOCK_R']}"
     tile = f"{k['BLOCK_M']}x{k['BLOCK_N']}"
-    flags = [n.lower() for n in ("HAS_LOCAL", "SINGLE", "FUSED", "HAS_FILL") if k.get(n)]
-    if row["kernel"] == "hopper":
-        flags.append("ws" if k.get("WS") else "tma" if k.get("USE_TMA") else "plain")
+    flags = [n.lower() for n in ("HAS_LOCAL", "SINGLE", "FUSED", "HAS_FILL", "ROW_LSE") if k.get(n)]
+    if row["kernel"] == "hopper_ws":
+        flags.append("auto")
+    elif row["kernel"] == "hopper":
+        flags.append("tma" if k.get("USE_TMA") else "plain")
     return tile + (" " + ",".join(flags) if flags else "")
+
+
+def _ws_cell(row: dict) -> str:
+    """``ttg.warp_specialize`` in the TTGIR, with the consumers' / producer's ``setmaxnreg`` requests."""
+    if not row.get("warp_specialized"):
+        return "no"
+    return f"yes ({row['setmaxnreg']})" if row.get("setmaxnreg") else "yes"
 
 
 def write_outputs(out: Path, rows: list[dict], meta: dict) -> None:
@@ -130,7 +139,7 @@ def write_outputs(out: Path, rows: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "aot_sm90.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     head = ["set", "kernel", "config", "warps", "stages", "maxnreg", "triton", "regs", "spill st/ld B",
-            "smem KB", "progs/SM regs", "progs/SM smem", "progs/SM", "wgmma", "note"]  # fmt: skip
+            "smem KB", "progs/SM regs", "progs/SM smem", "progs/SM", "wgmma", "warp spec.", "note"]  # fmt: skip
     lines = [
         "# Offline sm_90 compiles of the split-S kernels",
         "",
@@ -146,9 +155,9 @@ def write_outputs(out: Path, rows: list[dict], meta: dict) -> None:
         if r.get("ok"):
             sp = f"{r['spill_stores']}/{r['spill_loads']}" if r["spill_stores"] is not None else "?"
             vals = [r["regs"], sp, f"{r['smem'] / 1024:.1f}", r["progs_by_regs"], r["progs_by_smem"],
-                    r["progs_per_sm"], "yes" if r["uses_wgmma"] else "no", r.get("note", "")]  # fmt: skip
+                    r["progs_per_sm"], "yes" if r["uses_wgmma"] else "no", _ws_cell(r), r.get("note", "")]  # fmt: skip
         else:
-            vals = ["-"] * 7 + [" ".join(("FAILED: " + r["error"]).replace("|", "/").split())[:160]]
+            vals = ["-"] * 8 + [" ".join(("FAILED: " + r["error"]).replace("|", "/").split())[:160]]
         cells = [r["set"], r["kernel"], _cfg(r), r["num_warps"], r["num_stages"], r.get("maxnreg") or "",
                  r.get("triton") or "?", *vals]  # fmt: skip
         lines.append("| " + " | ".join(str(v) for v in cells) + " |")

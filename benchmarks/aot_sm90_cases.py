@@ -1,7 +1,7 @@
 """Config lists for :mod:`aot_sm90`: the launcher's mapping from a split-S call to kernel constexprs.
 
 A case is a JSON-able dict: ``id``, ``set`` (which list it came from), ``kernel`` (``split_s``, ``merge`` or
-``hopper``), ``dtype``, ``constexprs`` (every constexpr of the kernel), ``num_warps``, ``num_stages``,
+``hopper`` for the Hopper variant's ``tma``/``plain`` kernel, ``hopper_ws`` for its ``auto`` kernel), ``dtype``, ``constexprs`` (every constexpr of the kernel), ``num_warps``, ``num_stages``,
 optional ``maxnreg`` (ptxas register cap) and ``note``. Shapes are Dream-7B's as ``benchmarks/attention.py``
 runs them: 28 query / 4 KV heads, head dim 128, bf16, page 64, local K/V present (``HAS_LOCAL``), no
 holed pages (``HAS_FILL`` off: the serving path), no ``lse_out``.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+from pdllm.kernels.split_s_hopper_ws import group_pad
 from pdllm.kernels.split_s_reference import SplitSConfig, plan_splits
 from pdllm.kernels.split_s_tuning import ShapeBucket, _lookup, load_table
 
@@ -29,11 +30,12 @@ BATCH1 = (1, 32, 4, 1024)
 def main_case(
     set_: str, bm: int, bn: int, warps: int, stages: int, *, local: bool = True, single: bool = False,
     fused: bool = False, fill: bool = False, maxnreg: int | None = None, dtype: str = "bfloat16", note: str = "",
+    row_lse: bool = False,
 ) -> dict:  # fmt: skip
     """The main split-S kernel as :func:`~pdllm.kernels.split_s_attention._launch` compiles it."""
     const = dict(G=HQ // HKV, HKV=HKV, D=D, PAGE=PAGE, BLOCK_M=bm, BLOCK_N=bn, HAS_LOCAL=local,
                  HAS_FILL=fill, SINGLE=single, FUSED=fused and not single,
-                 PRECISION="ieee" if dtype == "float32" else "tf32", ROW_LSE=False)  # fmt: skip
+                 PRECISION="ieee" if dtype == "float32" else "tf32", ROW_LSE=row_lse)  # fmt: skip
     return _case(set_, "split_s", const, warps, stages, maxnreg, dtype, note)
 
 
@@ -43,13 +45,26 @@ def merge_case(set_: str, block_r: int = MERGE_BLOCK_R, warps: int = MERGE_WARPS
     return _case(set_, "merge", const, warps, MERGE_STAGES, None, "bfloat16", note)
 
 
-def hopper_case(set_: str, bm: int, bn: int, warps: int, stages: int, mode: str, span: int = 8) -> dict:
-    """The Hopper variant (``mode`` plain / tma / auto = TMA + warp specialization); ``span`` = SPAN, the
-    pages one split touches rounded up to a power of two (8 for the batch-1 splits of 320 tokens)."""
-    const = dict(G=HQ // HKV, HKV=HKV, D=D, PAGE=PAGE, BLOCK_M=bm, BLOCK_N=bn, HAS_LOCAL=True, HAS_FILL=False,
-                 SINGLE=False, PRECISION="tf32", ROW_LSE=False, USE_TMA=mode != "plain", WS=mode == "auto",
-                 SPAN=span)  # fmt: skip
-    return _case(set_, "hopper", const, warps, stages, None, "bfloat16", mode)
+def hopper_case(
+    set_: str, bm: int, bn: int, warps: int, stages: int, mode: str, span: int = 8, *, fill: bool = False,
+    row_lse: bool = False, note: str = "",
+) -> dict:  # fmt: skip
+    """The Hopper variant as :func:`~pdllm.kernels.split_s_hopper._launch` compiles it for ``mode``:
+    ``auto`` the all-TMA kernel (``hopper_ws``, ``WS`` on), ``tma``/``plain`` the pointer-Q kernel
+    (``hopper``, ``WS`` off). ``span`` = SPAN, the pages one split touches rounded up to a power of two
+    (8 for the batch-1 splits of 320 tokens); ``fill`` = holed pages (``page_fill``), which ``tma`` never
+    takes; ``row_lse`` = an ``lse_out`` tensor."""
+    if mode not in ("auto", "tma", "plain"):
+        raise ValueError(f"mode must be auto, tma or plain, got {mode!r}")
+    const = dict(G=HQ // HKV, HKV=HKV, D=D, PAGE=PAGE, BLOCK_M=bm, BLOCK_N=bn, HAS_LOCAL=True, HAS_FILL=fill,
+                 SINGLE=False, PRECISION="tf32", ROW_LSE=row_lse)  # fmt: skip
+    if mode == "auto":
+        const.update(GP=group_pad(HQ // HKV), WS=True, SPAN=span)
+        kernel = "hopper_ws"
+    else:
+        const.update(USE_TMA=mode == "tma", WS=False, SPAN=span)
+        kernel = "hopper"
+    return _case(set_, kernel, const, warps, stages, None, "bfloat16", note or mode)
 
 
 def _case(set_: str, kernel: str, const: dict, warps: int, stages: int, maxnreg: int | None, dtype: str,
@@ -139,8 +154,16 @@ def cap() -> list[dict]:
 
 
 def hopper() -> list[dict]:
-    """The Hopper variant's three modes at the two tuned tiles."""
-    return [hopper_case("hopper", bm, 64, 4, 2, m) for bm in (64, 128) for m in ("plain", "tma", "auto")]
+    """The Hopper variant's three modes against today's kernel at Dream-7B's 64x64, 4 warps: 1/2/3 stages,
+    with and without holed pages, with and without the row LSE (``tma`` never takes holed pages)."""
+    out = []
+    for st, fill, lse in itertools.product((1, 2, 3), (False, True), (False, True)):
+        flags = ", ".join(n for n, on in (("holes", fill), ("row LSE", lse)) if on)
+        out.append(main_case("hopper", 64, 64, 4, st, fill=fill, row_lse=lse, note=f"today {flags}".strip()))
+        for mode in ("auto", "tma", "plain") if not fill else ("auto", "plain"):
+            out.append(hopper_case("hopper", 64, 64, 4, st, mode, fill=fill, row_lse=lse,
+                                   note=f"{mode} {flags}".strip()))  # fmt: skip
+    return out
 
 
 def smoke() -> list[dict]:
@@ -162,7 +185,7 @@ PRESETS = {
 def from_spec(spec: dict) -> dict:
     """A case from a user's JSON entry: ``{"kernel": "split_s", "block_m", "block_n", "num_warps",
     "num_stages"}`` plus optional ``local``/``single``/``fused``/``fill``/``maxnreg``/``dtype``/``note``;
-    ``merge`` takes ``block_r``/``num_warps``; ``hopper`` takes ``mode``/``span``; a raw ``constexprs`` dict
+    ``merge`` takes ``block_r``/``num_warps``; ``hopper`` takes ``mode``/``span``/``fill``/``row_lse``; a raw ``constexprs`` dict
     is used as given."""
     spec = dict(spec)
     kernel = spec.pop("kernel", "split_s")
@@ -172,8 +195,10 @@ def from_spec(spec: dict) -> dict:
     if kernel == "merge":
         return merge_case("file", spec.get("block_r", MERGE_BLOCK_R), spec.get("num_warps", MERGE_WARPS))
     args = (spec.pop("block_m"), spec.pop("block_n"), spec.pop("num_warps"), spec.pop("num_stages"))
-    if kernel == "hopper":
-        return hopper_case("file", *args, spec.get("mode", "tma"), spec.get("span", 8))
+    if kernel in ("hopper", "hopper_ws"):
+        mode = spec.get("mode", "auto" if kernel == "hopper_ws" else "tma")
+        return hopper_case("file", *args, mode, spec.get("span", 8), fill=spec.get("fill", False),
+                           row_lse=spec.get("row_lse", False))  # fmt: skip
     return main_case("file", *args, **spec)
 
 

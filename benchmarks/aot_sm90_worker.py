@@ -35,29 +35,50 @@ _NOT_ALIGNED = {"s_lst", "n_split", "n_rows"}
 
 
 def _kernel(name: str) -> object:
-    """The JIT function a case names: ``split_s`` (main), ``merge`` or ``hopper``."""
+    """The JIT function a case names: ``split_s`` (main), ``merge``, ``hopper`` (the ``tma``/``plain``
+    kernel) or ``hopper_ws`` (mode ``auto``'s all-TMA, warp-specialized kernel)."""
     if name == "hopper":
-        from pdllm.kernels import split_s_hopper as mod
+        from pdllm.kernels import split_s_hopper_tma as tma
 
-        return mod._split_s_hopper_kernel
+        return tma._split_s_hopper_kernel
+    if name == "hopper_ws":
+        from pdllm.kernels import split_s_hopper_ws as ws
+
+        return ws._split_s_ws_kernel
     from pdllm.kernels import split_s_attention as mod
 
     return mod._merge_kernel if name == "merge" else mod._split_s_kernel
 
 
+def _descriptor_boxes(fn_name: str, const: dict) -> dict[str, list[int]]:
+    """Block shapes of the host ``TensorDescriptor`` arguments the launcher passes (see
+    ``split_s_hopper_ws.ws_descriptors`` and ``split_s_hopper_tma.launch_pointer_q``)."""
+    bm, bn, d = const.get("BLOCK_M"), const.get("BLOCK_N"), const.get("D")
+    if fn_name == "_split_s_ws_kernel":
+        gp = const["GP"]
+        # Without local K/V the pool's descriptors stand in for the local ones.
+        local = [bn, 1, d] if const["HAS_LOCAL"] else [1, bn, d]
+        return {"QD": [bm // gp, gp, d], "KD": [1, bn, d], "VD": [1, bn, d], "KLD": local, "VLD": local}
+    if fn_name == "_split_s_hopper_kernel" and const.get("USE_TMA"):
+        return {"KD": [bn, d], "VD": [bn, d]}
+    return {}  # plain mode passes the pool tensors as KD/VD
+
+
 def _signature(fn: object, case: dict) -> tuple[dict, dict, dict]:
-    """Triton signature, constexpr values and divisibility attributes for ``fn`` from a case."""
+    """Triton signature, constexpr values and divisibility attributes for ``fn`` from a case, as the JIT
+    specializes a launch: pointers and integers (bar ``_NOT_ALIGNED``) divisible by 16; host tensor
+    descriptors typed ``tensordesc<dtype[box]>`` with no hint (the JIT attaches none to them)."""
     act = "*" + _DTYPES[case["dtype"]]
     const = dict(case["constexprs"])
+    boxes = _descriptor_boxes(fn.__name__, const)
     sig: dict[str, str] = {}
     for n in fn.arg_names:
         if n in const:
             sig[n] = "constexpr"
-        elif n in ("KD", "VD"):  # the Hopper variant's TMA descriptors (plain mode passes the pool instead)
-            box = f"[{const['BLOCK_N']}, {const['D']}]"
-            sig[n] = f"tensordesc<{act[1:]}{box}>" if const.get("USE_TMA") else act
+        elif n in boxes:
+            sig[n] = f"tensordesc<{act[1:]}{boxes[n]}>"
         else:
-            t = _MAIN_PTRS.get(n, "i32")
+            t = _MAIN_PTRS.get(n, "act" if n in ("KD", "VD") else "i32")
             sig[n] = act if t == "act" else t
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -115,7 +136,11 @@ def _ptx_counts(ptx: str) -> dict:
         "tma": r"cp\.async\.bulk\.tensor", "ld_global": r"\bld\.global", "ex2": r"ex2\.approx",
         "ld_local": r"\bld\.local", "st_local": r"\bst\.local",
     }  # fmt: skip
-    return {k: len(re.findall(p, ptx)) for k, p in pats.items()}
+    counts = {k: len(re.findall(p, ptx)) for k, p in pats.items()}
+    # Warp specialization re-balances registers: consumers ask for more (inc), the producer gives back (dec).
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    counts["setmaxnreg"] = " ".join(sorted({f"{op} {n}" for op, n in regs}))
+    return counts
 
 
 def compile_case(case: dict) -> dict:

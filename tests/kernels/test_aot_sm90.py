@@ -99,3 +99,48 @@ def test_every_split_s_variant_compiles_for_sm90(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "out" / "aot_sm90.json").read_text())["rows"]
     assert len(rows) == 3
     assert all(r["ok"] for r in rows), [r.get("error", "")[:300] for r in rows if not r["ok"]]
+
+
+def _hopper_cases() -> list[dict]:
+    return [c for c in build_cases(["hopper"]) if c["kernel"] != "split_s"]
+
+
+def test_hopper_preset_matches_the_kernels_signatures() -> None:
+    """Each Hopper case names every constexpr of the kernel it builds and nothing else, and the worker types
+    every other argument (descriptors as the launcher's host TensorDescriptors), so the preset cannot drift
+    from the kernels."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from benchmarks import aot_sm90_worker as worker
+
+    cases = _hopper_cases()
+    assert {c["note"].split()[0] for c in cases} == {"auto", "tma", "plain"}
+    assert {c["num_stages"] for c in cases} == {1, 2, 3}
+    for c in cases:
+        fn = worker._kernel(c["kernel"])
+        params = inspect.signature(fn.fn).parameters
+        constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+        assert set(c["constexprs"]) == constexprs, (c["id"], c["note"])
+        sig, const, attrs = worker._signature(fn, c)
+        assert list(sig) == list(params) and const == c["constexprs"]
+        descs = [n for n, t in sig.items() if t.startswith("tensordesc")]
+        if c["kernel"] == "hopper_ws":
+            assert descs == ["QD", "KD", "VD", "KLD", "VLD"]
+            assert sig["QD"] == "tensordesc<bf16[8, 8, 128]>" and sig["KLD"] == "tensordesc<bf16[64, 1, 128]>"
+        else:
+            assert descs == (["KD", "VD"] if c["constexprs"]["USE_TMA"] else [])
+        hinted = {fn.arg_names[i] for (i,) in attrs}
+        assert not hinted & set(descs) and "s_lst" not in hinted and {"PT", "split_size"} <= hinted
+
+
+@pytest.mark.skipif(not _sm90_compiler_available(), reason="this Triton cannot compile for sm_90 here")
+def test_a_hopper_case_compiles_for_sm90(tmp_path: Path) -> None:
+    """Mode ``auto``'s kernel at 64x64, 4 warps, 2 stages compiles with the launch's hints."""
+    case = next(c for c in _hopper_cases() if c["kernel"] == "hopper_ws" and c["num_stages"] == 2)
+    case["id"] = "check-ws"
+    (tmp_path / "cases.json").write_text(json.dumps([case]))
+    assert aot_sm90.main(["--configs", str(tmp_path / "cases.json"), "--out", str(tmp_path / "out")]) == 0
+    (row,) = json.loads((tmp_path / "out" / "aot_sm90.json").read_text())["rows"]
+    assert row["ok"], row.get("error", "")[:300]
+    assert row["regs"] > 0 and row["kernel"] == "hopper_ws"
