@@ -9,10 +9,10 @@ import torch
 from pdllm.decode_service.kv_pool import DecodeKVPool
 from pdllm.decode_service.policies import DecodePolicyConfig, make_policy
 from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session, cache_slots
-from pdllm.decode_service.request import DecodeRequest
+from pdllm.decode_service.request import DecodeRequest, StaticDecode
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, RoundForward, decode_round
-from pdllm.decode_service.scheduler import DecodeScheduler, StaticDecode
+from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.prefill_service.worker import Selection
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
