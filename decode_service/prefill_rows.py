@@ -2,11 +2,12 @@
 
 The prefill worker hands its chunk forwards over (:class:`~pdllm.shared.chunk_prefill.ChunkForward`); the
 scheduler packs the next one after a round's rows, so one forward (eager, or a captured round bucket of
-``round_graphs.py``) runs both. The chunk rows sit at positions 0..T-1 of their chunk and attend within it
-(``kernels/chunk_prefill_attention``, causal or not); every layer puts their K/V into a staging buffer,
-which :meth:`CarriedPiece.commit` copies into the chunk bank after the forward, as the piece's own forward
-would have written it. The LM head never sees these rows. A captured bucket pads the piece with one
-padding sequence after its chunks (attending only to itself, never committed).
+``round_graphs.py``) runs both. The chunk rows sit at positions 0..T-1 of their chunk and attend within it,
+causal or not, as a piece group of the round's one ``kernels/ragged_attention`` call; every layer puts
+their K/V into a staging buffer, which :meth:`CarriedPiece.commit` copies into the chunk bank after the
+forward, as the piece's own forward would have written it. The LM head never sees these rows. A captured
+bucket pads the piece with one padding sequence after its chunks (attending only to itself, never
+committed).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from itertools import accumulate
 
 import torch
 
-from pdllm.kernels.chunk_prefill_attention import chunk_prefill_attention
+from pdllm.kernels.ragged_attention import PieceRows
 from pdllm.shared.chunk_prefill import ChunkForward
 from pdllm.shared.generation.device_sampler import to_device
 
 
 @dataclass
 class PrefillRows:
-    """The attention of packed rows ``[start, start + staging rows)``: sequences ``cu_seqlens`` among them
+    """The packed rows ``[start, start + staging rows)`` of a piece: sequences ``cu_seqlens`` among them
     (at most ``max_len`` rows each); each layer's K/V of them into ``staging`` ``[layers, 2, rows, Hkv, D]``.
     ``uniform=False``: a captured forward, replayed with other sequence lengths."""
 
@@ -34,16 +35,16 @@ class PrefillRows:
     staging: torch.Tensor
     uniform: bool = True
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[P, Hq, D]``, ``k``/``v`` ``[P, Hkv, D]``: their K/V staged, their attention ``[P, Hq, D]``."""
+    def stage(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v`` ``[P, Hkv, D]``, this layer's K/V of the rows, into the staging buffer."""
         self.staging[layer, 0].copy_(k)
         self.staging[layer, 1].copy_(v)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = chunk_prefill_attention(
-            q, k, v, self.cu_seqlens, causal=self.causal, max_seqlen=self.max_len, uniform=self.uniform
-        )
-        assert isinstance(out, torch.Tensor)
-        return out
+
+    @property
+    def piece(self) -> PieceRows:
+        """The rows as a ragged batch's piece group (the round's attention attends them in its one call)."""
+        rows = self.staging.shape[2]
+        return PieceRows(self.start, rows, self.cu_seqlens, self.max_len, self.causal, self.uniform)
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """The rounds' attention: every entry's queries over its own pool pages and its own fresh rows.
 
 :class:`PagedBatchAttention` is the backend a round's forward passes to every layer: it stores the K/V a
-round writes into the pool (``writes``, then the per-layer ``stores``), then runs one split-S call over all
-entries (the Triton kernel, or :func:`gathered_attention` off the GPU). Where a policy's edit asks for it
-(``wants_lse``), the call also keeps each row's log-sum-exp in :attr:`PagedBatchAttention.lse`.
+round writes into the pool (``writes``, then the per-layer ``stores``), then runs one ragged attention call
+(``kernels/ragged_attention``) over all entries, a carried chunk-prefill piece's rows included: the entries
+through split-S (the Triton kernel, or :func:`gathered_attention` off the GPU). Where a policy's edit asks
+for it (``wants_lse``), the call also keeps each entry row's log-sum-exp in :attr:`PagedBatchAttention.lse`.
+Polestar's recompute attends through :meth:`PagedBatchAttention.paged`, the same entry point.
 """
 
 from __future__ import annotations
@@ -13,12 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdllm.kernels.split_s_reference import gather_request
-from pdllm.shared.model.attention import sdpa
+from pdllm.kernels.gathered_attention import gathered_attention, row_lse
+from pdllm.kernels.ragged_attention import DecodeRows, Group, RaggedBatch, ragged_attention
 
 if TYPE_CHECKING:
     from pdllm.decode_service.layer_edits import LayerEdits
     from pdllm.decode_service.prefill_rows import PrefillRows
+
+__all__ = [
+    "ROUND_ATTENTIONS",
+    "LayerStore",
+    "PagedBatchAttention",
+    "gathered_attention",
+    "group_stores",
+    "row_lse",
+]
 
 ROUND_ATTENTIONS = ("torch", "triton")
 
@@ -83,7 +94,7 @@ class PagedBatchAttention:
         self.max_q_len, self.max_kv_len, self.kernel = max_q_len, max_kv_len, kernel
         self.writes, self.stores, self.drop = writes, stores or [], drop  # drop: [layers, sessions]
         self.edits: list[LayerEdits] = []  # a policy's edits of some parts' layers (``layer_edits.py``)
-        # A chunk-prefill forward's rows after the round's (``prefill_rows.py``): attended on their own.
+        # A chunk-prefill forward's rows after the round's (``prefill_rows.py``): a piece group of the call.
         self.prefill: PrefillRows | None = None
         self.lse: torch.Tensor | None = None
 
@@ -104,30 +115,35 @@ class PagedBatchAttention:
         qt = q[0].transpose(0, 1)
         kl = k[0].transpose(0, 1)  # strided views: the kernel takes row strides, no copy
         vl = v[0].transpose(0, 1)
-        piece = None
+        s = qt.shape[0] if self.prefill is None else self.prefill.start
         if self.prefill is not None:
-            s = self.prefill.start
-            piece = self.prefill.attend(layer, qt[s:], kl[s:], vl[s:])
-            qt, kl, vl = qt[:s], kl[:s], vl[:s]
+            self.prefill.stage(layer, kl[s:], vl[s:])
+        qd, kd, vd = qt[:s], kl[:s], vl[:s]  # the round's own rows; a carried piece's follow
         if self.writes is not None:
             rows, pages, slots = self.writes
-            self.kv[layer, 0][pages, :, slots] = kl.index_select(0, rows)
-            self.kv[layer, 1][pages, :, slots] = vl.index_select(0, rows)
+            self.kv[layer, 0][pages, :, slots] = kd.index_select(0, rows)
+            self.kv[layer, 1][pages, :, slots] = vd.index_select(0, rows)
         for base, store in self.stores:
-            store(layer, base, q, kl, vl, self)
+            store(layer, base, q, kd, vd, self)
         for e in self.edits:
-            e.before(layer, kl, vl, self)
+            e.before(layer, kd, vd, self)
         kv_lens = self.kv_lens if self.drop is None else self.kv_lens - self.drop[layer]
+        decode = DecodeRows(0, s, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len)
+        groups: tuple[Group, ...] = (decode,) if self.prefill is None else (decode, self.prefill.piece)
         wants = any(e.wants_lse for e in self.edits)
-        self.lse = qt.new_empty(qt.shape[:2], dtype=torch.float32) if wants else None
-        out = self.paged(
-            layer, qt, self.page_table, kv_lens, self.q_offsets, self.max_q_len, self.max_kv_len, kl, vl,
-            lse_out=self.lse,
-        )  # fmt: skip
-        for e in self.edits:
-            out = e.after(layer, qt, kl, out, self)
-        if piece is not None:
-            out = torch.cat([out, piece])
+        lse = qt.new_empty(qt.shape[:2], dtype=torch.float32) if wants else None
+        out = ragged_attention(
+            qt, kl, vl, RaggedBatch(groups), self.kv[layer, 0], self.kv[layer, 1], self.kernel, lse_out=lse
+        )
+        self.lse = None if lse is None else lse[:s]
+        if self.edits:
+            mine = out[:s]
+            for e in self.edits:
+                mine = e.after(layer, qd, kd, mine, self)
+            if self.prefill is None:
+                out = mine
+            else:  # the piece's rows stay as attended
+                out[:s] = mine
         return out.transpose(0, 1)[None]
 
     def paged(
@@ -146,63 +162,10 @@ class PagedBatchAttention:
         """Split-S attention ``[T, Hq, D]`` of packed queries ``q`` ``[T, Hq, D]`` over layer ``layer``'s
         pool pages (and local K/V, if given), in this round's kernel; each row's natural-log log-sum-exp
         written into ``lse_out`` ``[T, Hq]`` float32 when given."""
-        args = (q, self.kv[layer, 0], self.kv[layer, 1], page_table, kv_lens, q_offsets)
-        if self.kernel == "triton":
-            # today's kernel unless $PDLLM_SPLIT_S=hopper picks the experimental TMA variant
-            from pdllm.kernels.split_s_hopper import paged_kernel
-
-            return paged_kernel()(
-                *args, k_local=k_local, v_local=v_local, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                lse_out=lse_out,
-            )  # fmt: skip
-        return gathered_attention(q, *args[1:], k_local=k_local, v_local=v_local, lse_out=lse_out)
-
-
-def gathered_attention(
-    q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    q_offsets: torch.Tensor,
-    k_local: torch.Tensor | None = None,
-    v_local: torch.Tensor | None = None,
-    lse_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The rounds' attention off the GPU: per session, its pages gathered and its local K/V appended, one
-    SDPA call (memory-efficient, unlike the split-S kernel's torch reference, whose ``[T, S]`` scores a
-    vanilla session's thousands of rows would make gigabytes). Same signature as the kernel; ``lse_out``
-    (SDPA does not return its normalizer) is formed from the same keys by :func:`row_lse`."""
-    out = torch.empty_like(q)
-    offs, lens = q_offsets.tolist(), kv_lens.tolist()
-    for b, kv_len in enumerate(lens):
-        q0, q1 = offs[b], offs[b + 1]
-        if q1 == q0:
-            continue
-        k, v, _ = gather_request(b, k_pages, v_pages, page_table, kv_len, None)  # every slot valid
-        if k_local is not None and v_local is not None:
-            k = torch.cat([k, k_local[q0:q1].transpose(0, 1)], 1)
-            v = torch.cat([v, v_local[q0:q1].transpose(0, 1)], 1)
-        out[q0:q1] = sdpa(q[q0:q1].transpose(0, 1)[None], k[None], v[None])[0].transpose(0, 1)
-        if lse_out is not None:
-            lse_out[q0:q1] = row_lse(q[q0:q1], k)
-    return out
-
-
-def row_lse(q: torch.Tensor, k: torch.Tensor, max_scores: int = 1 << 24) -> torch.Tensor:
-    """``log Σ_j exp(q·k_j / sqrt(D))`` ``[rows, Hq]`` float32 of queries ``[rows, Hq, D]`` over keys
-    ``[Hkv, L, D]`` (query head ``h`` reads KV head ``h // G``), in slices of rows of at most
-    ``max_scores`` scores, so a long request's ``[Hq, rows, L]`` scores never exist at once."""
-    rows, hq, d = q.shape
-    hkv, length = k.shape[0], k.shape[1]
-    g = hq // hkv
-    kt = k.float().transpose(1, 2)  # [Hkv, D, L]
-    step = max(1, max_scores // max(1, hq * length))
-    out = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
-    for i in range(0, rows, step):
-        part = q[i : i + step].float()
-        n = part.shape[0]
-        grouped = part.reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
-        lse = torch.logsumexp(grouped @ kt * d**-0.5, -1)  # [Hkv, n * G]
-        out[i : i + n] = lse.view(hkv, n, g).permute(1, 0, 2).reshape(n, hq)
-    return out
+        rows = DecodeRows(
+            0, q.shape[0], page_table, kv_lens, q_offsets, max_q_len, max_kv_len, k_local is not None
+        )
+        return ragged_attention(
+            q, k_local, v_local, RaggedBatch((rows,)), self.kv[layer, 0], self.kv[layer, 1], self.kernel,
+            lse_out=lse_out,
+        )  # fmt: skip

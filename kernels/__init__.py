@@ -4,6 +4,9 @@
   pool plus the request's local KV; ``split_s_attention`` (Triton, CUDA) and ``split_s_attention_reference``
   (torch, any device) share one signature.
 - :mod:`.paged_kv`: ``PagedKVPool``, the page pool those kernels read (chunk writes, page tables).
+- :mod:`.ragged_attention`: the decode path's one attention call over a ragged batch of packed rows: decode
+  entries over their page lists through split-S (:mod:`.gathered_attention` off the GPU), chunk-prefill
+  pieces through :mod:`.chunk_prefill_attention`, one packed output.
 - :mod:`.chunk_prefill_attention`: block-diagonal varlen attention for chunked prefill / scoring (+ LSE);
   no Triton (flash varlen / batched SDPA dispatch). The decode worker uses it (``kernel="varlen"``) to
   recompute bidirectional chunks on CUDA; the prefill worker keeps padded SDPA (faster at its shapes).
