@@ -5,11 +5,12 @@ runs after the replay (two launches), so the number of masked rows, which shrink
 of the shape. A round's shape is (sessions, packed tokens, longest local sequence, widest page table,
 K/V rows stored into the pool: a decode policy's refresh), each rounded up to a bucket
 (:meth:`RoundShape.of`): sessions and the page table's width to powers of two, the longest session's rows
-to a multiple of 4 or 8 (:func:`query_bucket`), tokens to a multiple of 32 (:func:`token_bucket`), the
-longest KV and anything larger to at most 1/16 above, stored rows to at most 1/8 (padded stores repeat
-the first one): the kernels' work follows the bucket, so it stays close to the real shape. Padding is inert: padded sessions have no query rows and
-no KV, padded tokens belong to no session (the attention kernel never reads or writes for them, and every
-other op is row-wise). So every round whose shape falls in a bucket replays that bucket's graph after
+to a multiple of 4 or 8 (:func:`~.graph_buckets.query_bucket`), tokens to a multiple of 32
+(:func:`~.graph_buckets.token_bucket`), the longest KV and anything larger to at most 1/16 above, stored
+rows to at most 1/8 (padded stores repeat the first one): the kernels' work follows the bucket, so it stays
+close to the real shape. Padding is inert: padded sessions have no query rows and no KV, padded tokens
+belong to no session (the attention kernel never reads or writes for them, and every other op is
+row-wise). So every round whose shape falls in a bucket replays that bucket's graph after
 copying its packed inputs into the graph's buffers: no capture per request or per step, no copy of any
 session's KV (the kernel reads the shared pool through the page table). A round carrying a chunk prefill
 piece (``prefill_rows.py``) is a bucket of its own: the piece's rows padded to a multiple of 32 (one
@@ -21,84 +22,29 @@ the process using the device (captures concurrent with another thread's prefill 
 both workers under load on an H100, even in thread-local capture mode): ``serve --role all`` therefore runs
 the prefill worker's device work on the scheduler thread too, between rounds. Off CUDA the same padded
 buffers run eagerly (tests).
+
+This module holds the whole-round graphs (:class:`RoundShape`, :class:`CapturedRound`,
+:class:`GraphedRoundForward`); the bucket sizes and the capture step are ``graph_buckets.py``, the graphs
+around an eager round's attention ``layer_graphs.py``.
 """
 
 from __future__ import annotations
 
 import gc
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
+from pdllm.decode_service.graph_buckets import capture_graph, eighths, fine, pow2, query_bucket, token_bucket
 from pdllm.decode_service.kv_pool import DecodeKVPool
+from pdllm.decode_service.layer_graphs import LayerGraphs
 from pdllm.decode_service.prefill_rows import CarriedPiece, PrefillRows
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.round_packing import PackedRound
 from pdllm.decode_service.rounds import EagerRoundForward
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.model.transformer import DiffusionLM
-
-T = TypeVar("T")
-
-
-def pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def _leading_bits(n: int, bits: int, floor: int) -> int:
-    """Smallest ``m * 2**k >= n`` with ``m`` a ``bits``-bit number, and at least ``floor``."""
-    return floor if n <= floor else _round_up(n, 1 << max(0, n.bit_length() - bits))
-
-
-def fine(n: int, floor: int = 1) -> int:
-    """Smallest ``m * 2**k >= n`` with ``16 <= m < 32`` (at most 1/16 padding), and at least ``floor``."""
-    return _leading_bits(n, 5, floor)
-
-
-def eighths(n: int, floor: int = 16) -> int:
-    """Smallest ``m * 2**k >= n`` with ``8 <= m < 16`` (at most 1/8 padding), and at least ``floor``."""
-    return _leading_bits(n, 4, floor)
-
-
-def query_bucket(n: int) -> int:
-    """A session's longest row count, padded: a multiple of 4 up to 64, of 8 up to 256, then :func:`fine`.
-    The split-S kernel sizes its row blocks (and so its work per KV tile) from it: a power of two would
-    double the work of 33-row dual-cache sessions (measured 2.7x on an H100, decode_engine_profile.txt)."""
-    if n <= 64:
-        return max(4, _round_up(n, 4))
-    return _round_up(n, 8) if n <= 256 else fine(n)
-
-
-def token_bucket(n: int) -> int:
-    """Packed tokens, padded: a multiple of 32 up to 1024 (GEMM row counts), then :func:`fine`."""
-    return max(32, _round_up(n, 32)) if n <= 1024 else fine(n)
-
-
-def capture_graph(
-    fn: Callable[[], T], device: torch.device, mempool: tuple | None, warm: Callable[[], object] | None = None
-) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``warm`` (default ``fn``) once on a side stream, where Triton compiles and autotunes outside any
-    capture, then ``fn`` captured into ``mempool``: the graph and what the captured call returned."""
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        (warm or fn)()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()  # no graph may be destroyed by the collector in the middle of this capture
-    try:
-        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
-            out = fn()
-    finally:
-        gc.enable()
-    return graph, out
 
 
 @dataclass(frozen=True)
@@ -301,116 +247,3 @@ class GraphedRoundForward:
             shape = (c.num_layers, 2, rows, c.num_kv_heads, c.head_dim)
             self._staging[rows] = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
         return self._staging[rows]
-
-
-class _LayerBucket:
-    """One row bucket's buffers and, per layer, its captured segments (``rows`` rows, padding stale)."""
-
-    def __init__(self, model: DiffusionLM, rows: int, like: torch.Tensor, rope_dim: int) -> None:
-        c = model.config
-        kw = {"dtype": like.dtype, "device": like.device}
-        self.x = torch.zeros(1, rows, c.hidden_size, **kw)
-        self.ffn = torch.zeros(1, rows, c.hidden_size, **kw)
-        self.cos = torch.zeros(1, rows, rope_dim, **kw)
-        self.sin = torch.zeros(1, rows, rope_dim, **kw)
-        # [1, heads, rows, D] views of token-major memory, the layout the model's projections give
-        self.q = torch.zeros(1, rows, c.num_heads, c.head_dim, **kw).transpose(1, 2)
-        self.k = torch.zeros(1, rows, c.num_kv_heads, c.head_dim, **kw).transpose(1, 2)
-        self.v = torch.zeros(1, rows, c.num_kv_heads, c.head_dim, **kw).transpose(1, 2)
-        self.attn = torch.zeros(1, rows, c.num_heads, c.head_dim, **kw).transpose(1, 2)
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
-        self.uses = 0  # rounds that ran through this bucket
-
-
-class LayerGraphs:
-    """The layers of an eagerly run round (a policy decides inside its attention: Sparse-dLLM's stores,
-    FOCUS's split, DyLLM's edits) with CUDA graphs around the attention: per layer and row bucket
-    (:func:`token_bucket`), the work before attention (norm, QKV projection, RoPE) and after it (output
-    projection, residual, norm, MLP; with an FFN edit, up to the FFN output) are one captured graph each,
-    over a bucket's buffers; the attention, with the policy's per-layer work, runs eagerly between them on
-    the real rows. Padded rows are stale and row-wise inert. A bucket is captured on its ``warm_uses``-th
-    round (before that it runs the same work eagerly): row counts that come once (a policy's rows vary from
-    round to round) never pay for captures. Rounds of more than ``max_rows`` rows (long vanilla prompts)
-    keep every op eager: their kernels outlast the launches, and a bucket's buffers and graphs grow with its
-    rows. ``capture`` False: the same buffers, eagerly."""
-
-    def __init__(
-        self,
-        model: DiffusionLM,
-        mempool: tuple | None,
-        capture: bool,
-        capacity: int = 16,
-        warm_uses: int = 3,
-        max_rows: int = 4096,
-    ) -> None:
-        self.model, self.mempool, self.capture, self.capacity = model, mempool, capture, capacity
-        self.warm_uses, self.max_rows = warm_uses, max_rows
-        self._buckets: OrderedDict[int, _LayerBucket] = OrderedDict()
-        self.captures = 0
-
-    def run(
-        self,
-        layers: Sequence[torch.nn.Module],
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention: PagedBatchAttention,
-        layer_inputs: Sequence[dict[int, torch.Tensor]] = (),
-    ) -> torch.Tensor:
-        """``layers`` over ``x`` ``[1, T, H]``; the output ``[1, T, H]`` (a view of the bucket's buffer).
-        ``layer_inputs``: dicts that get a copy of each layer's input under its index."""
-        t = x.shape[1]
-        b = self._bucket(token_bucket(t), x, cos.shape[-1])
-        b.uses += 1
-        b.x[:, :t].copy_(x)
-        b.cos[:, :t].copy_(cos)
-        b.sin[:, :t].copy_(sin)
-        edit = attention.edit_ffn
-        for layer in layers:
-            i = layer.self_attn.layer
-            for inputs in layer_inputs:
-                inputs[i] = b.x[:, :t].clone()  # the buffer changes in place layer after layer
-            self._run(b, ("pre", i), lambda layer=layer: self._pre(layer, b))
-            out = attention(i, b.q[:, :, :t], b.k[:, :, :t], b.v[:, :, :t])
-            b.attn[:, :, :t].copy_(out)
-            if edit is None:
-                self._run(b, ("post", i), lambda layer=layer: b.x.copy_(layer.after_attention(b.x, b.attn)))
-            else:
-                self._run(b, ("ffn", i), lambda layer=layer: self._ffn(layer, b))
-                b.x[:, :t] += edit(i, b.ffn[:, :t])
-        return b.x[:, :t]
-
-    @staticmethod
-    def _pre(layer: torch.nn.Module, b: _LayerBucket) -> None:
-        q, k, v = layer.attention_inputs(b.x, b.cos, b.sin)
-        b.q.copy_(q)
-        b.k.copy_(k)
-        b.v.copy_(v)
-
-    @staticmethod
-    def _ffn(layer: torch.nn.Module, b: _LayerBucket) -> None:
-        x, ffn = layer.ffn_of(b.x, b.attn)
-        b.x.copy_(x)
-        b.ffn.copy_(ffn)
-
-    def _bucket(self, rows: int, like: torch.Tensor, rope_dim: int) -> _LayerBucket:
-        b = self._buckets.get(rows)
-        if b is None:
-            b = self._buckets[rows] = _LayerBucket(self.model, rows, like, rope_dim)
-            while len(self._buckets) > self.capacity:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(rows)
-        return b
-
-    def _run(self, b: _LayerBucket, key: tuple[str, int], fn: Callable[[], object]) -> None:
-        graph = b.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
-        if not self.capture or b.uses < self.warm_uses:
-            fn()
-            return
-        # The warm-up computes this call's outputs (capturing runs nothing); later calls replay the graph.
-        b.graphs[key], _ = capture_graph(fn, b.x.device, self.mempool)
-        self.captures += 1

@@ -40,7 +40,7 @@ from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, Gene
 from pdllm.shared.model.transformer import DiffusionLM
 
 if TYPE_CHECKING:
-    from pdllm.decode_service.round_graphs import LayerGraphs
+    from pdllm.decode_service.layer_graphs import LayerGraphs
     from pdllm.shared.chunk_prefill import ChunkForward
 
 
@@ -134,7 +134,7 @@ class CachingSession(BatchSession):
 class EagerRoundForward:
     """A round's forward run op by op: packed tokens in, logits of the packed ``rows`` out (a round whose
     rows change between layers: ``split_rounds.split_forward``). ``layer_graphs``: the layers' work around
-    the attention replayed as CUDA graphs (``round_graphs.LayerGraphs``), the attention and the policy's
+    the attention replayed as CUDA graphs (``layer_graphs.LayerGraphs``), the attention and the policy's
     per-layer work eager."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The eager rounds' layers around the attention (``round_graphs.LayerGraphs``), run on their buffers off
+"""The eager rounds' layers around the attention (``layer_graphs.LayerGraphs``), run on their buffers off
 CUDA: Sparse-dLLM sessions (a per-layer store, so the round runs eagerly) equal their reference loop through
 the layer buffers and through every layer's own forward (rounds above ``max_rows``).
 

@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from pdllm.decode_service.device_state import DeviceBatch
-from pdllm.decode_service.round_graphs import (
-    GraphedRoundForward,
-    RoundShape,
-    eighths,
-    fine,
-    pow2,
-    query_bucket,
-    token_bucket,
-)
+from pdllm.decode_service.graph_buckets import eighths, fine, pow2, query_bucket, token_bucket
+from pdllm.decode_service.round_graphs import GraphedRoundForward, RoundShape
 from pdllm.decode_service.round_packing import PackedRound
 from pdllm.decode_service.rounds import EagerRoundForward, decode_round
 from tests.decode.helpers import CASES, alone, pool_for, round_forward, run_rounds, session
