@@ -46,6 +46,11 @@ class RecordGroup:
     model: Any = None
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     tops: list[torch.Tensor] = field(default_factory=list)  # per layer [S] device top-M sizes
+    members: list[Any] = field(default_factory=list)  # the parts' own stores (round_attention.group_stores)
+
+    def rebase(self, bases: list[int]) -> None:
+        """Its sessions' first packed rows after a split moved them (layers past the split)."""
+        self.bases = list(bases)
 
     @contextmanager
     def attach(self, model: Any) -> Iterator[None]:

@@ -99,6 +99,13 @@ class UpdateGroup:
     dense: torch.Tensor | None = None  # [S, N + 1, H]: their outputs
     counts: torch.Tensor | None = None  # [S] real rows recomputed this round
     slots_read: list[int] = field(default_factory=list)
+    members: list[Any] = field(default_factory=list)  # the parts' own stores (round_attention.group_stores)
+
+    def rebase(self, bases: list[int]) -> None:
+        """Its sessions' first packed rows after a split moved them: the layout's packed rows follow."""
+        self.bases = list(bases)
+        if self.layout is not None:
+            self.layout = RoundLayout.of(self.sessions, self.bases, self.layout.fresh.device)
 
     @contextmanager
     def attach(self, model: Any) -> Iterator[None]:

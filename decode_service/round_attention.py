@@ -44,7 +44,9 @@ the layer runs (Polestar-Cache's refresh)."""
 def group_stores(stores: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """``stores`` (first packed row, store) with those that share a ``group_key`` replaced by one store,
     their type's ``grouped`` of them (in the first one's place): one call per layer for all of them.
-    Grouped stores touch only their own sessions' rows and slots, so their order does not matter."""
+    Grouped stores touch only their own sessions' rows and slots, so their order does not matter. A grouped
+    store gets ``members`` (its parts' stores, in order) and must have ``rebase(bases)``: a split round moves
+    the rows of the layers after it."""
     groups: dict[Any, list[tuple[int, Any]]] = {}
     out: list[tuple[int, Any]] = []
     for base, store in stores:
@@ -56,7 +58,14 @@ def group_stores(stores: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         else:
             groups[key] = [(base, store)]
             out.append((base, groups[key]))
-    return [(b, type(s[0][1]).grouped(s) if isinstance(s, list) else s) for b, s in out]
+    grouped: list[tuple[int, Any]] = []
+    for b, s in out:
+        if isinstance(s, list):
+            store = type(s[0][1]).grouped(s)
+            store.members = [m for _, m in s]  # the parts' own stores, so a later split can rebase them
+            s = store
+        grouped.append((b, s))
+    return grouped
 
 
 class PagedBatchAttention:

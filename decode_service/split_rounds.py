@@ -89,6 +89,7 @@ def after_split(packed: PackedRound, chosen: dict[int, SplitRows]) -> AfterSplit
     new = PackedRound([], [], [], list(packed.counts), [0], [], [])
     index, keep = [-1] * len(packed.ids), []
     logits: dict[int, tuple[bool, ...]] = {}  # session -> rows whose logits are needed
+    moved: dict[int, int] = {}  # id(a part's store) -> the part's first packed row after the split
     for e, (first, session, part) in enumerate(packed.entries):
         got = chosen.get(e) if part.split is not None else None
         table = packed.page_table[e]
@@ -112,9 +113,18 @@ def after_split(packed: PackedRound, chosen: dict[int, SplitRows]) -> AfterSplit
         new.kv_lens.append(kv_len)
         new.writes += part_writes(at, part, writes, rows)
         if part.store is not None:
-            new.stores.append((at - part.lo, part.store))
+            moved[id(part.store)] = at - part.lo
         new.drops.append(packed.drops[e])
         new.entries.append((at, session, part))
+    # The round's own stores, at their rows' new places: a grouped store (one for several parts, made by
+    # PackedRound.pack) stays the same object, since the forward feeds it, and learns its members' bases.
+    for _, store in packed.stores:
+        members = getattr(store, "members", None)
+        if members is None:
+            new.stores.append((moved[id(store)], store))
+        else:
+            store.rebase([moved[id(m)] for m in members])
+            new.stores.append((moved[id(members[0])], store))
     needed = None
     if logits:
         needed, start = [], 0
