@@ -1,4 +1,6 @@
-"""Training configuration: one JSON file -> :class:`TrainConfig` (model shape, data mix, optimizer)."""
+"""Training configuration: one JSON file -> :class:`TrainConfig` (model shape, data mix, optimizer), and what
+a run derives from it: the model's :class:`ModelConfig`, the prose file's path and the ``--smoke`` variant.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..model.config import ModelConfig
 from .data import DataConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 class TrainConfigError(ValueError):
@@ -91,3 +96,57 @@ def load_config(path: str | Path) -> TrainConfig:
 
 def to_dict(config: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def build_model_config(cfg: TrainConfig, tokenizer: Any) -> ModelConfig:
+    """Dream layout by default; SDAR layout (the block-diffusion family, as ``ModelConfig.from_hf_dict``
+    reads an SDAR checkpoint back: q/k norm on, no attention bias, unshifted logits) with ``block_size``."""
+    m = cfg.model
+    sdar = m.block_size is not None
+    return ModelConfig(
+        family="sdar" if sdar else "dream",
+        vocab_size=len(tokenizer),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        rope_theta=m.rope_theta,
+        max_position_embeddings=m.max_position_embeddings,
+        attention_bias=not sdar,
+        qk_norm=sdar,
+        block_size=m.block_size,
+        tie_word_embeddings=True,
+        shift_logits=not sdar,
+        mask_token_id=tokenizer.mask_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        model_id=cfg.name,
+    )
+
+
+def prose_path(cfg: TrainConfig) -> Path:
+    """The config's prose file: relative paths are relative to this folder (``data/prose/...``)."""
+    path = Path(cfg.data.prose_file)
+    return path if path.is_absolute() else Path(__file__).resolve().parent / path
+
+
+def smoke_variant(cfg: TrainConfig) -> TrainConfig:
+    """``--smoke --config FILE``: FILE's data mix (modes, tasks, sequence length, phases) at the scale of
+    ``configs/smoke.json`` (its model, steps, optimizer, CPU, no workers), so that a minute on a CPU runs
+    every row type the config draws; the model keeps the config's layout (``block_size``: SDAR). Batches
+    hold one full-length row; the causal phase and the length curriculum are cut to the first half of the
+    run so that both phases are exercised."""
+    smoke = load_config(CONFIG_DIR / "smoke.json")
+    half = smoke.max_steps // 2
+    data = dataclasses.replace(
+        cfg.data,
+        tokens_per_batch=cfg.data.seq_len,
+        causal_phase_steps=min(cfg.data.causal_phase_steps, half),
+        curriculum_steps=min(cfg.data.curriculum_steps, half),
+    )
+    keep = ("name", "seed")  # the rest comes from smoke.json
+    model = dataclasses.replace(smoke.model, block_size=cfg.model.block_size)
+    return dataclasses.replace(smoke, data=data, model=model, **{k: getattr(cfg, k) for k in keep})

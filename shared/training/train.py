@@ -12,7 +12,6 @@ decides when to stop, logs, saves and writes the summary (``tokens`` counts ever
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -20,7 +19,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,18 +26,26 @@ from tqdm import tqdm
 
 from ..cli_args import Parser
 from ..eval.tasks import TaskFactory, split_train_eval_sentences
-from ..model.config import ModelConfig
-from ..model.loader import DTYPES, load_model, save_checkpoint
 from ..model.transformer import DiffusionLM
-from .config import TrainConfig, TrainConfigError, load_config, to_dict
+from .checkpoint_io import init_from, save
+from .config import (
+    CONFIG_DIR,
+    TrainConfig,
+    TrainConfigError,
+    build_model_config,
+    load_config,
+    prose_path,
+    smoke_variant,
+    to_dict,
+)
 from .corpus import tokenize_haystack
-from .data import MODES, Batch, BatchBuilder, BatchStream
+from .data import Batch, BatchBuilder, BatchStream
 from .distributed import DistEnv, agree, data_seed, gather, global_sum, setup, shutdown, weight_digest
 from .objective import LossOutput, compute_loss
 from .prose import read_documents, tokenize_prose
 from .tokenizer import load_tokenizer
+from .train_log import Meter, plot_curve
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SAVE_RESERVE_S = 15.0
 RESCHEDULE_AT = (
     60,
@@ -48,60 +54,6 @@ RESCHEDULE_AT = (
     1500,
     3000,
 )  # time kept back at the end of a --max-minutes budget for the final save
-
-
-def build_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
-    """Dream layout by default; SDAR layout (the block-diffusion family, as ``ModelConfig.from_hf_dict``
-    reads an SDAR checkpoint back: q/k norm on, no attention bias, unshifted logits) with ``block_size``."""
-    m = cfg.model
-    sdar = m.block_size is not None
-    return ModelConfig(
-        family="sdar" if sdar else "dream",
-        vocab_size=len(tokenizer),
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        rope_theta=m.rope_theta,
-        max_position_embeddings=m.max_position_embeddings,
-        attention_bias=not sdar,
-        qk_norm=sdar,
-        block_size=m.block_size,
-        tie_word_embeddings=True,
-        shift_logits=not sdar,
-        mask_token_id=tokenizer.mask_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        model_id=cfg.name,
-    )
-
-
-def prose_path(cfg: TrainConfig) -> Path:
-    """The config's prose file: relative paths are relative to this folder (``data/prose/...``)."""
-    path = Path(cfg.data.prose_file)
-    return path if path.is_absolute() else Path(__file__).resolve().parent / path
-
-
-def smoke_variant(cfg: TrainConfig) -> TrainConfig:
-    """``--smoke --config FILE``: FILE's data mix (modes, tasks, sequence length, phases) at the scale of
-    ``configs/smoke.json`` (its model, steps, optimizer, CPU, no workers), so that a minute on a CPU runs
-    every row type the config draws; the model keeps the config's layout (``block_size``: SDAR). Batches
-    hold one full-length row; the causal phase and the length curriculum are cut to the first half of the
-    run so that both phases are exercised."""
-    smoke = load_config(CONFIG_DIR / "smoke.json")
-    half = smoke.max_steps // 2
-    data = dataclasses.replace(
-        cfg.data,
-        tokens_per_batch=cfg.data.seq_len,
-        causal_phase_steps=min(cfg.data.causal_phase_steps, half),
-        curriculum_steps=min(cfg.data.curriculum_steps, half),
-    )
-    keep = ("name", "seed")  # the rest comes from smoke.json
-    model = dataclasses.replace(smoke.model, block_size=cfg.model.block_size)
-    return dataclasses.replace(smoke, data=data, model=model, **{k: getattr(cfg, k) for k in keep})
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -135,82 +87,6 @@ class LossModule(torch.nn.Module):
 
     def forward(self, batch: Batch, generator: torch.Generator) -> LossOutput:
         return compute_loss(self.model, batch, self.mask_id, self.eps, generator)
-
-
-@dataclass
-class Meter:
-    """Per-mode running sums kept on the device, read (one sync) only when a log line is written."""
-
-    sums: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def add(self, mode: str, res: LossOutput) -> None:
-        vals = torch.stack([res.loss.detach(), res.ce, res.answer_correct.float(), res.answer_total.float()])
-        self.sums[mode] = self.sums[mode] + vals if mode in self.sums else vals
-        self.counts[mode] = self.counts.get(mode, 0) + 1
-
-    def flush(self) -> dict[str, dict[str, float]]:
-        out = {}
-        for mode, vals in self.sums.items():
-            loss, ce, correct, total = vals.tolist()
-            n = self.counts[mode]
-            out[mode] = {"loss": loss / n, "ce": ce / n, "batches": n}
-            if total:
-                out[mode]["answer_acc"] = correct / total
-        self.sums.clear()
-        self.counts.clear()
-        return out
-
-
-def save(model: DiffusionLM, out: Path, tokenizer, dtype: str) -> Path:
-    to_save = copy.deepcopy(model).to(device="cpu", dtype=DTYPES[dtype])
-    return save_checkpoint(to_save, out / "checkpoint", tokenizer)
-
-
-def plot_curve(log_path: Path, png_path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode in MODES:
-        pts = [(r["step"], r["modes"][mode]) for r in records if mode in r.get("modes", {})]
-        if not pts:
-            continue
-        ax1.plot([s for s, _ in pts], [m["ce"] for _, m in pts], label=mode)
-        acc = [(s, m["answer_acc"]) for s, m in pts if "answer_acc" in m]
-        if acc:
-            ax2.plot([s for s, _ in acc], [a for _, a in acc], label=mode)
-    ax1.set(
-        xlabel="step", ylabel="cross-entropy (predicted tokens)", yscale="log", title="loss by batch mode"
-    )
-    ax2.set(xlabel="step", ylabel="answer-token accuracy (masked)", ylim=(0, 1.02), title="answer accuracy")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-
-
-def init_from(model: DiffusionLM, path: Path) -> None:
-    """Start from a checkpoint's weights (a second training stage): the checkpoint must have this config's
-    shape, else TrainConfigError naming the first mismatch."""
-    try:
-        source = load_model(path, dtype="float32", device="cpu", load_tokenizer=False, pack=False).model
-    except (OSError, ValueError) as exc:
-        raise TrainConfigError(f"--init-from {path}: {exc}") from exc
-    ours, theirs = model.state_dict(), source.state_dict()
-    for name, tensor in ours.items():
-        other = theirs.get(name)
-        if other is None or other.shape != tensor.shape:
-            got = "missing" if other is None else tuple(other.shape)
-            raise TrainConfigError(
-                f"--init-from {path}: {name} is {got}, this config needs {tuple(tensor.shape)}"
-            )
-    model.load_state_dict({k: theirs[k] for k in ours}, strict=True)
 
 
 def train(

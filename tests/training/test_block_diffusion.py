@@ -24,7 +24,7 @@ from pdllm.shared.model.config import ModelConfig
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.model.transformer import DiffusionLM
 from pdllm.shared.training import train as train_mod
-from pdllm.shared.training.config import load_config
+from pdllm.shared.training.config import CONFIG_DIR, build_model_config, load_config, smoke_variant
 from pdllm.shared.training.data import Batch
 from pdllm.shared.training.objective import (
     block_diffusion_hidden,
@@ -150,11 +150,11 @@ def test_loss_is_finite_in_every_mode() -> None:
 
 
 def test_judge_sdar_preset(tokenizer) -> None:
-    dream = load_config(train_mod.CONFIG_DIR / "judge_dream.json")
-    cfg = load_config(train_mod.CONFIG_DIR / "judge_sdar.json")
+    dream = load_config(CONFIG_DIR / "judge_dream.json")
+    cfg = load_config(CONFIG_DIR / "judge_sdar.json")
     assert cfg.data == dream.data and cfg.model.block_size == BLOCK
     assert dataclasses.replace(cfg.model, block_size=None) == dream.model
-    model_cfg = train_mod.build_model_config(cfg, tokenizer)
+    model_cfg = build_model_config(cfg, tokenizer)
     assert model_cfg.family == "sdar" and model_cfg.qk_norm and not model_cfg.shift_logits
     assert model_cfg.mask_token_id == tokenizer.mask_token_id
     with torch.device("meta"):
@@ -163,7 +163,7 @@ def test_judge_sdar_preset(tokenizer) -> None:
     # The HF config written with the checkpoint reads back as the same model.
     back = ModelConfig.from_hf_dict(model_cfg.to_hf_dict(), model_id=model_cfg.model_id)
     assert back == model_cfg
-    assert train_mod.smoke_variant(cfg).model.block_size == BLOCK
+    assert smoke_variant(cfg).model.block_size == BLOCK
 
 
 def test_sdar_smoke_trains_and_decodes(tmp_path, tokenizer) -> None:
@@ -172,7 +172,7 @@ def test_sdar_smoke_trains_and_decodes(tmp_path, tokenizer) -> None:
     path = tmp_path / "prose_train.txt.gz"
     with gzip.open(path, "wt") as fh:
         fh.write("\n\n".join(make_docs(16, seed=6)) + "\n")
-    cfg = train_mod.smoke_variant(load_config(train_mod.CONFIG_DIR / "judge_sdar.json"))
+    cfg = smoke_variant(load_config(CONFIG_DIR / "judge_sdar.json"))
     data = dataclasses.replace(cfg.data, prose_file=str(path), causal_phase_steps=2, infill_weight=1.0)
     cfg = dataclasses.replace(cfg, max_steps=8, log_every=1, data=data)
     stats = train_mod.train(cfg, tmp_path / "run", None, "cpu", progress=False)

@@ -13,7 +13,7 @@ import torch
 
 from pdllm.shared.model.loader import load_model
 from pdllm.shared.training import train as train_mod
-from pdllm.shared.training.config import load_config
+from pdllm.shared.training.config import CONFIG_DIR, load_config
 from pdllm.shared.training.data import BatchBuilder, BatchStream
 from pdllm.shared.training.distributed import data_seed, weight_digest
 
@@ -28,7 +28,7 @@ def _first_batch(builder: BatchBuilder, seed: int) -> torch.Tensor:
 def test_ranks_draw_different_batches(factory, tokenizer):
     """Rank 0 draws the single-process stream, rank 1 another one. Planted and caught: ``data_seed``
     returning ``seed`` for every rank (both ranks train on the same batches)."""
-    cfg = load_config(train_mod.CONFIG_DIR / "smoke.json")
+    cfg = load_config(CONFIG_DIR / "smoke.json")
     builder = BatchBuilder(cfg.data, factory, tokenizer.bos_token_id, tokenizer.eos_token_id)
     rank0 = _first_batch(builder, data_seed(cfg.seed, 0))
     assert torch.equal(rank0, _first_batch(builder, cfg.seed))
@@ -71,7 +71,7 @@ def test_two_ranks_train_one_model_in_sync(tmp_path):
     rc, output = _torchrun(out, 2)
     assert rc == 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    cfg = load_config(train_mod.CONFIG_DIR / "smoke.json")
+    cfg = load_config(CONFIG_DIR / "smoke.json")
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
     # Every smoke batch holds tokens_per_batch tokens (8 rows of 256 or 16 of 128): one rank's step.
     assert summary["tokens"] == 2 * STEPS * cfg.data.tokens_per_batch

@@ -11,8 +11,7 @@ import torch
 
 from pdllm.shared.eval.long_answer import PASSAGE_TOKENS
 from pdllm.shared.eval.tasks import split_train_eval_sentences
-from pdllm.shared.training import train as train_mod
-from pdllm.shared.training.config import load_config
+from pdllm.shared.training.config import CONFIG_DIR, load_config, smoke_variant
 from pdllm.shared.training.corpus import _SENTENCE_END
 from pdllm.shared.training.data import MODES, BatchBuilder, DataConfig
 
@@ -129,19 +128,16 @@ def test_weight_zero_draws_nothing(factory, tokenizer) -> None:
 
 
 def test_needle_long_config_is_needle_next_plus_the_share() -> None:
-    raw = {
-        n: json.loads((train_mod.CONFIG_DIR / f"{n}.json").read_text())
-        for n in ("needle_next", "needle_long")
-    }
+    raw = {n: json.loads((CONFIG_DIR / f"{n}.json").read_text()) for n in ("needle_next", "needle_long")}
     share = raw["needle_long"]["data"].pop("long_answer_weight")
     assert 0 < share <= 0.25 and raw["needle_long"] == raw["needle_next"]
-    assert load_config(train_mod.CONFIG_DIR / "needle_next.json").data.long_answer_weight == 0.0
+    assert load_config(CONFIG_DIR / "needle_next.json").data.long_answer_weight == 0.0
 
 
 def test_smoke_variant_keeps_the_data_mix() -> None:
-    cfg = load_config(train_mod.CONFIG_DIR / "needle_long.json")
-    smoke = train_mod.smoke_variant(cfg)
-    tiny = load_config(train_mod.CONFIG_DIR / "smoke.json")
+    cfg = load_config(CONFIG_DIR / "needle_long.json")
+    smoke = smoke_variant(cfg)
+    tiny = load_config(CONFIG_DIR / "smoke.json")
     assert smoke.model == tiny.model and smoke.max_steps == tiny.max_steps and smoke.num_workers == 0
     assert smoke.data.long_answer_weight == cfg.data.long_answer_weight
     assert smoke.data.task_weights == cfg.data.task_weights and smoke.data.seq_len == 1088

@@ -5,9 +5,16 @@ import json
 import torch
 from transformers import AutoTokenizer
 
-from pdllm.shared.model.loader import load_model
+from pdllm.shared.model.loader import load_model, save_checkpoint
 from pdllm.shared.training import train as train_mod
-from pdllm.shared.training.config import TrainConfigError, load_config
+from pdllm.shared.training.checkpoint_io import init_from
+from pdllm.shared.training.config import (
+    CONFIG_DIR,
+    TrainConfigError,
+    build_model_config,
+    load_config,
+    smoke_variant,
+)
 
 
 def test_smoke_training_learns_and_reloads(tmp_path):
@@ -56,31 +63,29 @@ def test_shipped_configs_parse():
         "judge_dream_stage2.json",
         "judge_sdar_stage2.json",
     ):
-        cfg = load_config(train_mod.CONFIG_DIR / name)
+        cfg = load_config(CONFIG_DIR / name)
         assert len(cfg.data.mode_weights) == 6
 
 
 def test_init_from_starts_at_the_checkpoints_weights(tmp_path):
     """A second stage loads the first stage's weights over its own init (a planted skip of the load leaves
     the fresh init, whose weights differ); a checkpoint of another shape is refused with the tensor named."""
-    cfg = train_mod.smoke_variant(load_config(train_mod.CONFIG_DIR / "judge_dream.json"))
+    cfg = smoke_variant(load_config(CONFIG_DIR / "judge_dream.json"))
     tok = train_mod.load_tokenizer()
-    first = train_mod.DiffusionLM(train_mod.build_model_config(cfg, tok))
+    first = train_mod.DiffusionLM(build_model_config(cfg, tok))
     first.init_weights(11)
-    train_mod.save_checkpoint(first, tmp_path / "stage1", tok)
-    second = train_mod.DiffusionLM(train_mod.build_model_config(cfg, tok))
+    save_checkpoint(first, tmp_path / "stage1", tok)
+    second = train_mod.DiffusionLM(build_model_config(cfg, tok))
     second.init_weights(cfg.seed)
     assert not torch.equal(
         second.state_dict()["model.embed_tokens.weight"], first.state_dict()["model.embed_tokens.weight"]
     )
-    train_mod.init_from(second, tmp_path / "stage1")
+    init_from(second, tmp_path / "stage1")
     for name, tensor in first.state_dict().items():
         assert torch.equal(second.state_dict()[name], tensor), name
-    other = train_mod.DiffusionLM(
-        train_mod.build_model_config(load_config(train_mod.CONFIG_DIR / "judge_dream.json"), tok)
-    )
+    other = train_mod.DiffusionLM(build_model_config(load_config(CONFIG_DIR / "judge_dream.json"), tok))
     try:
-        train_mod.init_from(other, tmp_path / "stage1")
+        init_from(other, tmp_path / "stage1")
     except TrainConfigError as exc:
         assert "stage1" in str(exc) and "needs" in str(exc)
     else:
