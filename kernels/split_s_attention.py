@@ -314,8 +314,15 @@ def split_s_attention(
         )
         return reference()
     cfg = sel.config
-    key = ("split_s_attention", q.dtype, d, page, cfg.block_m, cfg.block_n, cfg.num_stages, cfg.fused_merge)
+    key = launch_key(q.dtype, d, page, cfg)
     return guarded(key, lambda: _launch(*args, cfg, max_q_len, max_kv_len, workspace, lse_out), reference)
+
+
+def launch_key(dtype: torch.dtype, head_dim: int, page: int, cfg: SplitSConfig) -> tuple:
+    """Key of a refused launch in :func:`~pdllm.kernels.resources.guarded`: every config field the compiled
+    kernel depends on (``maxnreg`` too: a capped and an uncapped config are different kernels)."""
+    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.fused_merge, cfg.maxnreg)
+    return ("split_s_attention", dtype, head_dim, page, *tiles)
 
 
 def _launch(
@@ -380,7 +387,7 @@ def _launch(
         HAS_LOCAL=has_local, HAS_FILL=page_fill is not None, SINGLE=single, FUSED=fused,
         # fp32 inputs (tests, small fp32 models) get exact fp32 dots; tf32 would cost them ~1e-3 relative
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROW_LSE=lse_out is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
     )  # fmt: skip
     if not single and not fused:
         n_rows = total_q * hq

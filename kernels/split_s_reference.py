@@ -36,6 +36,9 @@ class SplitSConfig:
     # Merge the splits inside the main kernel (last program per row block) instead of a second launch.
     fused_merge: bool = False
     num_sms: int | None = None
+    # ptxas register cap per thread (Triton's ``maxnreg`` launch option, NVIDIA only); None = no cap. A
+    # lower count can fit more programs per SM at the price of spills. The interpreter and reference ignore it.
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -50,6 +53,9 @@ class SplitSConfig:
             raise ValueError(f"num_stages must be in 1..6, got {self.num_stages}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        cap = self.maxnreg
+        if cap is not None and (type(cap) is not int or not 1 <= cap <= 255):  # 255: sm_90's per-thread limit
+            raise ValueError(f"maxnreg must be None or an int in 1..255, got {cap!r}")
         if self.min_split_tokens < 1:
             raise ValueError("min_split_tokens must be >= 1")
         if self.programs_per_sm <= 0 or self.partial_cost < 0:

@@ -5,8 +5,8 @@ candidate is >= 3% faster, merges the winners into ``--out``, replacing this dev
 
     python -m pdllm.kernels.split_s_tuner --out kernels/split_s_tuned.json [--budget-s 420]
 
-``--candidates FILE`` times the configs listed there (a JSON list of config objects, the table's fields)
-instead of :func:`candidates`, the fixed default still first.
+``--candidates FILE`` times the configs listed there (a JSON list of config objects, the table's fields,
+``maxnreg`` included) instead of :func:`candidates`, the fixed default still first.
 """
 
 from __future__ import annotations

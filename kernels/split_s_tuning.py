@@ -18,7 +18,8 @@ Bucket key (all "nearest" in log space, ties up, so ``S*C + Lq`` such as 4096 + 
 
 Table: ``kernels/split_s_tuned.json`` next to this file, or the file named by ``$PDLLM_SPLIT_S_TABLE``
 (which then must exist). ``{"version": 1, "entries": [{"device", "bucket": {...}, "config": {...}, "us",
-"default_us", "shape"}]}``; a malformed table raises :class:`SplitSTableError` at the first lookup.
+"default_us", "shape"}]}``; a malformed table raises :class:`SplitSTableError` at the first lookup. A config
+without ``maxnreg`` has no register cap (registers do not enter the shared-memory fit).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ TABLE_VERSION = 1
 # The SplitSConfig fields a table entry may set (num_splits / num_sms belong to a call / a device).
 CONFIG_FIELDS = (
     "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm", "partial_cost",
-    "fused_merge",
+    "fused_merge", "maxnreg",
 )  # fmt: skip
+# Fields written only when set: an entry without one has the default (None), so older tables load unchanged.
+OPTIONAL_FIELDS = ("maxnreg",)
 ENTRY_FIELDS = {"device", "bucket", "config", "us", "default_us", "shape"}
 SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, for the heuristic's residency estimate
 SCRATCH_BYTES = 4096  # allowance for reductions and layout conversions outside the tiles
@@ -116,7 +119,13 @@ class TunedTable:
 
 
 def config_to_dict(cfg: SplitSConfig) -> dict:
-    return {f: getattr(cfg, f) for f in CONFIG_FIELDS}
+    """The table's fields of ``cfg``; :data:`OPTIONAL_FIELDS` only where not None."""
+    return {
+        f: getattr(cfg, f) for f in CONFIG_FIELDS if f not in OPTIONAL_FIELDS or getattr(cfg, f) is not None
+    }
+
+
+_JSON_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "int | None": (int, type(None))}
 
 
 def config_from_dict(d: object) -> SplitSConfig:
@@ -126,9 +135,9 @@ def config_from_dict(d: object) -> SplitSConfig:
     unknown = sorted(set(d) - set(CONFIG_FIELDS))
     if unknown:
         raise ValueError(f"unknown config field(s) {unknown}; allowed: {list(CONFIG_FIELDS)}")
-    types = {f.name: f.type for f in dataclasses.fields(SplitSConfig)}  # "int", "float", "bool"
+    types = {f.name: f.type for f in dataclasses.fields(SplitSConfig)}  # "int", "float", "bool", "int | None"
     for k, v in d.items():
-        want = {"bool": (bool,), "int": (int,), "float": (int, float)}[types[k]]
+        want = _JSON_TYPES[types[k]]
         if not isinstance(v, want) or (isinstance(v, bool) and bool not in want):
             raise ValueError(f"config field {k}={v!r} must be {types[k]}")
     return SplitSConfig(**d)
