@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .tasks import KEYS, _code, _person, _word, format_answer, format_query, split_train_eval_sentences
+from .task_facts import KEYS, _code, _person, _word
+from .tasks import format_answer, format_query, split_train_eval_sentences
 
 LONG_ANSWER = "long-answer"  # the task's name in ``pdllm eval --tasks`` and in the report rows
 PASSAGE_TOKENS = (128, 256)

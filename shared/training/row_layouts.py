@@ -16,7 +16,8 @@ import torch
 from ..eval.infilling import GAP, SPAN_TOKENS, pick_span
 from ..eval.infilling import QUESTION as INFILL_QUESTION
 from ..eval.long_answer import MAX_DISTRACTORS, PASSAGE_TOKENS, make_passage, plant_paragraphs, question_about
-from ..eval.tasks import TRAIN_TASKS, TaskFactory, fact_text, format_answer, format_query
+from ..eval.task_facts import TRAIN_TASKS, fact_text
+from ..eval.tasks import TaskFactory, format_answer, format_query
 from .prose import ProseCorpus
 
 if TYPE_CHECKING:
