@@ -5,6 +5,8 @@ result back.
 A pdllm request's static KV is built from its chunks' token ids (full-mask / chunk-query), read from the
 KV tier (chunk-only; recomputed on a miss), or pulled from the prefill worker that built it (a ``handoff``;
 checked against this worker's model first, FAILED_PRECONDITION on a mismatch; rebuilt if the pull fails).
+Its pool pages are reserved for what the build keeps: the instruction and, per chunk, all its tokens or
+top-B's B (``static_tokens``).
 A vanilla request carries its whole prompt. What session the request then becomes in the batched rounds is
 decided in one place, ``sessions.py``, from the model family, the method and the decode policy; what a block-diffusion model does not run is INVALID_ARGUMENT naming the option
 (``request_checks.check_block_diffusion``).
@@ -38,7 +40,7 @@ from pdllm.shared.kv_transfer.payload import (
     decode_kv_scheme,
     model_kv_spec,
 )
-from pdllm.shared.layout import Request, decode_layout
+from pdllm.shared.layout import Request, decode_layout, kept_count
 from pdllm.shared.rpc.convert import decode_policy_config, engine_config, generation_config
 from pdllm.shared.rpc.errors import PdllmError
 from pdllm.shared.rpc.logs import bind_request_id
@@ -58,6 +60,13 @@ def policy_trace(cache: dict[str, int | str]) -> pb.DecodePolicyTrace:
     fields = {k: v for k, v in cache.items() if k in named and k != "counters"}
     counters = {k: int(v) for k, v in cache.items() if k not in fields}
     return pb.DecodePolicyTrace(**fields, counters=counters)  # type: ignore[arg-type]
+
+
+def static_tokens(request: wpb.DecodeRequest, top_b: int | None) -> int:
+    """Static KV tokens a pdllm request's build writes into its pages: the instruction and what top-B
+    retention keeps of each chunk (all of it when ``top_b`` is None), so it reserves no page it never fills."""
+    kept = sum(kept_count(len(c.token_ids), top_b) for c in request.chunks)
+    return len(request.instruction_ids) + kept
 
 
 def _request(request: wpb.DecodeRequest) -> Request:
@@ -121,7 +130,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
                 start_steps = lambda layers: self._pdllm_steps(  # its build may run in pieces
                     request, gen, cfg, entry, layers, cache_policy
                 )  # noqa: E731
-                kv_tokens = len(request.instruction_ids) + sum(len(c.token_ids) for c in request.chunks)
+                kv_tokens = static_tokens(request, cfg.top_b)
                 cache_tokens = sessions.pool_slots(policy, len(request.question_ids), gen, static=True)
             entry = DecodeRequest(
                 request.request_id,

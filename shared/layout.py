@@ -175,6 +175,11 @@ def select_top_k(totals: Sequence[float], k: int) -> list[int]:
     return sorted(order[:k])
 
 
+def kept_count(n: int, budget: int | None) -> int:
+    """How many of a chunk's ``n`` tokens :func:`keep_top_b` keeps (``budget``: B >= 1, None: all)."""
+    return n if budget is None or budget >= n else budget
+
+
 def keep_top_b(scores: torch.Tensor, budget: int | None) -> torch.Tensor:
     """Indices (sorted) of the tokens a chunk keeps: its BOS (index 0) and the ``budget - 1`` best others."""
     n = scores.shape[0]
