@@ -4,15 +4,14 @@ A setting is one pydantic field: name (the ``pdllm.v1`` proto field, the flag ``
 ``PDLLM_TOP_K``), type, default, bounds or choices, help; a :class:`Spec` beside it says what pydantic cannot
 (the tighter bounds of public requests, a bound that is another setting, when it applies, its engine name).
 Derived from it: request validation (``rpc/validation.py``), wire <-> config conversion (``rpc/convert.py``),
-``EngineConfig.validate`` / ``GenerationConfig.validate``, the ``generate`` / ``ask`` flags. A violation is
-a :class:`SettingError` (a ValueError) naming the setting as its caller spells it (``method.top_k`` on the
-wire, ``--top-k`` on the command line, ``top_k`` in ``EngineConfig``) with the accepted values, and a stable
-``kind`` tag (``top_k_range``, ``unknown_kv_mode``) for clients.
+``EngineConfig.validate`` / ``GenerationConfig.validate``, the ``generate`` / ``ask`` flags
+(``settings_flags.py``). A violation is a :class:`SettingError` (a ValueError) naming the setting as its
+caller spells it (``method.top_k`` on the wire, ``--top-k`` on the command line, ``top_k`` in
+``EngineConfig``) with the accepted values, and a stable ``kind`` tag (``top_k_range``,
+``unknown_kv_mode``) for clients.
 """
 
-import argparse
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
@@ -336,67 +335,6 @@ def engine_config(values: Mapping[str, Any], *, label: Label = str) -> Any:
 
     s = validate(EngineSettings, values, label=label)
     return EngineConfig(**{e: v for n, v in s if (e := engine_name(EngineSettings, n))})
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Flags and environment variables: precedence flag, then PDLLM_<FLAG>, then default.
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def env_name(flag: str) -> str:
-    return "PDLLM_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def env_value(flag: str, convert: Callable[[str], T], default: T, environ: Mapping[str, str]) -> T:
-    """``flag``'s environment variable converted, else ``default``; a bad value names the variable."""
-    raw = environ.get(env_name(flag))
-    if raw is None or raw == "":
-        return default
-    try:
-        return convert(raw)
-    except ValueError:
-        raise ValueError(f"${env_name(flag)}={raw!r} is not a valid value for {flag}") from None
-
-
-def flag_label(environ: Mapping[str, str] | None = None) -> Label:
-    """Names a setting as its flag, and its variable too where that is set (the value may come from it)."""
-    env = os.environ if environ is None else environ
-    return lambda name: flag(name) + (f" (${var})" if env.get(var := env_name(flag(name))) else "")
-
-
-def add_arguments(
-    group: Any,
-    cls: type[Settings],
-    environ: Mapping[str, str] | None = None,
-    *,
-    unset: str = "",
-    names: Iterable[str] | None = None,
-) -> None:
-    """A flag per setting of ``cls`` (or of ``names``; dest = the setting's name) whose default is its
-    ``PDLLM_<FLAG>`` variable, else the schema's default, or None when ``unset`` says what None means then
-    (e.g. "the server's"; ``{default}`` in it: the schema's). Check what was parsed with :func:`validate`."""
-    env = os.environ if environ is None else environ
-    for name in cls.model_fields if names is None else names:
-        field = cls.model_fields[name]
-        option, convert = flag(name), value_type(cls, name)
-        default = None if unset else field.default
-        schema_default = "none" if field.default is None else field.default
-        shown = unset.format(default=schema_default) if unset else schema_default
-        group.add_argument(
-            option,
-            type=convert,
-            choices=choices(cls, name) or None,
-            default=env_value(option, convert, default, env),
-            help=f"{field.description} (env {env_name(option)}; default {shown})".replace("%", "%%"),
-        )
-
-
-def from_args(args: argparse.Namespace, cls: type[Settings]) -> dict[str, Any]:
-    """The settings of ``cls`` that ``args`` has a value for (None = unset)."""
-    return {n: v for n in cls.model_fields if (v := getattr(args, n, None)) is not None}
 
 
 # The decode-policy group lives in ``decode_policy_settings`` (it builds on this module, so importing it here

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdllm.shared import settings
+from pdllm.shared import settings, settings_flags
 from pdllm.shared.cli_args import Parser
 
 EXIT_USAGE = 2
@@ -66,13 +66,13 @@ def _build_generate_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights' dtype"
     )
-    settings.add_arguments(p.add_argument_group("method"), settings.MethodSettings, names=["method"])
+    settings_flags.add_arguments(p.add_argument_group("method"), settings.MethodSettings, names=["method"])
     # Every setting of the schema (shared/settings.py) is a flag, with PDLLM_<FLAG> as its default.
-    settings.add_arguments(p.add_argument_group("generation"), settings.GenerationSettings)
-    settings.add_arguments(p.add_argument_group("decode policy"), settings.DecodePolicySettings)
+    settings_flags.add_arguments(p.add_argument_group("generation"), settings.GenerationSettings)
+    settings_flags.add_arguments(p.add_argument_group("decode policy"), settings.DecodePolicySettings)
     e = p.add_argument_group("pdllm method (chunking, scoring, selection)")
     names = [*list(settings.MethodSettings.model_fields)[1:], *settings.EngineOnlySettings.model_fields]
-    settings.add_arguments(
+    settings_flags.add_arguments(
         e, settings.EngineSettings, unset="the checkpoint's pdllm.json, else {default}", names=names
     )
     o = p.add_argument_group("output")
@@ -171,10 +171,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdllm.shared.prompt import encode_prompt
     from pdllm.shared.rpc.trace_format import message_json, summary
 
-    label = settings.flag_label()
-    gen = settings.generation_config(settings.from_args(args, settings.GenerationSettings), label=label)
+    label = settings_flags.flag_label()
+    gen = settings.generation_config(settings_flags.from_args(args, settings.GenerationSettings), label=label)
     policy = settings.decode_policy_config(
-        settings.from_args(args, settings.DecodePolicySettings), label=label
+        settings_flags.from_args(args, settings.DecodePolicySettings), label=label
     )
     context = _read_context(args)
     t0 = time.perf_counter()
@@ -199,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         # The checkpoint's recommended settings (pdllm.json), then the flags / PDLLM_* variables given.
         checkpoint = settings.engine_values(EngineConfig.from_settings(loaded.serving.engine))
-        given = settings.from_args(args, settings.EngineSettings)
+        given = settings_flags.from_args(args, settings.EngineSettings)
         engine_cfg = settings.engine_config(checkpoint | given, label=label)
         engine = PrefillingEngine(loaded.model, loaded.tokenizer, engine_cfg)
         started = time.perf_counter()

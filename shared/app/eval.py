@@ -60,6 +60,7 @@ import torch
 
 from pdllm.decode_service import sdar_decode
 from pdllm.shared import settings as schema
+from pdllm.shared import settings_flags
 from pdllm.shared.app.eval_args import build_parser
 from pdllm.shared.app.eval_grid import run_grid
 from pdllm.shared.app.eval_settings import EVAL_TASKS, LONG_ANSWER_ROUND, PER_SAMPLE_LENGTH, EvalSettings
@@ -120,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     # their generation length themselves, in whole blocks: only the block length is checked for them.
     n = args.gen_length if set(tasks) - set(PER_SAMPLE_LENGTH) else args.block_length or LONG_ANSWER_ROUND
     gen = {"gen_length": n, "steps": n, "block_length": args.block_length}
-    schema.generation_config({k: v for k, v in gen.items() if v is not None}, label=schema.flag_label())
-    given = schema.from_args(args, schema.DecodePolicySettings)
-    policy = schema.decode_policy_config(given, label=schema.flag_label())
+    schema.generation_config(
+        {k: v for k, v in gen.items() if v is not None}, label=settings_flags.flag_label()
+    )
+    given = settings_flags.from_args(args, schema.DecodePolicySettings)
+    policy = schema.decode_policy_config(given, label=settings_flags.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.path}: evaluation needs a tokenizer")

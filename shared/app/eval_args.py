@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pdllm.shared import settings as schema
+from pdllm.shared import settings_flags
 from pdllm.shared.app.eval_settings import EVAL_TASKS
 from pdllm.shared.cli_args import Parser
 from pdllm.shared.eval.report import METHODS
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # --decode-policy and its knobs: flag, choices, help and PDLLM_<FLAG> from the settings schema.
     d = p.add_argument_group("decode policy (both methods)")
-    schema.add_arguments(d, schema.DecodePolicySettings)
+    settings_flags.add_arguments(d, schema.DecodePolicySettings)
     d.add_argument(
         "--agreement",
         action="store_true",

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdllm.shared import settings
+from pdllm.shared import settings, settings_flags
 from pdllm.shared.app.handoff import make_receiver, make_sender
 from pdllm.shared.app.serve_args import build_parser, piece_tokens
 from pdllm.shared.rpc.channels import worker_channel_factory
@@ -95,8 +95,8 @@ def _engine(args: argparse.Namespace) -> Any:
         raise ValueError(f"--kv-gpu-bytes needs a CUDA device, got --device {args.device}")
     # Worker-level engine defaults (the checkpoint's pdllm.json, then flags); a request's MethodParams
     # override the fields it sets. The flags are checked first, named as given (a flag or its PDLLM_ variable).
-    given = settings.from_args(args, settings.EngineOnlySettings)
-    settings.validate(settings.EngineOnlySettings, given, label=settings.flag_label())
+    given = settings_flags.from_args(args, settings.EngineOnlySettings)
+    settings.validate(settings.EngineOnlySettings, given, label=settings_flags.flag_label())
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     policy = _policy_defaults(args).get("decode_policy") or "none"
     if loaded.config.block_size is not None and policy not in sdar_decode.POLICIES:  # the worker's refusal
@@ -289,8 +289,8 @@ def _any_channel(pools: dict, address: str) -> grpc.Channel:
 
 def _policy_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The router's decode policy for requests that name none (checked before any model load)."""
-    given = settings.from_args(args, settings.DecodePolicySettings)
-    return dict(settings.validate(settings.DecodePolicySettings, given, label=settings.flag_label()))
+    given = settings_flags.from_args(args, settings.DecodePolicySettings)
+    return dict(settings.validate(settings.DecodePolicySettings, given, label=settings_flags.flag_label()))
 
 
 def start(args: argparse.Namespace) -> Deployment:

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pdllm.shared import settings
+from pdllm.shared import settings, settings_flags
 from pdllm.shared.app.handoff import add_handoff_arguments
 from pdllm.shared.cli_args import Parser
 from pdllm.shared.host_memory import AUTO_SHARE, parse_bytes
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_handoff_arguments(p, _env_default)
     # Engine settings no request carries: flag, choices, help and PDLLM_<FLAG> from the schema; unset, the
     # checkpoint's pdllm.json decides (serve.py checks what was given).
-    settings.add_arguments(
+    settings_flags.add_arguments(
         p.add_argument_group("engine (prefill and decode workers)"),
         settings.EngineOnlySettings,
         unset="the checkpoint's pdllm.json, else {default}",
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The router's decode policy for requests that name none (a request's DecodePolicyParams decide
     # otherwise); workers take the policy each request carries.
-    settings.add_arguments(
+    settings_flags.add_arguments(
         p.add_argument_group("decode policy (router: the default of requests that name none)"),
         settings.DecodePolicySettings,
     )

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from pdllm.protos.pdllm.v1 import generation_pb2 as pb
-from pdllm.shared import settings
+from pdllm.shared import settings, settings_flags
 from pdllm.shared.cli_args import Parser
 from pdllm.shared.rpc.client import ClientTls, PdllmClient, build_generate_request
 from pdllm.shared.rpc.errors import InvalidRequestError, PdllmError
@@ -69,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the response as one JSON object, in the fields of pdllm.v1.GenerateResponse "
         "(what `pdllm generate --json` prints)",
     )
-    settings.add_arguments(
+    settings_flags.add_arguments(
         p.add_argument_group("generation"), settings.GenerationSettings, unset="the server's"
     )
-    settings.add_arguments(p.add_argument_group("method"), settings.MethodSettings, unset="the server's")
-    settings.add_arguments(
+    settings_flags.add_arguments(
+        p.add_argument_group("method"), settings.MethodSettings, unset="the server's"
+    )
+    settings_flags.add_arguments(
         p.add_argument_group("decode policy"), settings.DecodePolicySettings, unset="the server's"
     )
     return p

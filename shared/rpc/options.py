@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pdllm.shared.rpc.server import ServerConfig, TlsFiles
-from pdllm.shared.settings import env_name, env_value  # the PDLLM_<FLAG> convention, one place for all flags
+from pdllm.shared.settings_flags import env_name, env_value  # PDLLM_<FLAG>: one place for all flags
 
 T = TypeVar("T")
 

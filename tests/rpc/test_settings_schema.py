@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdllm.shared import settings
+from pdllm.shared import settings, settings_flags
 from pdllm.shared.app.cli import main
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.sampler import GenerationConfig
@@ -223,22 +223,23 @@ def _generate(tiny_dir, capsys, *extra: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize(("group", "name", "value"), CLI_CASES)
 def test_generate_flag_refuses_it(tiny_dir, capsys, group: str, name: str, value: Any) -> None:
-    code, err = _generate(tiny_dir, capsys, settings.flag(name), str(value))
+    code, err = _generate(tiny_dir, capsys, settings_flags.flag(name), str(value))
     assert code == 2 and "Traceback" not in err
-    assert settings.flag(name) in err.splitlines()[-1], err  # argparse's own choice error follows its usage
+    # argparse's own choice error follows its usage
+    assert settings_flags.flag(name) in err.splitlines()[-1], err
 
 
 @pytest.mark.parametrize(("group", "name", "value"), CLI_CASES)
 def test_generate_env_variable_refuses_it(
     tiny_dir, capsys, monkeypatch, group: str, name: str, value
 ) -> None:
-    variable = settings.env_name(settings.flag(name))
+    variable = settings_flags.env_name(settings_flags.flag(name))
     monkeypatch.setenv(variable, str(value))
     code, err = _generate(tiny_dir, capsys)
     assert code == 2 and "Traceback" not in err
-    assert err.startswith(f"error: {settings.flag(name)} (${variable}) must be ") and err.count("\n") == 1, (
-        err
-    )
+    assert (
+        err.startswith(f"error: {settings_flags.flag(name)} (${variable}) must be ") and err.count("\n") == 1
+    ), err
 
 
 def test_env_variable_is_the_flags_default_and_the_flag_wins(tiny_dir, capsys, monkeypatch) -> None:
