@@ -240,8 +240,9 @@ def start_router(
     """``workers``: how the workers are reached (TLS, token); default: like the router itself.
     ``also_export``: registries the router's metrics endpoint serves beside its own."""
     from pdllm.protos.pdllm.v1 import generation_pb2_grpc
-    from pdllm.router.discovery import HealthCheckConfig, WorkerPool, discovery_from_flags
+    from pdllm.router.discovery import discovery_from_flags
     from pdllm.router.server import Pools, RouterConfig, RouterServicer
+    from pdllm.router.worker_pool import HealthCheckConfig, WorkerPool
 
     channel_factory = worker_channel_factory(workers or config)
     pools = {

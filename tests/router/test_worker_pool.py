@@ -14,13 +14,12 @@ from k8s_fake import wait_until
 
 from pdllm.router.discovery import (
     DiscoveryError,
-    HealthCheckConfig,
     StaticDiscovery,
     StaticDiscoveryConfig,
-    WorkerPool,
     discovery_from_flags,
     parse_worker_list,
 )
+from pdllm.router.worker_pool import HealthCheckConfig, WorkerPool
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
