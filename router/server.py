@@ -7,8 +7,8 @@ the decode worker for none) and assembling the final trace. Deadlines are passed
 client has left; a client that goes away cancels the worker calls (past its deadline they end on that
 deadline by themselves, so every server records DEADLINE_EXCEEDED).
 
-Retries: each phase gets up to ``RouterConfig.attempts`` tries, each on a worker not tried yet for this
-request, under the same request id (workers treat request ids idempotently).
+Retries (``retries.py``): each phase gets up to ``RouterConfig.attempts`` tries, each on a worker not tried
+yet for this request, under the same request id (workers treat request ids idempotently).
 
 - UNAVAILABLE (the worker is gone or draining, or a decode worker died mid-stream): the worker is reported
   to its pool as failed and the phase is retried elsewhere. A decode retry after partial outputs were
@@ -56,14 +56,11 @@ from pdllm.shared.rpc.validation import (
     resolve_generate_request,
 )
 
+from .retries import BUSY, RETRYABLE, Tries, as_error
 from .routing import LoadTracker, build_on_prefill, document_key
 from .trace import request_trace
 
 _log = logging.getLogger("pdllm.router")
-
-# Worker statuses that send a phase to another worker; only UNAVAILABLE marks the worker failed.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -236,7 +233,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self, req: wpb.DecodeRequest, deadline: float, context
     ) -> Iterator[tuple[str, wpb.DecodeResponse]]:
         """The decode stream's events, each with the address of the worker that sent it."""
-        tries = _Tries("decode")
+        tries = Tries("decode")
         for _ in range(self.config.attempts):
             address = self._choose("decode", self.decode_load, tries)
             stub = workers_pb2_grpc.DecodeStub(self.pools.channel(address))
@@ -259,14 +256,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 return
             except grpc.RpcError as err:
                 if err.code() == BUSY and sent:  # not an admission refusal: do not redo relayed work
-                    raise _as_error(err, "decode") from err
+                    raise as_error(err, "decode") from err
                 self._failed(tries, address, err)
             finally:
                 stream.cancel()
         raise tries.give_up()
 
     def _with_retries(self, role: str, tracker: LoadTracker, call, doc: str | None, tokens: int = 0):
-        tries = _Tries(role)
+        tries = Tries(role)
         for _ in range(self.config.attempts):
             address = self._choose(role, tracker, tries, doc, tokens)
             try:
@@ -275,10 +272,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 self._failed(tries, address, err)
         raise tries.give_up()
 
-    def _failed(self, tries: _Tries, address: str, err: grpc.RpcError) -> None:
+    def _failed(self, tries: Tries, address: str, err: grpc.RpcError) -> None:
         """Record a failed try; raise at once unless the status is retryable. Busy workers stay healthy."""
         if err.code() not in RETRYABLE:
-            raise _as_error(err, tries.role) from err
+            raise as_error(err, tries.role) from err
         tries.record(address, err)
         if err.code() == BUSY:
             _log.warning(f"{tries.role} worker busy; retrying elsewhere", extra={"worker": address})
@@ -287,7 +284,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             _log.warning(f"{tries.role} worker unavailable; retrying", extra={"worker": address})
 
     def _choose(
-        self, role: str, tracker: LoadTracker, tries: _Tries, doc: str | None = None, tokens: int = 0
+        self, role: str, tracker: LoadTracker, tries: Tries, doc: str | None = None, tokens: int = 0
     ) -> str:
         try:
             return tracker.choose(self.pools.healthy(role), doc, exclude=tries.tried, tokens=tokens)
@@ -351,35 +348,6 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
-class _Tries:
-    """The workers one phase of one request has tried, and why they failed."""
-
-    def __init__(self, role: str) -> None:
-        self.role = role
-        self.tried: set[str] = set()
-        self.busy: list[str] = []
-        self.last: grpc.RpcError | None = None
-        self.last_busy: grpc.RpcError | None = None
-
-    def record(self, address: str, err: grpc.RpcError) -> None:
-        self.tried.add(address)
-        self.last = err
-        if err.code() == BUSY:
-            self.busy.append(address)
-            self.last_busy = err
-
-    def give_up(self) -> PdllmError:
-        """The error for the client once no try is left: RESOURCE_EXHAUSTED if any worker was busy."""
-        if self.last_busy is not None:
-            details = self.last_busy.details() or BUSY.name
-            return PdllmError(
-                f"no {self.role} worker could take the request: {len(self.busy)} of {len(self.tried)} "
-                f"tried were busy (last: {details}); retry later",
-                code=BUSY,
-            )
-        return _as_error(self.last, self.role)
-
-
 def _cancel_when_client_leaves(context: grpc.ServicerContext, cancel: Callable[[], object]) -> None:
     """Cancel a worker call once the client's call ends early, except when the client's deadline ended
     it: the worker call carries that deadline (the time left when it was sent) and ends by itself at
@@ -391,13 +359,3 @@ def _cancel_when_client_leaves(context: grpc.ServicerContext, cancel: Callable[[
             cancel()
 
     context.add_callback(ended)
-
-
-def _as_error(err: grpc.RpcError | None, role: str) -> PdllmError:
-    if err is None:
-        return PdllmError(f"{role} failed", code=grpc.StatusCode.UNAVAILABLE)
-    code = err.code()
-    details = err.details() or code.name
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return PdllmError(details, code=code)
-    return PdllmError(f"{role} worker: {details}", code=code)
