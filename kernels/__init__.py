@@ -2,7 +2,9 @@
 
 - :mod:`.split_s_attention` (+ :mod:`.split_s_reference`): split-S decode attention over a paged chunk-KV
   pool plus the request's local KV; ``split_s_attention`` (Triton, CUDA) and ``split_s_attention_reference``
-  (torch, any device) share one signature.
+  (torch, any device) share one signature. Their device functions (a key block's softmax step, paged row
+  offsets, a program's row store, the split merge) live in :mod:`.split_s_blocks`, shared with the
+  experimental Hopper kernels :mod:`.split_s_hopper` (``PDLLM_SPLIT_S=hopper``).
 - :mod:`.paged_kv`: ``PagedKVPool``, the page pool those kernels read (chunk writes, page tables).
 - :mod:`.ragged_attention`: the decode path's one attention call over a ragged batch of packed rows: decode
   entries over their page lists through split-S (:mod:`.gathered_attention` off the GPU), chunk-prefill

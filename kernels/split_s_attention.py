@@ -65,65 +65,7 @@ __all__ = [
 LOG2E = 1.4426950408889634
 
 if triton is not None:
-
-    @triton.jit
-    def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-        # m_i is the running row max in scaled base-2 units; acc and l_i are relative to it. The scale is
-        # folded into the exponent's FMA, and P @ V accumulates into acc inside the dot.
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if MASKED:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        # Masked: rows that have seen no valid key yet keep m = -inf; shift by 0 there to avoid inf - inf.
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
-        alpha = tl.exp2(m_i - m_new_safe)
-        p = tl.exp2(s * qk_scale - m_new_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _merge_splits(OP, LSE, o_off, l_off, ok, n_split, s_ops, s_lss,
-                      BLOCK: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-        # Each split's partial output weighted by exp2 of its base-2 log-sum-exp; returns the merged output
-        # and the row's total base-2 log-sum-exp (-inf where no split saw a key).
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        w_sum = tl.zeros([BLOCK], tl.float32)
-        acc = tl.zeros([BLOCK, D], tl.float32)
-        for s in range(0, n_split):
-            ls = tl.load(LSE + s * s_lss + l_off, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-            po = tl.load(OP + s * s_ops + o_off, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
-            m_new = tl.maximum(m, ls)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(ls - m_safe)
-            acc = acc * alpha[:, None] + po * w[:, None]
-            w_sum = w_sum * alpha + w
-            m = m_new
-        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-        return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
-
-    @triton.jit
-    def _page_rows(PT, PF, b, h, n0, arange_n, end, s_pt, s_kp, s_kh,
-                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FILL: tl.constexpr):  # fmt: skip
-        """Element offsets of the K/V rows of logical slots ``n0 + arange_n`` and which are tokens."""
-        offs_n = n0 + arange_n
-        valid = offs_n < end
-        if BLOCK_N <= PAGE:
-            # Splits and blocks start at multiples of BLOCK_N, so a block never crosses a page: one page
-            # id per block and a contiguous tile.
-            slot = n0 // PAGE
-            page = tl.load(PT + b * s_pt + slot).to(tl.int64)
-            in_page = n0 % PAGE + arange_n
-            if HAS_FILL:
-                valid = valid & (in_page < tl.load(PF + b * s_pt + slot))
-        else:
-            slot = offs_n // PAGE
-            page = tl.load(PT + b * s_pt + slot, mask=valid, other=0).to(tl.int64)
-            in_page = offs_n % PAGE
-            if HAS_FILL:
-                valid = valid & (in_page < tl.load(PF + b * s_pt + slot, mask=valid, other=0))
-        return page * s_kp + h * s_kh + in_page * D, valid
+    from pdllm.kernels.split_s_blocks import _attend, _merge_splits, _page_rows, _store_rows
 
     @triton.jit
     def _split_s_kernel(
@@ -193,37 +135,26 @@ if triton is not None:
                     v = tl.load(VL + row_v[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
                     m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
 
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
-            if SINGLE:
-                ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
-                tl.store(ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-                if ROW_LSE:  # natural log (x ln 2): the unit of torch.logsumexp and the salient update
-                    tl.store(RLSE + tok * (G * HKV) + head, lse * 0.6931471805599453, mask=row_ok)
-            else:
-                ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
-                tl.store(ptr, o, mask=row_ok[:, None])
-                tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)
-                if FUSED:
-                    # The last split program of this (request, head, row block) to finish merges; the
-                    # barrier + acq_rel atomic publish every thread's partial stores first.
-                    tl.debug_barrier()
-                    idx = pid_bh * tl.num_programs(0) + pid_m
-                    done = tl.atomic_add(CNT + idx, 1, sem="acq_rel", scope="gpu")
-                    if done == tl.num_programs(1) - 1:
-                        res, merged_lse = _merge_splits(
-                            OP, LSE, tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :],
-                            tok * s_lst + head, row_ok, tl.num_programs(1), s_ops, s_lss, BLOCK_M, D, ".cg",
-                        )  # fmt: skip
-                        # (new names: `ptr` above points at fp32 partials and `total` is the int key count;
-                        # Triton refuses a name rebound to another type)
-                        out_ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
-                        tl.store(out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-                        if ROW_LSE:  # natural log (x ln 2)
-                            tl.store(
-                                RLSE + tok * (G * HKV) + head, merged_lse * 0.6931471805599453, mask=row_ok
-                            )
-                        tl.atomic_xchg(CNT + idx, 0)  # leave the workspace zeroed for the next call
+            _store_rows(acc, m_i, l_i, OUT, OP, LSE, RLSE, tok, head, offs_d, row_ok, pid_s,
+                        s_ot, s_oh, s_ops, s_opt, s_oph, s_lss, s_lst, G, HKV, SINGLE, ROW_LSE)  # fmt: skip
+            if not SINGLE and FUSED:
+                # The last split program of this (request, head, row block) to finish merges; the
+                # barrier + acq_rel atomic publish every thread's partial stores first.
+                tl.debug_barrier()
+                idx = pid_bh * tl.num_programs(0) + pid_m
+                done = tl.atomic_add(CNT + idx, 1, sem="acq_rel", scope="gpu")
+                if done == tl.num_programs(1) - 1:
+                    res, merged_lse = _merge_splits(
+                        OP, LSE, tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :],
+                        tok * s_lst + head, row_ok, tl.num_programs(1), s_ops, s_lss, BLOCK_M, D, ".cg",
+                    )  # fmt: skip
+                    # (new names: `total` is the int key count; Triton refuses a name rebound to another
+                    # type)
+                    out_ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
+                    tl.store(out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                    if ROW_LSE:  # natural log (x ln 2)
+                        tl.store(RLSE + tok * (G * HKV) + head, merged_lse * 0.6931471805599453, mask=row_ok)
+                    tl.atomic_xchg(CNT + idx, 0)  # leave the workspace zeroed for the next call
 
     @triton.jit
     def _merge_kernel(OP, LSE, OUT, RLSE, n_split, n_rows, s_ops, s_lss,

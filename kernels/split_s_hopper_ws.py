@@ -39,7 +39,7 @@ try:
     import triton
     import triton.language as tl
 
-    from pdllm.kernels.split_s_attention import _attend
+    from pdllm.kernels.split_s_blocks import _attend, _store_rows
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
     triton = None
 
@@ -184,14 +184,5 @@ if triton is not None:
                 v = tl.where(valid[:, None], VLD.load([row, h, 0]).reshape(BLOCK_N, D), 0.0)
                 m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, True, PRECISION)
 
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
-        if SINGLE:
-            ptr = OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
-            tl.store(ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-            if ROW_LSE:  # natural log (x ln 2), as split_s_attention writes it
-                tl.store(RLSE + tok * (G * HKV) + head, lse * 0.6931471805599453, mask=row_ok)
-        else:
-            ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
-            tl.store(ptr, o, mask=row_ok[:, None])
-            tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)
+        _store_rows(acc, m_i, l_i, OUT, OP, LSE, RLSE, tok, head, offs_d, row_ok, pid_s,
+                    s_ot, s_oh, s_ops, s_opt, s_oph, s_lss, s_lst, G, HKV, SINGLE, ROW_LSE)  # fmt: skip
