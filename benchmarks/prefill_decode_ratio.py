@@ -10,8 +10,10 @@ at 16K the chunk batch is already 16K tokens, so batching requests on a prefill 
 batched round time vs active sessions (``decode_rounds.json``, linear between the measured points); the
 K=4 handoff (``kv_handoff.json``, CUDA IPC: the workers of one node share a host). The decode round does not
 depend on the context length (every session holds the K selected chunks) while the prefill grows with it:
-that is what moves the ratio. ``serving_x2.json`` (a measured 1 prefill + 1 decode GPU layout) checks the
-simulator; ``serving.json`` gives the all-in-one baseline (8 independent one-GPU servers).
+that is what moves the ratio. The merged ``serving.json`` (``serving_report.py``) gives, by run, the
+measured 1 prefill + 1 decode GPU layout that checks the simulator (``SERVING_RUNS["check"]``: the two-GPU
+16K run) and the all-in-one baseline (``SERVING_RUNS["baseline"]``: the one-GPU H100 sweep; 8 independent
+one-GPU servers).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from benchmarks.router_sim import RoundCurve, SimConfig, simulate  # noqa: E402
 GPUS = 8
 CONTEXTS = (16384, 32768)  # the context lengths studied (the serving sweeps' lengths)
 RESULTS = Path(__file__).resolve().parent / "results"
+SERVING_RUNS = {"baseline": "x1", "check": "x2"}  # runs of the merged serving.json read here
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -75,6 +78,14 @@ def load_inputs(results: Path) -> tuple[dict[int, Costs], dict]:
         ),
     }
     return costs, sources
+
+
+def serving_run(results: Path, run: str) -> tuple[list[dict], dict]:
+    """One run of the merged ``serving.json``: its rows and where they came from."""
+    merged = json.loads((results / "serving.json").read_text())
+    return [r for r in merged["rows"] if r["run"] == run], _source(
+        "serving.json", merged["runs"][run], f"run {run}"
+    )
 
 
 def _source(name: str, meta: dict, note: str = "") -> dict:
@@ -166,10 +177,10 @@ def study(c: Costs, seed: int, requests: int = SimConfig.requests) -> dict:
 
 def validate(costs: dict[int, Costs], results: Path, seed: int) -> list[dict]:
     """The simulator against a measured layout: 1 prefill + 1 decode GPU (build on decode), bursts of c
-    requests as serving.py sends them (``serving_x2.json``: 2x H200; the costs are H100 ones)."""
-    x2 = json.loads((results / "serving_x2.json").read_text())
+    requests as serving.py sends them (``serving.json``'s two-GPU 16K run: 2x H200; the costs are H100 ones)."""
+    rows, source = serving_run(results, SERVING_RUNS["check"])
     out = []
-    for row in x2["rows"]:
+    for row in rows:
         if (
             row["layout"] != "1p1d-build-on-decode"
             or row["context_tokens"] not in costs
@@ -183,21 +194,21 @@ def validate(costs: dict[int, Costs], results: Path, seed: int) -> list[dict]:
         out.append({"layout": row["layout"], "concurrency": row["concurrency"], "context_tokens": c.context_tokens,
                     "measured_req_s": row["requests_per_s"], "sim_req_s": sim["throughput_req_s"],
                     "measured_ttft_p50_s": row["ttft_p50_s"], "sim_ttft_p50_s": sim["ttft_p50_s"],
-                    "source": _source("serving_x2.json", x2)})  # fmt: skip
+                    "source": source})  # fmt: skip
     return out
 
 
 def all_in_one(results: Path) -> tuple[dict[int, dict], dict]:
-    """Per context, the best measured one-GPU all-in-one throughput (``serving.json``): the baseline of a
-    node run as 8 independent servers."""
-    serving = json.loads((results / "serving.json").read_text())
+    """Per context, the best measured one-GPU all-in-one throughput (``serving.json``'s one-GPU H100 sweep):
+    the baseline of a node run as 8 independent servers."""
+    rows, source = serving_run(results, SERVING_RUNS["baseline"])
     best: dict[int, dict] = {}
-    for row in serving["rows"]:
+    for row in rows:
         if row["layout"] == "all-in-one" and row["requests_per_s"] > best.get(row["context_tokens"], {}).get(
             "requests_per_s", 0.0
         ):
             best[row["context_tokens"]] = row
-    return best, _source("serving.json", serving)
+    return best, source
 
 
 def choose(studies: list[dict], baseline: dict[int, dict]) -> dict:
@@ -341,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     costs, sources = load_inputs(args.results)
     baseline, sources["all-in-one baseline (best measured req/s, x 8)"] = all_in_one(args.results)
-    sources["simulator check (1 prefill + 1 decode GPU, measured)"] = _source(
-        "serving_x2.json", json.loads((args.results / "serving_x2.json").read_text())
-    )
+    sources["simulator check (1 prefill + 1 decode GPU, measured)"] = serving_run(
+        args.results, SERVING_RUNS["check"]
+    )[1]
     studies = [study(costs[ctx], args.seed, args.requests) for ctx in sorted(costs)]
     report = {"date": datetime.date.today().isoformat(), "seed": args.seed, "gpus": GPUS,
               "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),

@@ -9,13 +9,15 @@ service's overhead over the in-process engine.
     python benchmarks/serving.py --layouts all-in-one,1p1d-build-on-decode --share-gpu --context-tokens 16384 \\
         --concurrency 16 --warm-burst 2 --single-repeats 3 --out $OUT
     # four GPUs (nvidia-h100-x4 / nvidia-h200-x4): one-GPU baseline, 4 replica pairs, the simulator's 3:1 and
-    # an even split, 64 x 16K (the issue-30 targets: best >= 3.6x the all-in-one, the best split within 10%
+    # an even split, 64 x 16K (the four-GPU targets: best >= 3.6x the all-in-one, the best split within 10%
     # of replicas4 with step p99 <= 2x unloaded, sim_req_s within 10% of each split row):
     python benchmarks/serving.py --layouts all-in-one,replicas4,3p1d,2p2d --context-tokens 16384 \\
         --concurrency 64 --budget-s 540 --out $OUT --name serving_x4
     # CPU smoke (tiny random model, 1 thread per process; says nothing about GPUs):
     python benchmarks/serving.py --smoke --out /tmp/serving
     python benchmarks/serving.py --smoke --layouts 2p1d --share-gpu --concurrency 4 --out /tmp/serving
+    # a run joins the committed report (every run merged, a section each: serving_report.py):
+    python -m benchmarks.serving_report --out benchmarks/results benchmarks/results/serving.json NAME=$OUT/<name>.json
 
 Model: Dream-7B shapes (``benchmarks.shapes.dream7b``) with random weights, written once as a checkpoint
 (``--ckpt-dir``, default under /tmp; reused when its marker matches) with the shipped tokenizer (ids < 4096 <
@@ -83,7 +85,8 @@ batched bf16 rounds a request's logits depend on its round-mates, so random weig
 ``shared_gpu`` (the layout squeezed onto GPU 0 by ``--share-gpu``) and ``sim_req_s`` (above).
 ``ratios``: each layout's requests/s over the all-in-one's at the same context and concurrency, same run
 (target >= 1.7x for the 1p1d layouts, a two-GPU claim; the four-GPU targets are read from the
-rows: the best layout >= 3.6x, the best NpMd within 10% of replicas4).
+rows: the best layout >= 3.6x, the best NpMd within 10% of replicas4). ``ratios``, ``targets_x4`` and the
+report files (``write``) are ``serving_report.py``'s.
 
 Service overhead (``--single-repeats N``; needs the all-in-one layout): before any server starts, the engine
 ``pdllm serve`` builds, called in process (same store and settings, tokenization included, decoding with a
@@ -230,12 +233,7 @@ MIN_REQUESTS = 4
 WORKLOADS = ("unique", "reuse")
 SHIPPED = ROOT / "shared" / "checkpoints" / "pdllm-needle"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-TARGET_SPLIT_RATIO = 1.7  # split prefill/decode (two GPUs) vs the all-in-one, requests/s
 TARGET_OVERHEAD = 0.10  # served vs in-process engine, one request
-# four GPUs at the same context and concurrency, same run: the best layout vs the one-GPU all-in-one;
-# the best NpMd vs replicas4, its step p99 vs its unloaded step; the simulator vs each NpMd row
-TARGET_X4 = {"best_vs_all_in_one": 3.6, "split_vs_replicas": 0.9, "split_step_p99_over_unloaded": 2.0,
-             "sim_error": 0.10}  # fmt: skip
 
 
 def smoke_config() -> ModelConfig:
@@ -562,6 +560,8 @@ def start_layout(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.serving_report import ratios, targets_x4, write  # the report reads this module's layouts
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default="all-in-one", help="comma list of: " + LAYOUT_SYNTAX)
     ap.add_argument("--concurrency", default=None, help="comma list; default 1,4,16,64 (smoke 1,4)")
@@ -811,197 +811,6 @@ def overhead(base: dict, served: dict, context: int) -> dict:
     return {"context_tokens": context, "requests": len(base["seconds"]), "in_process": strip(base),
             "served": strip(served), "service_overhead": value, "target_max": TARGET_OVERHEAD,
             "met": value <= TARGET_OVERHEAD, "answers_equal_in_process": served["answers"] == base["answers"]}  # fmt: skip
-
-
-def targets_x4(rows: list[dict]) -> list[dict]:
-    """The four-GPU targets per (workload, context, concurrency) that has rows on 4 GPUs of their own
-    (not squeezed) and a one-GPU all-in-one row, same run (``TARGET_X4``); None where a row is missing."""
-    groups: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        key = (r.get("workload", "unique"), r["context_tokens"], r["concurrency"])
-        groups.setdefault(key, {})[r["layout"]] = r
-    out = []
-    for (workload, ctx, conc), by in groups.items():
-        four = {x: r for x, r in by.items() if r["gpus"] == 4 and not r.get("shared_gpu")}
-        aio = by.get("all-in-one")
-        if not four or aio is None or not aio["requests_per_s"]:
-            continue
-        best = max(four.values(), key=lambda r: r["requests_per_s"])
-        splits = [r for x, r in four.items() if parse_layout(x).split]
-        split = max(splits, key=lambda r: r["requests_per_s"]) if splits else None
-        rep = next((r for x, r in four.items() if parse_layout(x).replicas), None)
-        vs_rep = (
-            split["requests_per_s"] / rep["requests_per_s"]
-            if split and rep and rep["requests_per_s"]
-            else None
-        )
-        p99 = (
-            split["step_p99_ms"] / split["unloaded_step_ms"] if split and split["unloaded_step_ms"] else None
-        )
-        sims = {r["layout"]: r["sim_req_s"] / r["requests_per_s"] - 1 for r in splits
-                if r.get("sim_req_s") is not None and r["requests_per_s"]}  # fmt: skip
-        met = lambda v, ok: None if v is None else bool(ok(v))  # noqa: E731
-        out.append({"workload": workload, "context_tokens": ctx, "concurrency": conc, "best": best["layout"],
-                    "best_vs_all_in_one": best["requests_per_s"] / aio["requests_per_s"],
-                    "best_met": best["requests_per_s"] / aio["requests_per_s"] >= TARGET_X4["best_vs_all_in_one"],
-                    "best_split": split["layout"] if split else None, "split_vs_replicas": vs_rep,
-                    "split_vs_replicas_met": met(vs_rep, lambda v: v >= TARGET_X4["split_vs_replicas"]),
-                    "split_step_p99_over_unloaded": p99,
-                    "split_step_met": met(p99, lambda v: v <= TARGET_X4["split_step_p99_over_unloaded"]),
-                    "sim_error": sims, "sim_met": met(sims or None, lambda v: max(map(abs, v.values()))
-                                                      <= TARGET_X4["sim_error"]),
-                    "every_request_answered": all(r["failed"] == 0 for r in [aio, *four.values()]),
-                    "targets": TARGET_X4})  # fmt: skip
-    return out
-
-
-def ratios(rows: list[dict]) -> list[dict]:
-    """Each layout's requests/s over the all-in-one's at the same context and concurrency (same run)."""
-
-    def key(r: dict) -> tuple:
-        return r.get("workload", "unique"), r["context_tokens"], r["concurrency"]
-
-    alone = {key(r): r for r in rows if r["layout"] == "all-in-one"}
-    out = []
-    for r in rows:
-        base = alone.get(key(r))
-        if r["layout"] == "all-in-one" or base is None or not base["requests_per_s"]:
-            continue
-        value = r["requests_per_s"] / base["requests_per_s"]
-        answered = r["failed"] == 0 and base["failed"] == 0
-        split = r["layout"].startswith("1p1d")
-        out.append({"layout": r["layout"], "workload": key(r)[0], "context_tokens": r["context_tokens"],
-                    "concurrency": r["concurrency"],
-                    "vs_all_in_one": value, "target_min": TARGET_SPLIT_RATIO if split else None,
-                    "met": (answered and value >= TARGET_SPLIT_RATIO) if split else None,
-                    "every_request_answered": answered})  # fmt: skip
-    return out
-
-
-# ---------------------------------------------------------------------------------------- report
-def _f(value: object) -> str:
-    return format(value, ".4g") if isinstance(value, float) else str(value)
-
-
-def write(out: Path, name: str, report: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    meta = report["meta"]
-    label = "CPU SMOKE (tiny random model; not a GPU result)" if meta["smoke"] else report["device"]
-    lines = [f"# Serving concurrency sweep — {label}, {report['date']}", "", f"`{report['command']}`", "",
-             f"Model {meta['model'].get('hidden_size')}-hidden x {meta['model'].get('num_hidden_layers')} layers, "
-             f"random {meta['dtype']} weights; C={meta['engine']['chunk_size']}, K={meta['engine']['top_k']}; "
-             f"gen {meta['gen_length']} ({meta['steps']} steps); serve flags: {' '.join(meta['serve_flags']) or 'none'}; "
-             f"warm-up burst: {meta['warm_burst']}; requests per cell: {meta['requests_per_cell']}. GPUs visible: "
-             f"{meta['gpus_visible']}. Runtime {meta.get('runtime_s', 0):.0f} s of a {meta['budget_s']:.0f} s budget.",
-             "", "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]  # fmt: skip
-    lines += [
-        "| " + " | ".join(_f(r.get(k, ROW_DEFAULTS.get(k))) for k in ROW_KEYS) + " |" for r in report["rows"]
-    ]
-    notes: dict[str, list[str]] = {}  # rows merged from other runs say how they differ (e.g. a shared GPU)
-    for r in report["rows"]:
-        if r.get("note"):
-            notes.setdefault(r["note"], []).append(
-                f"{r['layout']} x{r['concurrency']} @ {r['context_tokens']}"
-            )
-    lines += [""] * bool(notes) + [f"Rows {', '.join(rows)}: {note}" for note, rows in notes.items()]
-    lines += ratio_lines(report, meta)
-    if report.get("handoff"):  # kv_handoff.py's list: one decode KV moved from a prefill to a decode worker
-        keys = list(report["handoff"][0])
-        lines += ["", f"KV handoff ({meta.get('handoff', {}).get('note', 'kv_handoff.py')}):", "",
-                  "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]  # fmt: skip
-        lines += ["| " + " | ".join(_f(h[k]) for k in keys) + " |" for h in report["handoff"]]
-    if report["decode_round"]:
-        keys = list(dict.fromkeys(k for r in report["decode_round"] for k in r))
-        lines += ["", "Batched decode rounds (decode_rounds.py):", "", "| " + " | ".join(keys) + " |",
-                  "|" + "---|" * len(keys)]  # fmt: skip
-        lines += ["| " + " | ".join(_f(r.get(k, "")) for k in keys) + " |" for r in report["decode_round"]]
-    for part in ("skipped", "errors"):
-        if meta[part]:
-            lines += ["", f"{part.capitalize()}:", ""] + [f"- {json.dumps(x) if isinstance(x, dict) else x}"
-                                                           for x in meta[part][:20]]  # fmt: skip
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    plot(out / f"{name}.png", report)
-
-
-def ratio_lines(report: dict, meta: dict) -> list[str]:
-    """The layouts against the all-in-one, and the single-request service overhead (when measured)."""
-    lines: list[str] = []
-    if report.get("ratios"):
-        where = " (some layouts on one GPU: not a multi-GPU claim)" if meta.get("shared_gpu") else ""
-        lines += ["", f"Requests/s against the all-in-one at the same context and concurrency, same run{where}:", "",
-                  "| layout | workload | context | concurrency | vs all-in-one | target | met | answers equal all-in-one |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        rows = {(r["layout"], r.get("workload", "unique"), r["context_tokens"], r["concurrency"]): r
-                for r in report["rows"]}  # fmt: skip
-        for x in report["ratios"]:
-            row = rows.get(
-                (x["layout"], x.get("workload", "unique"), x["context_tokens"], x["concurrency"]), {}
-            )
-            target = f">= {x['target_min']}x" if x["target_min"] else "—"
-            lines.append(f"| {x['layout']} | {x.get('workload', 'unique')} | {x['context_tokens']} | {x['concurrency']} "
-                         f"| {x['vs_all_in_one']:.2f}x "
-                         f"| {target} | {_f(x['met'])} | {row.get('answers_equal_all_in_one') or '—'} |")  # fmt: skip
-    sims = [r for r in report["rows"] if r.get("sim_req_s") is not None]
-    if sims:
-        lines += ["", "Router simulator (router_sim.py on the committed H100 costs, see meta.simulator) against "
-                  "the measured rows:", "", "| layout | workload | context | concurrency | measured req/s | "
-                  "simulated | simulated / measured |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {r['layout']} | {r.get('workload', 'unique')} | {r['context_tokens']} | {r['concurrency']} "
-                  f"| {r['requests_per_s']:.3g} | {r['sim_req_s']:.3g} | "
-                  + (f"{r['sim_req_s'] / r['requests_per_s']:.2f} |" if r["requests_per_s"] else "— |")
-                  for r in sims]  # fmt: skip
-    if meta.get("targets_x4"):
-        f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
-        lines += ["", "Four-GPU targets (same context and concurrency, same run):", "",
-                  "| workload | context | concurrency | best / all-in-one (>= 3.6x) | best split / replicas4 (>= 0.9) "
-                  "| its step p99 / unloaded (<= 2) | simulated / measured - 1 (within 10%) |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for t in meta["targets_x4"]:
-            sims = ", ".join(f"{x} {v:+.0%}" for x, v in t["sim_error"].items()) or "—"
-            lines.append(f"| {t['workload']} | {t['context_tokens']} | {t['concurrency']} | {t['best']} "
-                         f"{t['best_vs_all_in_one']:.2f}x ({t['best_met']}) | {t['best_split'] or '—'} "
-                         f"{f(t['split_vs_replicas'], '.2f')} ({t['split_vs_replicas_met']}) | "
-                         f"{f(t['split_step_p99_over_unloaded'], '.2f')} ({t['split_step_met']}) | {sims} "
-                         f"({t['sim_met']}) |")  # fmt: skip
-    o = report.get("overhead")
-    if o:
-        lines += ["", f"Single-request service overhead ({o['requests']} requests of {o['context_tokens']} tokens, "
-                  "unary, one at a time; the in-process engine first, before any server):", "",
-                  "| in-process median s | served (--role all) median s | overhead | target | met | answers equal |",
-                  "|---|---|---|---|---|---|",
-                  f"| {o['in_process']['median_s']:.3f} | {o['served']['median_s']:.3f} | {o['service_overhead']:+.1%} "
-                  f"| <= {o['target_max']:.0%} | {o['met']} | {o['answers_equal_in_process']} |"]  # fmt: skip
-    return lines
-
-
-def plot(path: Path, report: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    series: dict[tuple[str, int], list[dict]] = {}
-    for r in report["rows"]:
-        series.setdefault((r["layout"], r["context_tokens"]), []).append(r)
-    for (layout, ctx), rows in series.items():
-        rows = sorted(rows, key=lambda r: r["concurrency"])
-        xs = [r["concurrency"] for r in rows]
-        for ax, key in zip(axes, ("requests_per_s", "step_p99_ms"), strict=True):
-            shared = " (on 1 GPU)" if rows[0].get("shared_gpu") else ""
-            ax.plot(xs, [r[key] for r in rows], marker="o", label=f"{layout}, {ctx} tok{shared}")
-    for ax, title in zip(axes, ("requests / s", "step gap p99 (ms)"), strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-    if series:
-        axes[0].legend(fontsize=8)
-    fig.suptitle(f"pdllm serving sweep — {report['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

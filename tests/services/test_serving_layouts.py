@@ -17,9 +17,9 @@ from benchmarks.serving import (
     recommended_splits,
     simulated_req_s,
     simulator_costs,
-    targets_x4,
     visible_devices,
 )
+from benchmarks.serving_report import targets_x4
 
 
 @pytest.mark.parametrize(
