@@ -6,9 +6,11 @@
 # Usage: [MODEL=dir] [BLOCK=32] [POLICIES="a b"] [SAMPLES=8] [T=seconds] [PER_GPU=4] bash THIS
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
-M=${MODEL:-shared/checkpoints/pdllm-needle}; B=${BLOCK:-32}; O=/tmp/q; mkdir -p $O
+M=${MODEL:-shared/checkpoints/pdllm-needle}; B=${BLOCK:-32}; O=/tmp/q; rm -rf $O; mkdir -p $O
 T=${T:-420}; PER_GPU=${PER_GPU:-4}; SAMPLES=${SAMPLES:-8}
-GPUS=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
+# the GPUs this script may use: the parent's CUDA_VISIBLE_DEVICES list, else every GPU of the host
+IFS=, read -ra LANES <<< "${CUDA_VISIBLE_DEVICES:-$(python -c "import torch; print(','.join(map(str, range(max(1, torch.cuda.device_count())))))")}"
+GPUS=${#LANES[@]}
 E="python -m pdllm.shared.app.cli eval --model $M --train-length 1024 --out $O --eval-batch 24 --threshold none,0.7,0.8,0.9"
 jobs_list=()
 for p in ${POLICIES:-none dual-cache prefix-cache sparse-dllm polestar dyllm focus}; do
@@ -21,7 +23,7 @@ done
 jobs_list+=("--tasks needle --methods vanilla,pdllm --length-multiples 1,4 --depths 0,0.5,1 --samples $SAMPLES --block-length 4 --decode-policy none --record-schedule $O/sched_needle_none.json --name needle_none")
 i=0
 for j in "${jobs_list[@]}"; do
-  gpu=$(( i % GPUS )); name=${j##* }
+  gpu=${LANES[$(( i % GPUS ))]}; name=${j##* }
   # wait for a slot: at most PER_GPU evals per GPU
   while [ "$(jobs -r | wc -l)" -ge $(( GPUS * PER_GPU )) ]; do sleep 2; done
   CUDA_VISIBLE_DEVICES=$gpu timeout "$T" $E $j > "$O/$name.log" 2>&1 &
