@@ -89,9 +89,15 @@ def load_config(path: str | Path) -> TrainConfig:
     if not isinstance(raw, dict):
         raise TrainConfigError(f"{p}: expected a JSON object at the top level")
     try:
-        return _build(TrainConfig, raw, p.name)
+        cfg = _build(TrainConfig, raw, p.name)
     except TypeError as exc:
         raise TrainConfigError(f"{p}: {exc}") from exc
+    data = cfg.data
+    if not 0.0 <= data.block_mask_share <= 1.0 or data.block_mask_length < 1:
+        raise TrainConfigError(f"{p}: block_mask_share must be in [0, 1], block_mask_length >= 1")
+    if data.block_mask_share > 0 and cfg.model.block_size is not None:
+        raise TrainConfigError(f"{p}: block_mask_share is for Dream-layout models (model.block_size unset)")
+    return cfg
 
 
 def to_dict(config: TrainConfig) -> dict[str, Any]:

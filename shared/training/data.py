@@ -24,6 +24,13 @@ of its own, both without effect at their default 0 (no random number drawn): ``p
 rows are infilling rows (a 64-256-token span of a prose document cut out, ``[BLANK]`` in its place, the span
 as the answer: ``eval/infilling.py``'s layout, as evaluated).
 
+Block-decoding masks (``block_mask_share``, default 0: no random number drawn) give a share of the ``sft`` /
+``chunk`` rows the mask a left-to-right block decoder creates: the generation region split into blocks of
+``block_mask_length`` from its first token, the blocks before a uniformly drawn one clean, that block masked
+at the row's ratio, every later token masked. This module draws which rows and which block
+(``Batch.block_bounds``); ``objective.py`` draws the masks. ``diff_task`` rows keep one ratio over the whole
+row: their context is masked too, not the clean prompt a block decoder reads.
+
 The answer region is the answer followed by EOS up to a random generation length, as the decoder sees it.
 Batches are produced on CPU worker processes by slicing the pre-tokenized haystack. Each row's token layout
 is ``row_layouts.py``'s; this module draws the length and mode and stacks the rows into a :class:`Batch`.
@@ -74,6 +81,10 @@ class DataConfig:
     prose_file: str = ""
     prose_text_share: float = 0.0
     infill_weight: float = 0.0
+    # Share of the sft / chunk rows masked as a block decoder sees them (see the module docstring), blocks of
+    # block_mask_length tokens from the generation region's start; 0 draws nothing (older configs).
+    block_mask_share: float = 0.0
+    block_mask_length: int = 32
 
 
 @dataclass
@@ -84,6 +95,9 @@ class Batch:
     answer_region: torch.Tensor  # [B, T] bool: the answer's own tokens (not the EOS padding after it)
     segments: torch.Tensor | None = None  # [B, T] int16 chunk index, -1 for question + answer
     sees_query: torch.Tensor | None = None  # [B] bool: chunk tokens also attend to question + answer
+    # [B, 2] int64: the current block [start, end) of a block-decoding row, (-1, -1) for other rows; None
+    # where the batch has no block-decoding draw (block_mask_share 0, or a mode other than sft / chunk).
+    block_bounds: torch.Tensor | None = None
 
 
 class BatchBuilder(RowBuilder):
@@ -152,7 +166,31 @@ class BatchBuilder(RowBuilder):
             batch.sees_query = torch.rand(b, generator=torch.Generator().manual_seed(rng.getrandbits(32))) < (
                 cfg.p_chunk_sees_query
             )
+        if answer_only and cfg.block_mask_share > 0:
+            batch.block_bounds = block_bounds(loss_region, cfg.block_mask_share, cfg.block_mask_length, rng)
         return batch
+
+
+def block_bounds(region: torch.Tensor, share: float, length: int, rng: random.Random) -> torch.Tensor:
+    """``[B, 2]`` int64: for a ``share`` of the rows, the current block ``[start, end)`` of a block decoder.
+
+    Blocks of ``length`` tokens start at the first token of the row's last run of ``region`` (the answer
+    being generated, with its EOS padding); the block is drawn uniformly among them and ends at most at the
+    run's end. Earlier runs (multi_needle's earlier answers) lie before it, as prompt. Other rows: -1.
+    """
+    out = torch.full((region.shape[0], 2), -1, dtype=torch.int64)
+    for r in range(region.shape[0]):
+        if rng.random() >= share:
+            continue
+        idx = region[r].nonzero().flatten()
+        if idx.numel() == 0:
+            continue
+        gaps = (idx[1:] - idx[:-1] > 1).nonzero().flatten()
+        first = int(idx[int(gaps[-1]) + 1]) if gaps.numel() else int(idx[0])
+        last = int(idx[-1]) + 1
+        start = first + length * rng.randrange(-(-(last - first) // length))
+        out[r, 0], out[r, 1] = start, min(start + length, last)
+    return out
 
 
 class BatchStream(IterableDataset):

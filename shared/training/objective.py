@@ -1,6 +1,9 @@
 """Losses: masked diffusion (MDLM/LLaDA, 1/t weighted), block diffusion (SDAR / BD3-LM, for models with a
 ``block_size``) and next-token prediction under a causal mask.
 
+Masked diffusion masks a row's loss region at one ratio; rows with ``Batch.block_bounds`` (``data.py``'s
+``block_mask_share``) get a block decoder's mask instead (:func:`mask_for_block_decoding`).
+
 Block diffusion, the two-stream form of BD3-LM: the model reads ``[noisy row ; clean row]`` (``2T`` tokens,
 both halves at positions ``0..T-1``, so blocks ``p // block_size`` are aligned to absolute position 0 as the
 decode path aligns them: ``decode_service/block_diffusion.py``, ``model/sdar.py``) under
@@ -61,6 +64,26 @@ def mask_for_diffusion(
         pick = scores.argmax(dim=1)
         masked[empty, pick[empty]] = True
     return masked, p
+
+
+def mask_for_block_decoding(
+    region: torch.Tensor, bounds: torch.Tensor, eps: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-decoding masks for rows with ``bounds`` (``Batch.block_bounds``), one-ratio masks for the rest.
+
+    A row with bounds ``[start, end)``: its region before ``start`` is clean and unscored, the block is
+    masked at the row's ratio (:func:`mask_for_diffusion`'s draw, at least one masked token), the region
+    from ``end`` on is masked. Returns (masked [B, T], scored region [B, T], p [B, T]: each scored
+    position's masking probability; 1 after the block).
+    """
+    pos = torch.arange(region.shape[1], device=region.device)[None]
+    start, end = bounds[:, :1], bounds[:, 1:]
+    planned = start >= 0
+    after = region & planned & (pos >= end)
+    scored = region & ~(planned & (pos < start))
+    masked, p_row = mask_for_diffusion(scored & ~after, eps, generator)
+    p = torch.where(after, torch.ones_like(p_row)[:, None], p_row[:, None])
+    return masked | after, scored, p
 
 
 def mask_for_blocks(
@@ -148,12 +171,20 @@ def compute_loss(
     if batch.mode == "causal":
         inputs = ids
         targets_at = region
-        weight = 1.0 / region.sum(dim=1).clamp_min(1).float()
+        weight = (1.0 / region.sum(dim=1).clamp_min(1).float())[:, None].expand_as(ids)
         attention = DenseAttention(causal=True)
     else:
-        targets_at, p = mask_for_diffusion(region, eps, generator)
+        if batch.block_bounds is None:
+            targets_at, p = mask_for_diffusion(region, eps, generator)
+            weight = (1.0 / (p * region.sum(dim=1).clamp_min(1).float()))[:, None].expand_as(ids)
+        else:
+            # The 1/t weight is 1 / (the token's masking probability): the block's ratio inside it, 1 after
+            # it (masked for sure; weighting those by 1/t would blow up at small t). Divided by the scored
+            # tokens (the clean prefix is context), a row's expected loss is the mean cross-entropy of its
+            # scored tokens, as a one-ratio row's is of its region's.
+            targets_at, region, p = mask_for_block_decoding(region, batch.block_bounds, eps, generator)
+            weight = 1.0 / (p * region.sum(dim=1, keepdim=True).clamp_min(1).float())
         inputs = torch.where(targets_at, torch.full_like(ids, mask_id), ids)
-        weight = 1.0 / (p * region.sum(dim=1).clamp_min(1).float())
         if batch.mode == "chunk":
             attention = DenseAttention(mask=chunk_attention_mask(batch.segments, batch.sees_query))
         else:
@@ -165,14 +196,14 @@ def compute_loss(
         sel = targets_at[:, 1:]
         h = hidden[:, :-1][sel]
         targets = ids[:, 1:][sel]
-        row = torch.arange(b, device=ids.device)[:, None].expand(-1, ids.shape[1] - 1)[sel]
+        scored_weight = weight[:, 1:][sel]
         in_answer = batch.answer_region[:, 1:][sel]
     else:
         h = hidden[targets_at]
         targets = ids[targets_at]
-        row = torch.arange(b, device=ids.device)[:, None].expand_as(ids)[targets_at]
+        scored_weight = weight[targets_at]
         in_answer = batch.answer_region[targets_at]
-    return _scored(model, h, targets, weight[row], in_answer, b)
+    return _scored(model, h, targets, scored_weight, in_answer, b)
 
 
 def _block_diffusion_loss(
@@ -180,6 +211,8 @@ def _block_diffusion_loss(
 ) -> LossOutput:
     ids, region = batch.ids, batch.loss_region
     b = ids.shape[0]
+    if batch.block_bounds is not None:
+        raise ValueError("block_mask_share is for Dream-layout models: SDAR rows are block-diffused already")
     targets_at, p = mask_for_blocks(region, model.config.block_size, eps, generator)
     hidden = block_diffusion_hidden(model, ids, targets_at, mask_id)
     weight = 1.0 / (p * region.sum(dim=1, keepdim=True).clamp_min(1).float())

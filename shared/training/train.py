@@ -74,6 +74,7 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
         answer_region=move(batch.answer_region),
         segments=move(batch.segments),
         sees_query=move(batch.sees_query),
+        block_bounds=move(batch.block_bounds),
     )
 
 
