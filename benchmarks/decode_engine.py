@@ -43,7 +43,17 @@ fitted to the cell's gen and blocks in pieces of the recorded block length; focu
 for request i in its plain and FOCUS runs), so speed is measured at a recorded TPF. Their rows carry
 ``replayed: true``, ``recorded_tpf`` (the eval's TPF of the samples replayed) and ``schedule_tpf`` (tokens
 per step as replayed), the rounds' also ``timed_blocks`` as the rounds timed; ``tpf`` and tokens/s count
-the tokens the replayed steps unmasked. Without it, rows carry ``replayed: false``.
+the tokens the replayed steps unmasked. Without it, rows carry ``replayed: false``. The policies' work is
+replayed too where the file records it (``schedule.policy_fractions``, the selected samples' mean): FOCUS
+(focus-batched, and rounds under ``--rounds-policies focus``) keeps the top ``ceil(f x block rows)`` masked
+rows by its importance delta (plus its AR-context, placeholder and context rows), DyLLM makes the
+``ceil(f x queried rows)`` most drifted rows salient at each layer of a SparseStep (f: ``ffn_frac``),
+Polestar-Cache recomputes ``ceil(r)`` rows per layer at each update and updates at the recorded rate per
+forward; scores and kernels stay the policy's, only the counts are forced (the ``replay_*`` config fields).
+Those rows carry ``replayed_fractions`` (what was forced; None: the file records none for the policy, which
+then makes its own choices, ``sparsity`` saying so) beside ``measured_fractions`` (the same fractions of the
+run's counters). Measured and forced differ where the policy's other rules decide: FOCUS's frozen rows and
+added rows, DyLLM's FullSteps and rows not queried, Polestar's refreshes (no update) and short runs.
   compute-skip   DyLLM and FOCUS (their reference loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
@@ -191,7 +201,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--schedule", type=Path, default=None,
                     help="rounds, rounds-e2e, focus-batched: requests replay the unmask counts of this `pdllm eval --record-schedule` "
-                    "file (rows labelled replayed) instead of one token per step")  # fmt: skip
+                    "file (rows labelled replayed) instead of one token per step, and FOCUS / DyLLM / Polestar the "
+                    "work fractions it records")  # fmt: skip
     ap.add_argument("--schedule-select", default=None,
                     help="--schedule: only its samples with these key=value fields, e.g. method=pdllm,threshold=0.9")  # fmt: skip
     ap.add_argument("--e2e-contexts", default=None, help="rounds-e2e: contexts (default 8192,16384,32768)")

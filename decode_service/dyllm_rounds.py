@@ -23,7 +23,9 @@ and FFN outputs are two tensors of its own (``[layers, rows, .]``). Per step
   their cached one.
 
 The GEMMs run over every queried row (a round is bound by weight reads, not by rows); what DyLLM skips is
-its choice of which rows' activations change. Such rounds run eagerly (the choice is made inside the
+its choice of which rows' activations change. A session with ``DyLLMConfig.replay_ffn_frac`` (benchmarks)
+takes the ``ceil(f x queried rows)`` rows of lowest cosine instead of τ's at every SparseStep layer
+(:func:`lowest_per_member`). Such rounds run eagerly (the choice is made inside the
 forward); the session samples on the host (the next step's first salient rows are the tokens that changed).
 """
 
@@ -40,6 +42,7 @@ from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.round_packing import RoundRows
 from pdllm.decode_service.rounds import CachingSession
 from pdllm.kernels.salient_attention import salient_attention, salient_attention_reference, salient_columns
+from pdllm.shared.decode_policy import replay_ceil
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -142,7 +145,11 @@ class DyLLMRound:
         slots = [e.session.slot(r) for e in edits for r in range(e.first, e.session.local_rows)]
         member = [i for i, n in enumerate(sizes) for _ in range(n)]
         exact = [e.full or not e.session.dyllm.approximate_attention for e in edits]
-        every = [e.full or e.session.threshold >= 1.0 for e in edits]
+        # a replayed share decides a SparseStep's layers instead of τ (``DyLLMConfig.replay_ffn_frac``)
+        forced = [None if e.full else e.session.dyllm.replay_ffn_frac for e in edits]
+        every = [
+            e.full or (e.session.threshold >= 1.0 and f is None) for e, f in zip(edits, forced, strict=True)
+        ]
         per_row = [(x, a) for x, a, m in zip(exact, every, sizes, strict=True) for _ in range(m)]
         salient = [int(f) for e in edits for f in e.salient]
         longs = to_device(
@@ -164,6 +171,16 @@ class DyLLMRound:
             device,
         )
         self.approximate = not all(exact)
+        self.forced: tuple[torch.Tensor, torch.Tensor] | None = None  # per row: forced, its member's count
+        if any(f is not None for f in forced):
+            counts = [0 if f is None else replay_ceil(f * m) for f, m in zip(forced, sizes, strict=True)]
+            per = [
+                (int(f is not None), c)
+                for f, c, m in zip(forced, counts, sizes, strict=True)
+                for _ in range(m)
+            ]
+            flags = to_device([x for pair in per for x in pair], torch.long, device).view(-1, 2).T
+            self.forced = (flags[0].bool(), flags[1])
         self.wants_lse = self.approximate  # A_t's normalizer, from the attention (LayerEdits)
         self.entries = to_device([e for e, _, _ in members], torch.long, device)
         self.entry_meta: tuple[PagedBatchAttention, torch.Tensor, torch.Tensor] | None = None
@@ -239,7 +256,12 @@ class DyLLMRound:
             ).reshape(n, -1)
             approx = (before.float() + delta).to(before.dtype)
             context = torch.where((self.salient | self.exact)[:, None], exact, approx)
-        chosen = (context_cosine(context, before) < self.threshold) | self.every
+        similarity = context_cosine(context, before)
+        chosen = (similarity < self.threshold) | self.every
+        if self.forced is not None:
+            forced, count = self.forced
+            top = lowest_per_member(similarity, self.member, self.q_offsets, count)
+            chosen = torch.where(forced, top, chosen)
         torch._foreach_copy_(self._cached("contexts", layer), list(context.split(self.sizes)))
         self.chosen = chosen
         out.index_copy_(0, self.rows, context.view(n, *out.shape[1:]))
@@ -261,3 +283,15 @@ class DyLLMRound:
                 assert e.session.counts is not None
                 e.session.counts.add_(self.counts[:, i])
         return ffn
+
+
+def lowest_per_member(
+    score: torch.Tensor, member: torch.Tensor, offsets: torch.Tensor, count: torch.Tensor
+) -> torch.Tensor:
+    """``[n]`` bool: per member (its rows contiguous from ``offsets[member]``, in row order), its ``count``
+    rows of lowest ``score`` (ties: the lower row); ``count`` ``[n]``: each row's member's count."""
+    order = torch.sort(score, stable=True).indices  # ascending; ties keep the lower row first
+    order = order[torch.sort(member[order], stable=True).indices]  # grouped by member, order kept
+    place = torch.arange(order.numel(), device=order.device) - offsets.long()[member[order]]
+    rank = torch.empty_like(order).scatter_(0, order, place)
+    return rank < count

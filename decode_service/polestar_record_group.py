@@ -23,6 +23,7 @@ from pdllm.decode_service.policies.polestar_batch import (
 )
 from pdllm.decode_service.policies.polestar_device import KMEANS_ROUNDS
 from pdllm.decode_service.policies.polestar_store import split_clusters
+from pdllm.shared.decode_policy import replay_ceil
 from pdllm.shared.generation.device_sampler import to_device
 
 if TYPE_CHECKING:
@@ -160,7 +161,9 @@ class RecordGroup:
         return stack, sizes[:, : min(p.top_clusters, kk)].sum(1).long()
 
     def _finish(self, tops: list[list[int]]) -> None:
-        """Each session's per-layer bounds on an update's recomputed rows, its counter and peak bytes."""
+        """Each session's per-layer bounds on an update's recomputed rows (a replayed count: that count), its
+        counter and peak bytes."""
+        forced = self.policy.replay_rows_per_update_layer
         for i, s in enumerate(self.sessions):
             st = s.polestar
             cached, total = s.refresh_rows - (s.span[1] - s.span[0]), 0
@@ -168,7 +171,7 @@ class RecordGroup:
             for layer_tops in tops:
                 top = layer_tops[i]
                 total = top if self.policy.recompute == "per-layer" else min(cached, total + top)
-                st.bounds.append(total)
+                st.bounds.append(total if forced is None else min(cached, replay_ceil(forced)))
             if st.recomputed is None:
                 st.recomputed = torch.zeros((), dtype=torch.long, device=s.device)
             s.stats.cache_bytes = max(s.stats.cache_bytes, s.refresh_rows * s.row_bytes + st.num_bytes())

@@ -76,6 +76,7 @@ class PolestarBatchSession(PolicyBatchSession):
         lo, hi = ctx.block_start - ctx.lead, ctx.block_end
         if plan.refresh:
             state.unmasked_at_update = ctx.unmasked
+            state.forwards += 1
             self.span = (lo, hi)
             cached, n = ctx.rows - (hi - lo), ctx.rows
             slot_of = [*range(lo), *range(cached, cached + hi - lo), *range(lo, cached)]

@@ -22,11 +22,13 @@ from pdllm.decode_service.policies.polestar import Polestar, PolestarState
 from pdllm.decode_service.policies.polestar_batch import (
     StackedLayer,
     choose_batched,
+    forced_batched,
     kl_drift_batched,
     pad_stack,
 )
 from pdllm.decode_service.policies.polestar_device import masked_rows
 from pdllm.decode_service.round_attention import PagedBatchAttention
+from pdllm.shared.decode_policy import replay_ceil
 from pdllm.shared.generation.device_sampler import to_device
 
 if TYPE_CHECKING:
@@ -145,15 +147,20 @@ class UpdateGroup:
         log_p = stack.proxy(self.model, layer, keys, lay.key_valid)
         prev = pad_stack([s.polestar.log_prev[layer] for s in ss], log_p.shape[1:], 0.0)
         kl = kl_drift_batched(log_p, prev, lay.key_valid, stack.cluster_valid)
-        chosen = choose_batched(kl, self.policy.top_clusters, self.policy.drift_threshold)
         for i, s in enumerate(ss):
             c = stack.sizes[i][1]
             if c:
                 s.polestar.log_prev[layer] = log_p[i, :, :c, : s.refresh_rows]
-        mask = torch.zeros(len(ss), width, dtype=torch.bool, device=device)
-        mask = mask.scatter_(1, stack.rows, chosen.gather(1, stack.assign))  # padding: column N, False
-        if self.carried is not None and self.policy.recompute == "propagated":
-            mask = mask | self.carried
+        propagated = self.carried is not None and self.policy.recompute == "propagated"
+        if self.policy.replay_rows_per_update_layer is not None:  # a replayed count, ranked as forced_rows
+            count = replay_ceil(self.policy.replay_rows_per_update_layer)
+            mask = forced_batched(stack, kl, self.carried if propagated else None, count)
+        else:
+            chosen = choose_batched(kl, self.policy.top_clusters, self.policy.drift_threshold)
+            mask = torch.zeros(len(ss), width, dtype=torch.bool, device=device)
+            mask = mask.scatter_(1, stack.rows, chosen.gather(1, stack.assign))  # padding: column N, False
+            if propagated:
+                mask = mask | self.carried
         mask = mask[:, :-1]
         # Drifting rows first, then the other real rows, then padding columns: each ascending.
         order = (~mask).to(torch.uint8) + (~lay.key_valid).to(torch.uint8)

@@ -51,6 +51,26 @@ def _least(name: str) -> str:
     return f"{'>' if lo_open else '>='} {lo:g}"
 
 
+def replay_ceil(value: float) -> int:
+    """``ceil(value)`` with float rounding under 1e-9 forgiven (``0.7 * 10`` is 7, not 8): the row counts
+    the ``replay_*`` knobs below force."""
+    return math.ceil(value - 1e-9)
+
+
+def check_replay_knob(
+    name: str, value: float | None, top: float | None = 1.0, above_zero: bool = False
+) -> None:
+    """A ``replay_*`` knob: None, or a finite number in ``[0, top]`` (``top`` None: no upper bound;
+    ``above_zero``: 0 excluded)."""
+    if value is None:
+        return
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if bad or value < 0 or (above_zero and value == 0) or (top is not None and value > top):
+        low = "> 0" if above_zero else ">= 0"
+        span = low if top is None else f"in {'(' if above_zero else '['}0, {top:g}]"
+        raise ValueError(f"{name} must be None or a number {span}, got {value!r}")
+
+
 def _from_settings(group: str, fields: Mapping[str, str], values: Mapping[str, Any]) -> dict[str, Any]:
     """Runtime-config keyword arguments from knobs named as settings; unset (None) ones are left out."""
     unknown = set(values) - set(fields)
@@ -72,12 +92,18 @@ class DyLLMConfig:
     rows, the others the response only (plus the row before it on shifted-logit models); 1: every step
     queries all. ``approximate_attention`` (§3.3, Table 1's "Salient + Approx."): stable rows update their
     cached context by the salient rows' value deltas; False: they attend exactly ("Salient").
+
+    ``replay_ffn_frac`` (benchmarks only, not a setting; None: τ decides): at each layer of a SparseStep the
+    ``ceil(f x queried rows)`` rows of lowest context cosine (ties: the lower row) are salient instead of
+    those under τ, so a recorded share of FFN rows (``schedule.policy_fractions``' ``ffn_frac``) can be
+    replayed on other weights. FullSteps and the first layer's incoming rows are unchanged.
     """
 
     threshold: float | None = _paper("dyllm_threshold")
     full_steps: int = _paper("dyllm_full_steps")
     full_sequence_interval: int = _paper("dyllm_full_sequence_interval")
     approximate_attention: bool = _paper("dyllm_approximate_attention")
+    replay_ffn_frac: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -105,6 +131,7 @@ class DyLLMConfig:
             raise ValueError(
                 f"dyllm_approximate_attention must be a bool, got {self.approximate_attention!r}"
             )
+        check_replay_knob("dyllm replay_ffn_frac", self.replay_ffn_frac)
 
     def threshold_for(self, family: str) -> float:
         """τ for a model family: the knob, or the paper's value for that family."""
@@ -135,6 +162,12 @@ class FocusConfig:
     dynamic); ``budget >= block length`` evicts nothing. ``delayed_cache``: §4.3's intra-block KV cache
     (frozen stable decoded rows; part of FOCUS, E.3.4). The paper's other defaults are generation
     settings, not FOCUS's: block length 32 and confidence threshold 0.8 (§5.2).
+
+    ``replay_retained_frac`` f (benchmarks only, not a setting; None: Eq. 4 or ``budget`` decides; in
+    ``(0, 1]``): K is ``ceil(f x block rows)``, at least 1 and still raised to a fixed schedule's quota; the
+    top-K masked rows by dI then take the same AR-context, placeholder and context rows, so a recorded
+    share of rows retained (``schedule.policy_fractions``' ``retained_frac``) can be replayed on other
+    weights.
     """
 
     alpha: float = _paper("focus_alpha")
@@ -142,6 +175,7 @@ class FocusConfig:
     budget: int | None = _paper("focus_budget")
     delayed_cache: bool = _paper("focus_delayed_cache")
     name: str = "focus"
+    replay_retained_frac: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +203,7 @@ class FocusConfig:
             raise ValueError(f"focus budget must be None (dynamic, Eq. 4) or an integer {least}, got {b!r}")
         if not isinstance(self.delayed_cache, bool):
             raise ValueError(f"focus delayed_cache must be a bool, got {self.delayed_cache!r}")
+        check_replay_knob("focus replay_retained_frac", self.replay_retained_frac, above_zero=True)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any]) -> FocusConfig:

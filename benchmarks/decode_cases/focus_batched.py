@@ -1,11 +1,13 @@
 """The ``focus-batched`` case: FOCUS in the decode worker's rounds against plain block diffusion in the same
 rounds, on SDAR shapes; with ``--schedule``, both at replayed unmask counts (request ``i`` replays the same
-schedule in each run, so they compare at equal tokens per forward)."""
+schedule in each run, so they compare at equal tokens per forward), and FOCUS at the schedule's recorded
+retained share where it has one (``replay.Replay.knobs``)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -72,6 +74,8 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
     name = (
         "plain-rounds" if focus is None else "focus-rounds" if layer_graphs else "focus-rounds-eager-layers"
     )
+    if focus is not None and bench.replay is not None:  # its recorded retained share, where recorded
+        focus = replace(focus, **bench.replay.knobs("focus"))
     where = {"policy": name, "batch": batch, "gen_length": a.focus_gen}
     if bench.left() <= 0:
         bench.skip(case, where, "time budget spent")
@@ -126,6 +130,8 @@ def sdar_rounds_row(bench: Bench, case: str, model: Any, prompts: list[list[int]
         own = bench.replay.columns(gen, batch, spans, start=p)
     speed = tokens / seconds
     caches = [e.result.cache for j in jobs for e in list(j.events.queue) if isinstance(e, Final)]
+    if bench.replay is not None and focus is not None:
+        own |= bench.replay.sparsity("focus", caches, model.config.num_layers)
     done = sum(c.get("rows_forwarded", 0) for c in caches)
     total = sum(c.get("rows_plain", 0) for c in caches)
     bench.add({"case": case, "policy": name, "method": "vanilla", "context_tokens": a.vanilla_context,

@@ -10,6 +10,15 @@ cover the piece, the step that would pass it cut to fit. Recorded and replayed a
 ``b`` replays recorded block ``b``; an SDAR judge recorded at ``--block-length 4`` and replayed in blocks
 of 32 replays per 4-token block. Each step unmasks exactly its count (``GenerationConfig.schedule``), so
 every shape of a round, its graph bucket included, is the same in the capture run and the timed run.
+
+Replayed work: a sample recorded under FOCUS, DyLLM or Polestar-Cache also holds its policy's work
+fractions (``schedule.policy_fractions``). :meth:`Replay.knobs` turns the selected samples' mean fractions
+into that policy's ``replay_*`` config fields (:data:`REPLAYED_KNOBS`), which keep the policy's scores and
+kernels and force only its count: FOCUS retains the top ``ceil(f x block rows)`` masked rows by its
+importance delta, DyLLM makes the ``ceil(f x queried rows)`` most drifted rows salient at each layer of a
+SparseStep, Polestar recomputes ``ceil(r)`` rows per layer at each update and updates at the recorded rate
+per forward. A schedule without a policy's fractions leaves that policy to its own choices; rows say which
+(:meth:`Replay.sparsity`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from pdllm.shared.generation.schedule import (
     as_schedule,
     load_schedules,
     parse_select,
+    policy_fractions,
     replayed_spans,
     schedule_tpf,
 )
@@ -36,6 +46,17 @@ FITTING = (
     "(at absolute multiples of it), piece g replays recorded block g mod (blocks recorded), its counts "
     "cycled until they cover the piece, the last cut to fit"
 )
+
+
+# Per policy, each recorded fraction (``schedule.policy_fractions``' keys) and the config field replaying it.
+REPLAYED_KNOBS: dict[str, dict[str, str]] = {
+    "focus": {"retained_frac": "replay_retained_frac"},
+    "dyllm": {"ffn_frac": "replay_ffn_frac"},
+    "polestar": {
+        "recomputed_rows_per_update_layer": "replay_rows_per_update_layer",
+        "updates_per_forward": "replay_updates_per_forward",
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -90,13 +111,45 @@ class Replay:
             "schedule_model": self.header.get("model"),
         }
 
+    def fractions(self, policy: str) -> dict[str, float]:
+        """``policy``'s recorded work fractions, each the mean over the selected samples that hold it ({}:
+        none does, or the policy has no replayed work)."""
+        out = {}
+        for key in REPLAYED_KNOBS.get(policy, {}):
+            values = [s["fractions"][key] for s in self.samples if key in (s.get("fractions") or {})]
+            if values:
+                out[key] = round(sum(values) / len(values), 4)
+        return out
+
+    def knobs(self, policy: str) -> dict[str, float]:
+        """The ``replay_*`` config fields forcing :meth:`fractions` on ``policy`` ({}: left unforced)."""
+        return {REPLAYED_KNOBS[policy][k]: v for k, v in self.fractions(policy).items()}
+
+    def sparsity(self, policy: str, caches: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
+        """A replayed row's work columns for a policy with replayed work ({} for the others):
+        ``replayed_fractions`` (what was forced; None: nothing recorded), ``sparsity`` (``replayed`` or
+        ``own``: why) and ``measured_fractions`` (``policy_fractions`` of the run's counters, ``caches``,
+        summed over its requests)."""
+        if policy not in REPLAYED_KNOBS:
+            return {}
+        forced = self.fractions(policy) or None
+        why = "replayed" if forced else f"own: the schedule records no {policy} fractions"
+        pooled: dict[str, Any] = {}
+        for cache in caches:
+            for k, v in cache.items():
+                pooled[k] = pooled.get(k, 0) + v if isinstance(v, int) else v
+        measured = policy_fractions(pooled, num_layers) if pooled else None
+        return {"replayed_fractions": forced, "sparsity": why, "measured_fractions": measured}
+
     def note(self) -> str:
         """What a case's setup says of the replay."""
         tpf = schedule_tpf(tuple(b for s in self.samples for b in as_schedule(s["steps"])))
+        work = "; ".join(f"{p} {self.fractions(p)}" for p in REPLAYED_KNOBS if self.fractions(p))
         return (
             f"Replayed schedules: {self.path.name} ({len(self.samples)} samples"
             f"{', ' + self.select if self.select else ''}; recorded on {self.header.get('model')}, "
-            f"{tpf:.2f} tokens per step as recorded); {FITTING}."
+            f"{tpf:.2f} tokens per step as recorded); {FITTING}. Replayed work (mean recorded fractions, "
+            f"forced where a case runs that policy): {work or 'none recorded, every policy makes its own choices'}."
         )
 
 

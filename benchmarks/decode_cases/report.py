@@ -41,8 +41,21 @@ def markdown(report: dict) -> str:
 
 
 def _replayed(r: dict) -> str:
-    """A row's pace: one token per step, or a replayed schedule and its recorded TPF."""
-    return f"yes ({fmt(r.get('recorded_tpf'))})" if r.get("replayed") else "no"
+    """A row's pace: one token per step, or a replayed schedule and its recorded TPF; where the policy has
+    replayed work, each forced fraction -> as measured, or ``own work`` (nothing recorded to force)."""
+    if not r.get("replayed"):
+        return "no"
+    out = f"yes ({fmt(r.get('recorded_tpf'))})"
+    if "sparsity" not in r:
+        return out
+    forced, measured = r.get("replayed_fractions"), r.get("measured_fractions") or {}
+    if not forced:
+        return f"{out}; own work"
+    return (
+        out
+        + "; "
+        + ", ".join(f"{k} {fmt(v, '.3f')} -> {fmt(measured.get(k), '.3f')}" for k, v in forced.items())
+    )
 
 
 def _kv_mib(r: dict) -> str:

@@ -8,6 +8,7 @@ import io
 import json
 import pstats
 import time
+from dataclasses import replace
 
 import torch
 
@@ -17,7 +18,7 @@ from benchmarks.harness import peak_gib
 from benchmarks.shapes import sync
 from pdllm.decode_service.kv_pool import DecodeKVPool, KVPoolConfig
 from pdllm.decode_service.policies import DecodePolicyConfig
-from pdllm.decode_service.policy_rounds import PolicyBatchSession, batch_session
+from pdllm.decode_service.policy_rounds import batch_session
 from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round
@@ -41,11 +42,15 @@ class Prompt:
 
 
 def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n: int,  # type: ignore[no-untyped-def]
-             gens: list[GenerationConfig] | None = None) -> list[BatchSession]:  # fmt: skip
+             gens: list[GenerationConfig] | None = None, knobs: dict[str, float] | None = None) -> list[BatchSession]:  # fmt: skip
     """``n`` sessions under ``policy`` over ``prompt``, made as the decode worker makes them
     (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``; vanilla: the prompt as local rows).
-    ``gens``: each session's own settings (a replayed schedule each), else ``gen`` for all."""
+    ``gens``: each session's own settings (a replayed schedule each), else ``gen`` for all; ``knobs``: the
+    policy's ``replay_*`` fields (``Replay.knobs``: its recorded work forced)."""
     cfg = None if policy == "none" else DecodePolicyConfig(policy)
+    run_as = rounds_policy(cfg)
+    if knobs and run_as is not None:
+        run_as = replace(run_as, **knobs)
     static = prompt.static is not None
     extra = SessionMaker(model, pool.page_size).pool_slots(cfg, len(prompt.query), gen, static=static)
     out: list[BatchSession] = []
@@ -59,16 +64,17 @@ def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n:
             pool.write(pages, prompt.static)
             kv = StaticKV([prompt.static], prompt.query_start)
         own = gen if gens is None else gens[i]
-        built = StaticDecode(list(prompt.query), kv, own, cache_policy=rounds_policy(cfg))
+        built = StaticDecode(list(prompt.query), kv, own, cache_policy=run_as)
         out.append(batch_session(model, built, pages, pool.page_size))
     return out
 
 
-def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None, counter=None, gens=None) -> dict:  # type: ignore[no-untyped-def]  # fmt: skip
+def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None, counter=None, gens=None, knobs=None) -> dict:  # type: ignore[no-untyped-def]  # fmt: skip
     """Decode ``n`` sessions together until done or the first block boundary past ``limit_s``
     (``blocks``: exactly that many blocks); pages returned. ``counter``: the forwards of the rounds.
-    ``gens``: the sessions' replayed schedules (``replay.py``); a "block" is then ``gen.block`` rounds."""
-    active = sessions(model, pool, prompt, gen, policy, n, gens)
+    ``gens``: the sessions' replayed schedules (``replay.py``); a "block" is then ``gen.block`` rounds;
+    ``knobs``: the policy's replayed work (:func:`sessions`). ``caches``: every session's counters."""
+    active = sessions(model, pool, prompt, gen, policy, n, gens, knobs)
     every = list(active)
     device = pool.kv.device
     sync(device)
@@ -92,7 +98,8 @@ def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None
     seconds = time.perf_counter() - start
     forwards = counter.count - count0 if counter else 0
     peak = peak_gib(device)
-    cache = every[0].result().cache if isinstance(every[0], PolicyBatchSession) else {}
+    caches = [s.result().cache for s in every]  # read after the timing; plain sessions: {}
+    cache = caches[0]
     # One request's pool pages (static KV + its policy's cache), reserved for what it keeps: the bytes
     # the pool's budget charges it, its peak and its size after eviction alike.
     held = len(every[0].pages) * pool.page_bytes
@@ -100,7 +107,7 @@ def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None
     for s in every:
         pool.release(s.pages)
     return {"seconds": seconds, "rounds": rounds, "blocks": done_blocks, "peak_gib": peak, "cache": cache,
-            "forwards": forwards, "cache_bytes": held, "static_kv_bytes": static}  # fmt: skip
+            "caches": caches, "forwards": forwards, "cache_bytes": held, "static_kv_bytes": static}  # fmt: skip
 
 
 def round_check(device: torch.device) -> str:
@@ -173,10 +180,11 @@ def round_cell(bench: Bench, case: str, part_rows: list[dict], method: str, cont
     gen = bench.gen(gen_len)
     replay = bench.replay
     gens = None if replay is None else replay.gens(gen, n)
+    knobs = None if replay is None else replay.knobs(policy)  # its recorded work, where recorded
     try:
         args = (st.forward, model, st.pool, prompt, gen, policy, n, bench.args.cell_s)
-        first = timed_run(*args, gens=gens)  # captures the buckets
-        second = timed_run(*args, blocks=first["blocks"], counter=bench.counter, gens=gens)
+        first = timed_run(*args, gens=gens, knobs=knobs)  # captures the buckets
+        second = timed_run(*args, blocks=first["blocks"], counter=bench.counter, gens=gens, knobs=knobs)
     except Exception as exc:  # e.g. out of memory: recorded, the rest still runs
         bench.error(case, where, exc)
         return
@@ -186,6 +194,7 @@ def round_cell(bench: Bench, case: str, part_rows: list[dict], method: str, cont
     if replay is not None:
         tokens = replayed_tokens([g.schedule for g in gens or [] if g.schedule], second["rounds"])
         timed, own = f"{second['rounds']} rounds", replay.columns(gen, n)
+        own |= replay.sparsity(policy, second["caches"], model.config.num_layers)
     fpr = per_round(second["forwards"], second["rounds"])
     part_rows.append({"case": case, **where, "tokens_per_s": tokens / second["seconds"],
                       "round_ms": second["seconds"] / second["rounds"] * 1e3, "forwards_per_round": fpr,

@@ -42,13 +42,16 @@ def select_batched(
     block_length: int,
 ) -> torch.Tensor:
     """Algorithm 1 lines 7-18 for ``R`` padded blocks (``[R, W]``; ``reach`` / ``k_hist`` / ``quota``
-    ``[R]``, quota 0 where none): the rows forwarded past layer 1, ``[R, W]`` bool."""
+    ``[R]``, quota 0 where none): the rows forwarded past layer 1, ``[R, W]`` bool. K: Eq. 4, the fixed
+    ``budget``, or ``ceil(f x valid rows)`` under ``replay_retained_frac`` f; then raised to the quota."""
     count = valid.sum(-1, keepdim=True).to(delta.dtype)
     d = delta.masked_fill(~valid, 0.0)
     mean = d.sum(-1, keepdim=True) / count
     sigma = (((d - mean) * valid) ** 2).sum(-1, keepdim=True).div(count).sqrt()
     n_sigma = (masked & (delta >= sigma)).sum(-1)  # Eq. 5
-    if config.budget is not None:
+    if config.replay_retained_frac is not None:  # ceil(f x block rows), as ``replay_ceil`` rounds it
+        k = (count.squeeze(-1) * config.replay_retained_frac - 1e-9).ceil().clamp(min=1).to(n_sigma.dtype)
+    elif config.budget is not None:
         k = torch.full_like(n_sigma, config.budget)
     else:
         k = torch.clamp(torch.maximum(k_hist, n_sigma), max=block_length)  # Eq. 4

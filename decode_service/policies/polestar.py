@@ -42,6 +42,13 @@ Per block (the block at local rows ``[o, e)``, forwarded rows ``F = [o - lead, e
    last one (the refresh counts as one). "More than T in one step" is contained in "more than T
    cumulatively", so one rule covers both; T = 0 updates at every step.
 
+**Replayed work** (benchmarks only; :class:`Polestar`'s ``replay_*`` fields, None by default): an update
+recomputes ``ceil(r)`` cached rows per layer, the rows carried from the layer before first (``propagated``),
+then the members of the clusters in descending drift (ties: the lower cluster), each cluster's rows
+ascending (:func:`forced_rows`); the drift threshold and M no longer count. Updates run at a rate u
+instead of step 5's rule: the i-th forward (refreshes counted) updates, if it is a cached step, while fewer
+than ``floor(u i)`` updates ran (:func:`replay_due`); a refresh cannot update, so its share carries over.
+
 **Exact identities** (tested): with ``none`` residuals, T = 0 and M = C, every cached row is recomputed from
 layer 0 at every step: plain decoding (the same rows through the same layers; row order in the GEMMs aside).
 With a drift threshold no KL reaches (or T beyond the block), no row is ever recomputed: the dual cache.
@@ -59,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from pdllm.decode_service.local_cache import LocalKVCache
+from pdllm.shared.decode_policy import check_replay_knob, replay_ceil
 from pdllm.shared.decode_policy_settings import PolestarRecompute, ResidualFormat, paper_default
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import apply_rope
@@ -88,6 +96,26 @@ def select_clusters(kl: torch.Tensor, top: int, threshold: float) -> list[int]:
     order = torch.sort(kl, descending=True, stable=True).indices.tolist()
     values = kl.tolist()  # one read of the device, not one per cluster
     return [c for c in order if values[c] >= threshold][:top]
+
+
+def replay_due(rate: float, forwards: int, updates: int) -> bool:
+    """Whether a cached step that is the ``forwards``-th forward (refreshes counted) updates at a replayed
+    rate of updates per forward, ``updates`` having run: while fewer than ``floor(rate x forwards)``."""
+    return updates < math.floor(rate * forwards + 1e-9)
+
+
+def forced_rows(
+    store: ClusteredHidden, kl: torch.Tensor | None, carried: torch.Tensor | None, count: int
+) -> torch.Tensor:
+    """The ``count`` cached rows (ascending) an update recomputes at a layer under a replayed count: the
+    ``carried`` rows first, then the members of ``store``'s clusters by descending drift ``kl`` (ties: the
+    lower cluster), each cluster's rows ascending."""
+    ranked = [] if carried is None else carried.tolist()
+    if kl is not None:
+        values, taken = kl.tolist(), set(ranked)  # one read of the device
+        for c in sorted(range(len(values)), key=lambda c: (-values[c], c)):
+            ranked += [r for r in store.members([c]).tolist() if r not in taken]
+    return torch.tensor(sorted(ranked[:count]), dtype=torch.long, device=store.assign.device)
 
 
 def _project(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -124,6 +152,7 @@ class PolestarState:
     unmasked_at_update: int = 0
     updates: int = 0
     rows_recomputed: int = 0
+    forwards: int = 0  # refreshes and cached steps (a replayed update rate counts them)
     # Set per update step: rows recomputed at the previous layer and their inputs to this layer.
     carried_rows: torch.Tensor | None = None
     carried_x: torch.Tensor | None = None
@@ -132,8 +161,13 @@ class PolestarState:
         return sum(s.num_bytes() for s in self.stores)
 
     def update_due(self, policy: Polestar, unmasked: int) -> bool:
-        """§4.3's trigger at a cached step (``unmasked``: the block's unmasked tokens); starts the update."""
-        if unmasked - self.unmasked_at_update <= policy.update_threshold:
+        """§4.3's trigger at a cached step (``unmasked``: the block's unmasked tokens), or a replayed rate's
+        (:func:`replay_due`); starts the update."""
+        self.forwards += 1
+        rate = policy.replay_updates_per_forward
+        if rate is not None and not replay_due(rate, self.forwards, self.updates):
+            return False
+        if rate is None and unmasked - self.unmasked_at_update <= policy.update_threshold:
             return False
         self.unmasked_at_update, self.updates = unmasked, self.updates + 1
         self.carried_rows, self.carried_x = None, None
@@ -173,17 +207,22 @@ class PolestarState:
         if self.carried_rows is not None:  # the previous layer's recomputed rows: their new inputs here
             store.update(self.carried_rows, self.carried_x)
         chosen: list[int] = []
+        kl: torch.Tensor | None = None
+        forced = policy.replay_rows_per_update_layer
         if store.clusters:
             log_p = layer_proxy(model, layer, store, k)
             kl = kl_drift(log_p, self.log_prev[layer])
-            chosen = select_clusters(kl, policy.top_clusters, policy.drift_threshold)
+            if forced is None:
+                chosen = select_clusters(kl, policy.top_clusters, policy.drift_threshold)
             self.log_prev[layer] = log_p
-        fresh = store.members(chosen)
         carried = self.carried_rows
-        if carried is None or policy.recompute == "per-layer":
-            rows = fresh
+        if forced is not None:
+            keep = carried if policy.recompute == "propagated" else None
+            rows = forced_rows(store, kl, keep, replay_ceil(forced))
+        elif carried is None or policy.recompute == "per-layer":
+            rows = store.members(chosen)
         else:
-            rows = torch.unique(torch.cat([carried, fresh]))  # ascending
+            rows = torch.unique(torch.cat([carried, store.members(chosen)]))  # ascending
         if rows.numel() == 0:
             self.carried_rows, self.carried_x = None, None
             return None
@@ -259,6 +298,7 @@ class PolestarStep:
         if record:
             if layer == 0:
                 state.unmasked_at_update = self.unmasked
+                state.forwards += 1
             x = self._inputs[layer][0]  # [N, hidden]: this layer's input, every local row
             state.record(self.policy, self.model, layer, x, k, (self.lo, self.hi), self.positions[0])
             return k, v
@@ -310,6 +350,10 @@ class Polestar:
     recompute: str = paper_default("polestar_recompute")
     refresh_steps: int | None = None
     name: str = "polestar"
+    # benchmarks only, not settings (module docstring's "Replayed work"): rows per update and layer, and
+    # updates per forward, as ``schedule.policy_fractions`` records them
+    replay_rows_per_update_layer: float | None = None
+    replay_updates_per_forward: float | None = None
 
     def __post_init__(self) -> None:
         # The settings schema says the same for users; this guards direct construction.
@@ -319,6 +363,8 @@ class Polestar:
             raise ValueError(f"need drift_threshold >= 0 and residual_format int8|fp8|none, got {self}")
         if self.recompute not in get_args(PolestarRecompute):
             raise ValueError(f"need recompute propagated|per-layer, got {self}")
+        check_replay_knob("polestar replay_rows_per_update_layer", self.replay_rows_per_update_layer, None)
+        check_replay_knob("polestar replay_updates_per_forward", self.replay_updates_per_forward)
 
     def plan(self, ctx: StepContext) -> StepPlan:
         lo, hi = ctx.block_start - ctx.lead, ctx.block_end

@@ -175,6 +175,33 @@ def choose_batched(kl: torch.Tensor, top: int, threshold: float) -> torch.Tensor
     return torch.zeros_like(kl, dtype=torch.bool).scatter_(1, order, passed)
 
 
+def forced_batched(
+    stack: StackedLayer, kl: torch.Tensor, carried: torch.Tensor | None, count: int
+) -> torch.Tensor:
+    """``polestar.forced_rows`` per session: ``[S, W]`` bool, the ``count`` cached rows of each (all if
+    fewer) ranked carried first (``carried`` ``[S, W]`` or None), then by their cluster's descending drift
+    ``kl`` ``[S, K]`` (ties: the lower cluster), then ascending."""
+    s, width = stack.entry_of.shape
+    device = kl.device
+    real = stack.cluster_valid.gather(1, stack.assign)  # [S, E]: entries of real clusters
+    cached = torch.zeros(s, width, dtype=torch.bool, device=device).scatter_(1, stack.rows, real)
+    drift = torch.full((s, width), float("-inf"), device=device).scatter_(
+        1, stack.rows, kl.gather(1, stack.assign).float()
+    )
+    cluster = torch.full((s, width), kl.shape[1], dtype=torch.long, device=device)
+    cluster = cluster.scatter_(1, stack.rows, stack.assign)
+    tier = torch.where(cached, 1, 2)  # not cached: last, never taken
+    if carried is not None:
+        tier = torch.where(carried & cached, 0, tier)
+    # Successive stable sorts: the last key sorted is the first one compared.
+    perm = torch.sort(cluster, dim=1, stable=True).indices
+    perm = perm.gather(1, torch.sort(drift.gather(1, perm), dim=1, descending=True, stable=True).indices)
+    perm = perm.gather(1, torch.sort(tier.gather(1, perm), dim=1, stable=True).indices)
+    place = torch.arange(width, device=device).expand(s, width)
+    rank = torch.empty_like(perm).scatter_(1, perm, place)
+    return cached & (rank < count)
+
+
 def kmeans_batched(x: torch.Tensor, valid: torch.Tensor, ks: list[int], rounds: int) -> torch.Tensor:
     """``polestar_device_store.kmeans_fixed`` of ``P`` problems at once: rows ``x`` ``[P, L, H]`` (``valid``
     ``[P, L]``: a prefix of real rows), ``ks[p]`` clusters each (>= 1). Cluster ids ``[P, L]``; padding

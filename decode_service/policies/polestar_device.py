@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .polestar import Polestar
+from .polestar import Polestar, replay_due
 from .polestar_device_store import DeviceClusteredHidden
 
 KMEANS_ROUNDS = 20  # the reference's cap, run in full
@@ -65,6 +65,7 @@ class DevicePolestarState:
     bounds: list[int] = field(default_factory=list)
     unmasked_at_update: int = 0
     updates: int = 0
+    forwards: int = 0  # refreshes and cached steps (a replayed update rate counts them)
     recomputed: torch.Tensor | None = None  # device counter of recomputed rows
 
     @property
@@ -76,8 +77,13 @@ class DevicePolestarState:
         return sum(s.num_bytes() for s in self.stores)
 
     def update_due(self, policy: Polestar, unmasked: int) -> bool:
-        """The reference's trigger (``PolestarState.update_due``); starts the update."""
-        if unmasked - self.unmasked_at_update <= policy.update_threshold:
+        """The reference's trigger (``PolestarState.update_due``, a replayed rate's included); starts the
+        update."""
+        self.forwards += 1
+        rate = policy.replay_updates_per_forward
+        if rate is not None and not replay_due(rate, self.forwards, self.updates):
+            return False
+        if rate is None and unmasked - self.unmasked_at_update <= policy.update_threshold:
             return False
         self.unmasked_at_update, self.updates = unmasked, self.updates + 1
         return True

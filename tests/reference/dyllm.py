@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.decode_service.policies.dyllm_base import DyLLMStats, context_cosine, step_kind
-from pdllm.shared.decode_policy import PAPER_THRESHOLDS, DyLLMConfig
+from pdllm.shared.decode_policy import PAPER_THRESHOLDS, DyLLMConfig, replay_ceil
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM, SelfAttention, apply_rope
@@ -210,6 +210,9 @@ class DyLLMLogits(DyLLMBase):
             # 3. This layer's salient rows: the context turned by more than τ allows.
             similarity = context_cosine(context, before).tolist()
             chosen = [i for i, s in enumerate(similarity) if self.all_salient or s < self.threshold]
+            share = self.config.replay_ffn_frac  # a replayed share: the most drifted rows instead
+            if share is not None:
+                chosen = sorted(sorted(range(m), key=lambda i: (similarity[i], i))[: replay_ceil(share * m)])
             contexts = cache.contexts[li].clone()
             for i in range(m):
                 contexts[first + i] = context[i]

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
+from pdllm.shared.decode_policy import replay_ceil
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -40,9 +41,15 @@ from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, inner
 from tests.reference.policy import check_local_rows
 
 
-def budget(config: FocusConfig, k_hist: int, n_sigma: int, block_length: int, quota: int | None) -> int:
-    """Eq. 4's K (or the fixed ``budget``), raised to the fixed schedule's ``quota`` of this step."""
-    k = config.budget if config.budget is not None else min(block_length, max(k_hist, n_sigma))
+def budget(
+    config: FocusConfig, k_hist: int, n_sigma: int, block_length: int, quota: int | None, rows: int
+) -> int:
+    """Eq. 4's K (or the fixed ``budget``; or ``ceil(f x rows)``, at least 1, for a replayed retained share
+    f of the block's ``rows``), raised to the fixed schedule's ``quota`` of this step."""
+    if config.replay_retained_frac is not None:
+        k = max(1, replay_ceil(config.replay_retained_frac * rows))
+    else:
+        k = config.budget if config.budget is not None else min(block_length, max(k_hist, n_sigma))
     return k if quota is None else max(k, quota)
 
 
@@ -80,7 +87,7 @@ def select(
     mean = sum(d) / len(d)
     sigma = math.sqrt(sum((x - mean) ** 2 for x in d) / len(d))
     n_sigma = sum(1 for j in masked if d[j] >= sigma)  # Eq. 5
-    k = budget(config, memory.k_hist(config.alpha), n_sigma, block_length, quota)
+    k = budget(config, memory.k_hist(config.alpha), n_sigma, block_length, quota, len(d))
     top = sorted(masked, key=lambda j: (-d[j], j))[:k]
     chosen = set(top) | {i - 1 for i in top if i > 0}  # AR-context preservation (line 17)
     last = max(chosen)
