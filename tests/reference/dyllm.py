@@ -9,12 +9,13 @@ to it token for token and counter for counter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from pdllm.decode_service.policies.dyllm_base import DyLLMStats, context_cosine, step_kind
-from pdllm.shared.decode_policy import PAPER_THRESHOLDS, DyLLMConfig, replay_ceil
+from pdllm.shared.decode_policy import PAPER_THRESHOLDS, DyLLMConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM, SelfAttention, apply_rope
@@ -29,6 +30,12 @@ __all__ = [
     "step_kind",
     "vanilla_dyllm_logits",
 ]
+
+
+def _ceil_count(value: float) -> int:
+    """Rows a replayed share forces: ``value`` rounded up, after rounding away float noise below
+    1e-6 (``0.7 * 10`` is 7 rows); written here, not imported, so the oracle shares no helper."""
+    return math.ceil(round(value, 6))
 
 
 @dataclass
@@ -212,7 +219,7 @@ class DyLLMLogits(DyLLMBase):
             chosen = [i for i, s in enumerate(similarity) if self.all_salient or s < self.threshold]
             share = self.config.replay_ffn_frac  # a replayed share: the most drifted rows instead
             if share is not None:
-                chosen = sorted(sorted(range(m), key=lambda i: (similarity[i], i))[: replay_ceil(share * m)])
+                chosen = sorted(sorted(range(m), key=lambda i: (similarity[i], i))[: _ceil_count(share * m)])
             contexts = cache.contexts[li].clone()
             for i in range(m):
                 contexts[first + i] = context[i]

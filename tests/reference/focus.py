@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
-from pdllm.shared.decode_policy import replay_ceil
 from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
@@ -41,13 +40,19 @@ from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, inner
 from tests.reference.policy import check_local_rows
 
 
+def _ceil_count(value: float) -> int:
+    """Rows a replayed share forces: ``value`` rounded up, after rounding away float noise below
+    1e-6 (``0.7 * 10`` is 7 rows); written here, not imported, so the oracle shares no helper."""
+    return math.ceil(round(value, 6))
+
+
 def budget(
     config: FocusConfig, k_hist: int, n_sigma: int, block_length: int, quota: int | None, rows: int
 ) -> int:
     """Eq. 4's K (or the fixed ``budget``; or ``ceil(f x rows)``, at least 1, for a replayed retained share
     f of the block's ``rows``), raised to the fixed schedule's ``quota`` of this step."""
     if config.replay_retained_frac is not None:
-        k = max(1, replay_ceil(config.replay_retained_frac * rows))
+        k = max(1, _ceil_count(config.replay_retained_frac * rows))
     else:
         k = config.budget if config.budget is not None else min(block_length, max(k_hist, n_sigma))
     return k if quota is None else max(k, quota)
