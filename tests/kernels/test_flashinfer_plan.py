@@ -45,6 +45,7 @@ def _pools(gen: torch.Generator, entries: list[tuple[int, list[int]]], local: bo
     pages = sum(-(-t // PAGE) for _, lens in entries for t in lens) + sum(-(-r // PAGE) for r, _ in entries)
     cfg = PagedKVConfig(1, HKV, D, num_pages=pages + 4, page_size=PAGE, dtype=torch.float64)
     holed, packed = PagedKVPool(cfg), PagedKVPool(cfg)
+    holed.kv.zero_()  # the pool starts as torch.empty: a NaN there would fail the unchanged-pool check
     holed.allocate(1)  # page ids do not start at 0
     perm = torch.randperm(cfg.num_pages - 1, generator=gen).add(1).tolist()  # shuffled page lists
     requests, tokens = [], []
