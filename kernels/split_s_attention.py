@@ -212,20 +212,14 @@ def split_s_attention(
     """
     if triton is None:
         raise RuntimeError("split_s_attention needs triton; use split_s_attention_reference on this machine")
-    check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
-    check_lse_out(q, lse_out)
+    max_q_len, max_kv_len = launch_sizes(
+        q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill, lse_out,
+        max_q_len, max_kv_len,
+    )  # fmt: skip
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_pages.shape
     g = hq // hkv
     batch = page_table.shape[0]
-    if k_pages.stride()[2:] != (d, 1) or v_pages.stride() != k_pages.stride():
-        raise ValueError("k_pages/v_pages must share strides with each page's [page_size, D] tile contiguous")
-    if q.stride(2) != 1 or (k_local is not None and (k_local.stride(2) != 1 or v_local.stride(2) != 1)):
-        raise ValueError("q and k_local/v_local need a contiguous last dim")
-    if max_q_len is None:
-        max_q_len = int((q_offsets[1:] - q_offsets[:-1]).max()) if batch else 0
-    if max_kv_len is None:
-        max_kv_len = int(kv_lens.max()) if batch else 0
     args = (q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill, scale)
     if total_q == 0 or max_q_len == 0:
         return torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
@@ -247,6 +241,37 @@ def split_s_attention(
     cfg = sel.config
     key = launch_key(q.dtype, d, page, cfg)
     return guarded(key, lambda: _launch(*args, cfg, max_q_len, max_kv_len, workspace, lse_out), reference)
+
+
+def launch_sizes(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_local: torch.Tensor | None,
+    v_local: torch.Tensor | None,
+    page_fill: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    max_q_len: int | None,
+    max_kv_len: int | None,
+) -> tuple[int, int]:
+    """A split-S launcher's input checks (shapes, the strides the kernels read with) and its grid sizes:
+    ``max_q_len`` / ``max_kv_len`` as given, else read from ``q_offsets`` / ``kv_lens`` (a host sync)."""
+    check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
+    check_lse_out(q, lse_out)
+    d = q.shape[2]
+    batch = page_table.shape[0]
+    if k_pages.stride()[2:] != (d, 1) or v_pages.stride() != k_pages.stride():
+        raise ValueError("k_pages/v_pages must share strides with each page's [page_size, D] tile contiguous")
+    if q.stride(2) != 1 or (k_local is not None and (k_local.stride(2) != 1 or v_local.stride(2) != 1)):
+        raise ValueError("q and k_local/v_local need a contiguous last dim")
+    if max_q_len is None:
+        max_q_len = int((q_offsets[1:] - q_offsets[:-1]).max()) if batch else 0
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max()) if batch else 0
+    return max_q_len, max_kv_len
 
 
 def launch_key(dtype: torch.dtype, head_dim: int, page: int, cfg: SplitSConfig) -> tuple:

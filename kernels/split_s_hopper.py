@@ -30,12 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.kernels.resources import guarded, smem_limit, warn_once
-from pdllm.kernels.split_s_attention import LOG2E, _num_sms, split_s_attention
+from pdllm.kernels.split_s_attention import LOG2E, _num_sms, launch_sizes, split_s_attention
 from pdllm.kernels.split_s_hopper_ws import fit_stages, group_pad, ws_descriptors, ws_unsupported
 from pdllm.kernels.split_s_reference import (
     SplitSConfig,
-    check_inputs,
-    check_lse_out,
     plan_splits,
     split_s_attention_reference,
 )
@@ -148,19 +146,13 @@ def split_s_attention_hopper(
     del workspace  # the merge is always the second launch
     if triton is None:
         raise RuntimeError("split_s_attention_hopper needs triton; use split_s_attention_reference here")
-    check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill)
-    check_lse_out(q, lse_out)
+    max_q_len, max_kv_len = launch_sizes(
+        q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill, lse_out,
+        max_q_len, max_kv_len,
+    )  # fmt: skip
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_pages.shape
     batch = page_table.shape[0]
-    if k_pages.stride()[2:] != (d, 1) or v_pages.stride() != k_pages.stride():
-        raise ValueError("k_pages/v_pages must share strides with each page's [page_size, D] tile contiguous")
-    if q.stride(2) != 1 or (k_local is not None and (k_local.stride(2) != 1 or v_local.stride(2) != 1)):
-        raise ValueError("q and k_local/v_local need a contiguous last dim")
-    if max_q_len is None:
-        max_q_len = int((q_offsets[1:] - q_offsets[:-1]).max()) if batch else 0
-    if max_kv_len is None:
-        max_kv_len = int(kv_lens.max()) if batch else 0
     if total_q == 0 or max_q_len == 0:
         return torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     args = (q, k_pages, v_pages, page_table, kv_lens, q_offsets, k_local, v_local, page_fill, scale)
