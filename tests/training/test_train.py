@@ -61,6 +61,7 @@ def test_shipped_configs_parse():
         "judge_dream.json",
         "judge_sdar.json",
         "judge_dream_stage2.json",
+        "judge_dream_blocks_stage2.json",
         "judge_sdar_stage2.json",
     ):
         cfg = load_config(CONFIG_DIR / name)
