@@ -7,7 +7,8 @@
 
 Output: ``--out`` (benchmarks/results; smoke: a temp dir) / ``--name`` (decode_engine) ``.json`` + ``.md``;
 ``--update`` keeps the rows and notes of the cases not run now from the file already there, so cases run
-in separate calls (or on separate machines) share one file without overwriting each other.
+in separate calls (or on separate machines) share one file without overwriting each other. A run with
+``--schedule`` stores its cases as ``<case>+replayed`` (``rounds+replayed``), beside the one-token-per-step ones.
 
 Dream-7B shapes with random bf16 weights (``shapes.py``; SDAR-8B shapes for ``focus-batched``), block 32,
 one token per step (steps = gen length: the same step count for every policy, and no confidence threshold,
@@ -34,7 +35,8 @@ Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and `
                  ``--round-check`` first checks policy sessions in graphed rounds == the reference policy
                  loop (tiny fp32 models; on a GPU a minute or two of compiles and captures).
   rounds-e2e     pdllm in the rounds, batch 1, end to end (fixed phases + gen / tokens/s) against Fast-dLLM's
-                 dual cache on the whole prompt, at 8K / 16K / 32K and gen 32 / 256.
+                 dual cache on the whole prompt, at 8K / 16K / 32K and gen 32 / 256, and against vanilla
+                 decoding (one token per step, no cache; ``--e2e-vanilla-steps`` steps timed, times gen).
 
 ``--schedule FILE`` (a ``pdllm eval --record-schedule`` file; ``--schedule-select method=pdllm,threshold=0.9``
 keeps some of its samples): the rounds, rounds-e2e and focus-batched requests unmask the recorded counts per
@@ -207,6 +209,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="--schedule: only its samples with these key=value fields, e.g. method=pdllm,threshold=0.9")  # fmt: skip
     ap.add_argument("--e2e-contexts", default=None, help="rounds-e2e: contexts (default 8192,16384,32768)")
     ap.add_argument("--e2e-gens", default=None, help="rounds-e2e: gen lengths (default 32,256; smoke 16)")
+    ap.add_argument("--e2e-vanilla-steps", type=int, default=16,
+                    help="rounds-e2e: vanilla steps timed (one token per step, no cache; 0: no vanilla row)")  # fmt: skip
     ap.add_argument(
         "--skip-gen", type=int, default=None, help="compute-skip: gen length (default 256; smoke 16)"
     )

@@ -63,7 +63,7 @@ def speed_rows(path: Path) -> list[dict[str, Any]]:
     cases = data.get("cases", {})
     out = []
     for r in data["rows"]:
-        if r["case"] not in SPEED_CASES:
+        if r["case"].split("+")[0] not in SPEED_CASES:  # rounds+replayed: a --schedule run of rounds
             continue
         row = dict.fromkeys(FIELDS)
         row.update({k: r.get(k) for k in FIELDS if k in r})
@@ -114,7 +114,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    speed = [r for r in rows if r["kind"] == "speed" and r["case"] == "rounds" and r["speedup_vs_dual_cache"]]
+    speed = [
+        r
+        for r in rows
+        if r["kind"] == "speed"
+        and r["case"].startswith("rounds")
+        and r["case"] != "rounds-e2e"
+        and r["speedup_vs_dual_cache"]
+    ]
     labels = [f"{r['policy']}\n{r['method']} b{r['batch']}{' R' if r['replayed'] else ''}" for r in speed]
     ax1.bar(range(len(speed)), [r["speedup_vs_dual_cache"] for r in speed], color="tab:blue")
     ax1.axhline(1.0, color="grey", lw=0.8)

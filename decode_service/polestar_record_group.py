@@ -68,7 +68,7 @@ class RecordGroup:
         at = _rows_at(self.bases, sizes, width, device)
         xs, keys = x[at], k[at].transpose(1, 2)  # [S, N, H], [S, Hkv, N, D]
         stack, top = self._build(xs, device)
-        key_valid = torch.arange(width, device=device)[None] < torch.tensor(sizes, device=device)[:, None]
+        key_valid = torch.arange(width, device=device)[None] < to_device(sizes, torch.long, device)[:, None]
         log_p = stack.proxy(self.model, layer, keys, key_valid)
         self.tops.append(top)
         for i, s in enumerate(ss):
@@ -124,13 +124,13 @@ class RecordGroup:
         np_, s = len(probs), len(ss)
         cut = [np_ * length, s * e, s * e, s * width]
         f, w, o, eo = torch.split(ints, cut)
-        real = torch.arange(e, device=device)[None] < torch.tensor(n_ent, device=device)[:, None]
+        real = torch.arange(e, device=device)[None] < to_device(n_ent, torch.long, device)[:, None]
         assign = torch.full((s, e), kk - 1, dtype=torch.long, device=device)
         if probs:
             xp = xs.flatten(0, 1)[f].view(np_, length, -1)
             valid = (
                 torch.arange(length, device=device)[None]
-                < torch.tensor([len(part) for _, part, *_ in probs], device=device)[:, None]
+                < to_device([len(part) for _, part, *_ in probs], torch.long, device)[:, None]
             )
             got = kmeans_batched(xp, valid, [k for _, _, k, *_ in probs], KMEANS_ROUNDS)
             assign = torch.where(real, got.flatten()[w.view(s, e)] + o.view(s, e), assign)
@@ -149,7 +149,7 @@ class RecordGroup:
             sizes=[(n_ent[i], c[i], ss[i].refresh_rows) for i in range(s)],
         )
         counts = stack.counts()
-        starts = torch.tensor([x.query_start for x in ss], device=device, dtype=torch.float64)
+        starts = to_device([x.query_start for x in ss], torch.float64, device)
         pos = (starts[:, None] + rows_t.double()).flatten()
         sums = torch.zeros(s * kk, dtype=torch.float64, device=device).index_add_(
             0, stack._flat_assign(), pos

@@ -73,7 +73,7 @@ class RoundLayout:
             r = offs[layer][-1]
             picks.append((ints[at : at + r], ints[len(flat) + at : len(flat) + at + r]))
             at += r
-        sizes = torch.tensor([s.refresh_rows for s in sessions], device=device)
+        sizes = to_device([s.refresh_rows for s in sessions], torch.long, device)
         paged = [s.paged for s in sessions]
         assert all(p is not None for p in paged)
         return cls(

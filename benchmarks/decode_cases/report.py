@@ -7,6 +7,13 @@ import json
 from benchmarks.decode_cases.bench import Bench
 from benchmarks.harness import fmt, ratio, table, write_report
 
+REPLAYED = "+replayed"  # a --schedule run's cases are stored as <case>+replayed, beside the unreplayed ones
+
+
+def base_case(case: str) -> str:
+    """The case a stored case key runs (``rounds+replayed``: ``rounds``)."""
+    return case.split("+")[0]
+
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
@@ -21,18 +28,19 @@ def markdown(report: dict) -> str:
         lines += ["", f"## {case}: {info['title']}", "",
                   f"{info.get('device', meta['device'])}, {info.get('date', meta['date'])}, "
                   f"{info.get('elapsed_s', 0):.0f} s. {info.get('setup', '')}", ""]  # fmt: skip
-        lines += case_table(case, rows)
-        if case == "loop":
+        lines += case_table(base_case(case), rows)
+        if base_case(case) == "loop":
             lines += whole_prompt(rows)
-        if case == "rounds-e2e" and info.get("e2e"):
-            lines += [
-                "",
-                "pdllm (fixed phases + loop) vs Fast-dLLM dual cache on the whole prompt, batch 1:",
-                "",
-            ]
-            lines += table(["context", "gen", "pdllm policy", "pdllm s", "dual cache (whole prompt) s", "speedup"],
+        if base_case(case) == "rounds-e2e" and info.get("e2e"):
+            lines += ["", "pdllm (fixed phases + rounds) vs Fast-dLLM's dual cache on the whole prompt and vanilla "
+                      "decoding (one token per step, no cache: its step timed over the steps listed, times gen), "
+                      "batch 1:", ""]  # fmt: skip
+            lines += table(["context", "gen", "pdllm policy", "pdllm s", "dual cache (whole prompt) s", "speedup",
+                            "vanilla s (steps timed)", "vs vanilla"],
                            [[str(e["context_tokens"]), str(e["gen_length"]), e["pdllm_policy"], fmt(e["pdllm_s"]),
-                             fmt(e["dual_cache_whole_prompt_s"]), ratio(e["speedup"])] for e in info["e2e"]])  # fmt: skip
+                             fmt(e["dual_cache_whole_prompt_s"]), ratio(e["speedup"]),
+                             f"{fmt(e.get('vanilla_s'))} ({e.get('vanilla_steps_timed', '—')})",
+                             ratio(e.get("speedup_vs_vanilla"))] for e in info["e2e"]])  # fmt: skip
         for name in ("skipped", "errors"):
             if info.get(name):
                 lines += ["", f"{name.capitalize()} ({len(info[name])}):", ""]
@@ -161,6 +169,12 @@ def whole_prompt(rows: list[dict]) -> list[str]:
     return head + table(["context", "gen", "pdllm policy", "loop speedup", "end-to-end speedup"], out)
 
 
+def _keyed(row: dict, suffix: str) -> dict:
+    """The row under its stored case key (``serve:<policy>`` keeps its policy after the key)."""
+    case, sep, rest = row["case"].partition(":")
+    return row | {"case": case + suffix + sep + rest}
+
+
 def _case(row: dict) -> str:
     """The case a row belongs to (``serve:<policy>`` rows: ``serve``)."""
     return row["case"].split(":")[0]
@@ -169,9 +183,11 @@ def _case(row: dict) -> str:
 def write(bench: Bench, meta: dict, kept: dict, case_order: list[str]) -> None:
     """The report: this run's cases, after the kept ones of an earlier file (``--update``), in
     ``case_order``."""
-    rows = [r for r in kept.get("rows", []) if _case(r) not in bench.cases] + bench.rows
-    cases = {c: m for c, m in kept.get("cases", {}).items() if c not in bench.cases} | bench.cases
-    order = [c for c in case_order if c in cases]
+    suffix = REPLAYED if bench.replay is not None else ""
+    mine = {c + suffix: m for c, m in bench.cases.items()}
+    rows = [r for r in kept.get("rows", []) if _case(r) not in mine] + [_keyed(r, suffix) for r in bench.rows]
+    cases = {c: m for c, m in kept.get("cases", {}).items() if c not in mine} | mine
+    order = [c for c in [*case_order, *(c + REPLAYED for c in case_order)] if c in cases]
     report = {"device": meta["device"], "meta": meta, "cases": {c: cases[c] for c in order},
               "rows": sorted(rows, key=lambda r: order.index(_case(r)))}  # fmt: skip
     write_report(bench.args.out, bench.args.name, report, markdown(report))

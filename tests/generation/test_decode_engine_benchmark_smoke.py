@@ -165,6 +165,45 @@ def test_no_budget_skips_with_a_reason_and_update_keeps_other_cases(
     assert updated["cases"]["loop"] == data["cases"]["loop"]
 
 
+def test_a_replayed_run_updates_beside_the_one_token_per_step_rows(
+    report: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """``--schedule --update`` adds ``rounds+replayed`` and keeps the unreplayed ``rounds`` rows whole."""
+    _, data = report
+    (tmp_path / "decode_engine.json").write_text(json.dumps(data))
+    argv = ["--smoke", "--cases", "rounds", "--rounds-policies", "none", "--batches", "1", "--update"]
+    assert main([*argv, "--schedule", str(SCHEDULES), "--out", str(tmp_path)]) == 0
+    updated = json.loads((tmp_path / "decode_engine.json").read_text())
+    assert by_case(updated, "rounds") == by_case(data, "rounds")
+    assert updated["cases"]["rounds"] == data["cases"]["rounds"]
+    replayed = by_case(updated, "rounds+replayed")
+    assert {(r["method"], r["policy"], r["replayed"]) for r in replayed} == {
+        ("vanilla", "none", True),
+        ("pdllm", "none", True),
+    }
+    assert list(updated["cases"])[-1] == "rounds+replayed"
+    assert "## rounds+replayed:" in (tmp_path / "decode_engine.md").read_text()
+
+
+def test_e2e_against_vanilla_charges_gen_steps_at_the_timed_pace(report: tuple[Path, dict]) -> None:
+    """rounds-e2e's vanilla baseline: one token per step without a cache, its step timed and charged gen
+    times; pdllm's speedup over it counts pdllm's fixed phases."""
+    _, data = report
+    rows = by_case(data, "rounds-e2e")
+    e2e = data["cases"]["rounds-e2e"]["e2e"]
+    assert e2e
+    for e in e2e:
+        ctx, gen = e["context_tokens"], e["gen_length"]
+        plain = next(r for r in rows if (r["method"], r["policy"], r["context_tokens"], r["gen_length"]) == ("vanilla", "none", ctx, gen))  # fmt: skip
+        mine = next(r for r in rows if (r["method"], r["policy"], r["context_tokens"], r["gen_length"]) == ("pdllm", e["pdllm_policy"], ctx, gen))  # fmt: skip
+        assert plain["tpf"] == 1.0 and plain["cache_bytes"] == 0 and plain["forwards"] == min(16, gen - 2)
+        vanilla_s = gen * plain["round_ms"] / 1e3
+        pdllm_s = data["cases"]["rounds-e2e"]["pdllm_fixed_phases_s"][str(ctx)] + gen / mine["tokens_per_s"]
+        assert e["vanilla_s"] == pytest.approx(vanilla_s)
+        assert e["speedup_vs_vanilla"] == pytest.approx(vanilla_s / pdllm_s)
+        assert mine["speedup_vs_vanilla"] == pytest.approx(vanilla_s / pdllm_s)
+
+
 def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict]) -> None:
     """16 pdllm requests cycling none, dual-cache, sparse-dllm, polestar, dyllm and focus: one model forward
     per round, as for 16 dual-cache ones."""
@@ -243,8 +282,19 @@ def test_replayed_rounds_unmask_the_recorded_counts(tmp_path: Path) -> None:
     assert main([*argv, "--schedule", str(SCHEDULES), "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "decode_engine.json").read_text())
     samples = json.loads(SCHEDULES.read_text())["samples"]
-    rows = by_case(data, "rounds") + by_case(data, "rounds-e2e")
-    assert {(r["case"], r["batch"]) for r in rows} == {("rounds", 1), ("rounds", 3), ("rounds-e2e", 1)}
+    assert list(data["cases"]) == ["rounds+replayed", "rounds-e2e+replayed"]  # beside unreplayed rows
+    e2e = by_case(data, "rounds-e2e+replayed")
+    vanilla = [r for r in e2e if (r["method"], r["policy"]) == ("vanilla", "none")]
+    # the vanilla baseline is never replayed: one token per step
+    assert vanilla and all(r["replayed"] is False and r["tpf"] == 1.0 for r in vanilla)
+    rows = by_case(data, "rounds+replayed") + [
+        r for r in by_case(data, "rounds-e2e+replayed") if r not in vanilla
+    ]
+    assert {(r["case"], r["batch"]) for r in rows} == {
+        ("rounds+replayed", 1),
+        ("rounds+replayed", 3),
+        ("rounds-e2e+replayed", 1),
+    }
     for r in rows:
         used = [samples[i % len(samples)] for i in range(r["batch"])]
         flat = [_fitted(s["steps"], r["gen_length"], 8) for s in used]  # smoke: block 8
@@ -256,7 +306,7 @@ def test_replayed_rounds_unmask_the_recorded_counts(tmp_path: Path) -> None:
         )
         assert r["schedule_samples"] == r["batch"] and r["timed_blocks"] == f"{r['rounds']} rounds"
     assert any(r["tpf"] > 1.5 for r in rows)  # several tokens per forward, as recorded
-    for case in ("rounds", "rounds-e2e"):
+    for case in ("rounds+replayed", "rounds-e2e+replayed"):
         assert "Replayed schedules: unmask_schedules.json (4 samples" in data["cases"][case]["setup"]
     assert "| yes (" in (tmp_path / "decode_engine.md").read_text()
 
@@ -284,9 +334,9 @@ def test_replayed_focus_batched_runs_plain_and_focus_at_one_schedule(tmp_path: P
     argv = ["--smoke", "--cases", "focus-batched", "--schedule", str(SDAR_SCHEDULES), "--out", str(tmp_path)]
     assert main(argv) == 0
     data = json.loads((tmp_path / "decode_engine.json").read_text())
-    assert data["cases"]["focus-batched"]["errors"] == []
+    assert data["cases"]["focus-batched+replayed"]["errors"] == []
     samples = json.loads(SDAR_SCHEDULES.read_text())["samples"]
-    rows = by_case(data, "focus-batched")
+    rows = by_case(data, "focus-batched+replayed")
     assert {(r["policy"], r["batch"]) for r in rows} == {
         (p, b) for p in ("plain-rounds", "focus-rounds", "focus-rounds-eager-layers") for b in (1, 3)
     }
@@ -311,6 +361,7 @@ def test_replayed_focus_batched_runs_plain_and_focus_at_one_schedule(tmp_path: P
             assert r["speedup_vs_plain_rounds"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
     assert any(r["tpf"] > 2 for r in rows)  # several tokens per forward, as recorded
     assert (
-        "Replayed schedules: unmask_schedules_sdar.json (4 samples" in data["cases"]["focus-batched"]["setup"]
+        "Replayed schedules: unmask_schedules_sdar.json (4 samples"
+        in data["cases"]["focus-batched+replayed"]["setup"]
     )
     assert "| yes (" in (tmp_path / "decode_engine.md").read_text()

@@ -79,7 +79,7 @@ def test_rounds_rows_replay_recorded_dyllm_and_polestar_work(tmp_path: Path) -> 
     argv = ["--smoke", "--cases", "rounds", "--rounds-policies", "dyllm,polestar", "--batches", "1,3"]
     assert main([*argv, "--schedule", str(schedule), "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "decode_engine.json").read_text())
-    assert data["cases"]["rounds"]["errors"] == []
+    assert data["cases"]["rounds+replayed"]["errors"] == []
     rows = data["rows"]
     assert {(r["policy"], r["method"], r["batch"]) for r in rows} == {
         (p, m, b) for p in ("dyllm", "polestar") for m in ("vanilla", "pdllm") for b in (1, 3)
