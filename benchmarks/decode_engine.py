@@ -8,7 +8,8 @@
 Output: ``--out`` (benchmarks/results; smoke: a temp dir) / ``--name`` (decode_engine) ``.json`` + ``.md``;
 ``--update`` keeps the rows and notes of the cases not run now from the file already there, so cases run
 in separate calls (or on separate machines) share one file without overwriting each other. A run with
-``--schedule`` stores its cases as ``<case>+replayed`` (``rounds+replayed``), beside the one-token-per-step ones.
+``--schedule`` stores its cases as ``<case>+replayed`` (``rounds+replayed``), beside the one-token-per-step ones;
+``--tag T`` stores them as ``<case>+T`` (another configuration of a case kept beside the default one).
 
 Dream-7B shapes with random bf16 weights (``shapes.py``; SDAR-8B shapes for ``focus-batched``), block 32,
 one token per step (steps = gen length: the same step count for every policy, and no confidence threshold,
@@ -208,6 +209,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--schedule-select", default=None,
                     help="--schedule: only its samples with these key=value fields, e.g. method=pdllm,threshold=0.9")  # fmt: skip
     ap.add_argument("--e2e-contexts", default=None, help="rounds-e2e: contexts (default 8192,16384,32768)")
+    ap.add_argument("--tag", default=None,
+                    help="store this run's cases as <case>+TAG (default: +replayed with --schedule, else none)")  # fmt: skip
     ap.add_argument("--e2e-gens", default=None, help="rounds-e2e: gen lengths (default 32,256; smoke 16)")
     ap.add_argument("--e2e-vanilla-steps", type=int, default=16,
                     help="rounds-e2e: vanilla steps timed (one token per step, no cache; 0: no vanilla row)")  # fmt: skip

@@ -107,34 +107,40 @@ def markdown(rows: list[dict[str, Any]], command: str, date: str) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Left: each policy's speed against the dual cache (rounds rows); right: accuracy against TPF."""
+    """Left: each policy's speed against the dual cache of the same run (the rounds cases, the dual
+    cache's own rows left out); right: long-answer token accuracy against TPF, one marker per judge."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    speed = [
-        r
-        for r in rows
-        if r["kind"] == "speed"
-        and r["case"].startswith("rounds")
-        and r["case"] != "rounds-e2e"
-        and r["speedup_vs_dual_cache"]
-    ]
-    labels = [f"{r['policy']}\n{r['method']} b{r['batch']}{' R' if r['replayed'] else ''}" for r in speed]
-    ax1.bar(range(len(speed)), [r["speedup_vs_dual_cache"] for r in speed], color="tab:blue")
-    ax1.axhline(1.0, color="grey", lw=0.8)
-    ax1.set_xticks(range(len(speed)), labels, fontsize=6, rotation=90)
-    ax1.set(ylabel="tokens/s vs dual cache (same run)", title="speed, decode rounds (R: replayed schedule)")
-    quality = [r for r in rows if r["kind"] == "quality" and r["tpf"]]
-    for policy in sorted({r["policy"] for r in quality}):
-        pts = [r for r in quality if r["policy"] == policy]
-        acc = [100 * (r["token_accuracy"] if r["token_accuracy"] is not None else r["accuracy"]) for r in pts]
-        ax2.scatter([r["tpf"] for r in pts], acc, label=policy, s=18)
-    ax2.set(xlabel="tokens per forward", ylabel="token accuracy (else exact), %", title="quality vs TPF")
+    speed = [r for r in rows if r["kind"] == "speed" and r["case"].split("+")[0] == "rounds"
+             and r["policy"] != "dual-cache" and r["speedup_vs_dual_cache"]]  # fmt: skip
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, max(4.8, 0.16 * len(speed))))
+    labels = [f"{r['case'].partition('+')[2] or 'rounds'} | {r['policy']} {r['method']} "
+              f"{r['context_tokens']} b{r['batch']}" for r in speed]  # fmt: skip
+    ax1.barh(range(len(speed)), [r["speedup_vs_dual_cache"] for r in speed],
+             color=["tab:orange" if r["replayed"] else "tab:blue" for r in speed])  # fmt: skip
+    ax1.axvline(1.0, color="grey", lw=0.8)
+    ax1.set_yticks(range(len(speed)), labels, fontsize=6)
+    ax1.invert_yaxis()
+    ax1.set(xlabel="tokens/s vs dual cache (same run)",
+            title="speed, decode rounds (orange: replayed schedule; label: case tag | policy method context batch)")  # fmt: skip
+    ax1.title.set_fontsize(8)
+    quality = [r for r in rows if r["kind"] == "quality" and r["tpf"] and r["task"] == "long-answer"]
+    markers = dict(zip(sorted({r["model"] for r in quality}), "o^sDv"))
+    colors = dict(
+        zip(sorted({r["policy"] for r in quality}), plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    )
+    for (model, policy), marker in sorted(
+        {(r["model"], r["policy"]): markers[r["model"]] for r in quality}.items()
+    ):
+        pts = [r for r in quality if (r["model"], r["policy"]) == (model, policy)]
+        ax2.scatter([r["tpf"] for r in pts], [100 * r["token_accuracy"] for r in pts], marker=marker,
+                    color=colors[policy], s=20, label=f"{model}: {policy}")  # fmt: skip
+    ax2.set(xlabel="tokens per forward", ylabel="token accuracy, %", title="long answers: quality vs TPF")
     if quality:
-        ax2.legend(fontsize=7)
+        ax2.legend(fontsize=6, ncol=2)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.tight_layout()

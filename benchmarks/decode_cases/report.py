@@ -7,11 +7,9 @@ import json
 from benchmarks.decode_cases.bench import Bench
 from benchmarks.harness import fmt, ratio, table, write_report
 
-REPLAYED = "+replayed"  # a --schedule run's cases are stored as <case>+replayed, beside the unreplayed ones
-
 
 def base_case(case: str) -> str:
-    """The case a stored case key runs (``rounds+replayed``: ``rounds``)."""
+    """The case a stored case key runs (``rounds+replayed``, ``rounds+32k``: ``rounds``)."""
     return case.split("+")[0]
 
 
@@ -183,11 +181,12 @@ def _case(row: dict) -> str:
 def write(bench: Bench, meta: dict, kept: dict, case_order: list[str]) -> None:
     """The report: this run's cases, after the kept ones of an earlier file (``--update``), in
     ``case_order``."""
-    suffix = REPLAYED if bench.replay is not None else ""
+    tag = bench.args.tag or ("replayed" if bench.replay is not None else "")
+    suffix = f"+{tag}" if tag else ""
     mine = {c + suffix: m for c, m in bench.cases.items()}
     rows = [r for r in kept.get("rows", []) if _case(r) not in mine] + [_keyed(r, suffix) for r in bench.rows]
     cases = {c: m for c, m in kept.get("cases", {}).items() if c not in mine} | mine
-    order = [c for c in [*case_order, *(c + REPLAYED for c in case_order)] if c in cases]
+    order = sorted(cases, key=lambda c: (case_order.index(base_case(c)), c != base_case(c), c))
     report = {"device": meta["device"], "meta": meta, "cases": {c: cases[c] for c in order},
               "rows": sorted(rows, key=lambda r: order.index(_case(r)))}  # fmt: skip
     write_report(bench.args.out, bench.args.name, report, markdown(report))

@@ -181,8 +181,22 @@ def test_a_replayed_run_updates_beside_the_one_token_per_step_rows(
         ("vanilla", "none", True),
         ("pdllm", "none", True),
     }
-    assert list(updated["cases"])[-1] == "rounds+replayed"
     assert "## rounds+replayed:" in (tmp_path / "decode_engine.md").read_text()
+    argv = ["--smoke", "--cases", "rounds", "--rounds-policies", "dual-cache", "--batches", "1", "--update"]
+    assert main([*argv, "--tag", "2k", "--vanilla-context", "64", "--out", str(tmp_path)]) == 0
+    tagged = json.loads((tmp_path / "decode_engine.json").read_text())
+    assert by_case(tagged, "rounds") == by_case(data, "rounds")
+    assert by_case(tagged, "rounds+replayed") == replayed
+    assert {
+        (r["context_tokens"], r["replayed"]) for r in by_case(tagged, "rounds+2k") if r["method"] == "vanilla"
+    } == {(64, False)}
+    keys = list(tagged["cases"])
+    assert (
+        keys.index("rounds")
+        < keys.index("rounds+2k")
+        < keys.index("rounds+replayed")
+        < keys.index("rounds-e2e")
+    )
 
 
 def test_e2e_against_vanilla_charges_gen_steps_at_the_timed_pace(report: tuple[Path, dict]) -> None:
