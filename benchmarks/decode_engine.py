@@ -17,7 +17,8 @@ which random weights would make meaningless), greedy, no EOS stop; prompts of ra
 BOS + a ``--vanilla-context`` (1K) context + a 24-token question, every row local; ``pdllm`` = a
 ``--pdllm-context`` (16K) context through the engine's prefill, selection and static-KV build (C=1024, K=4,
 full-mask), the question + answer local. Policies at the papers' knobs: Sparse-dLLM r = 0.5, s = 3, one-step
-delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyLLM and FOCUS their defaults.
+delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyLLM and FOCUS their defaults
+(FOCUS runs on SDAR only: ``focus-batched``).
 
 Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and ``serve``):
   loop           the in-process denoising loop, batch 1 (vanilla: ``tests/reference/vanilla.py``; pdllm:
@@ -48,7 +49,7 @@ for request i in its plain and FOCUS runs), so speed is measured at a recorded T
 per step as replayed), the rounds' also ``timed_blocks`` as the rounds timed; ``tpf`` and tokens/s count
 the tokens the replayed steps unmasked. Without it, rows carry ``replayed: false``. The policies' work is
 replayed too where the file records it (``schedule.policy_fractions``, the selected samples' mean): FOCUS
-(focus-batched, and rounds under ``--rounds-policies focus``) keeps the top ``ceil(f x block rows)`` masked
+(focus-batched) keeps the top ``ceil(f x block rows)`` masked
 rows by its importance delta (plus its AR-context, placeholder and context rows), DyLLM makes the
 ``ceil(f x queried rows)`` most drifted rows salient at each layer of a SparseStep (f: ``ffn_frac``),
 Polestar-Cache recomputes ``ceil(r)`` rows per layer at each update and updates at the recorded rate per
@@ -57,7 +58,7 @@ Those rows carry ``replayed_fractions`` (what was forced; None: the file records
 then makes its own choices, ``sparsity`` saying so) beside ``measured_fractions`` (the same fractions of the
 run's counters). Measured and forced differ where the policy's other rules decide: FOCUS's frozen rows and
 added rows, DyLLM's FullSteps and rows not queried, Polestar's refreshes (no update) and short runs.
-  compute-skip   DyLLM and FOCUS (their reference loops) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
+  compute-skip   DyLLM (its reference loop) against the plain loop and the dual cache (vanilla 1K, gen 256, the loop
                  case's runs where it ran them); ``rows_frac`` = rows a policy ran through its skipping
                  layers / rows plain decoding would have. Warm-up: one block of the same configuration.
   focus-batched  FOCUS in the decode worker's rounds (``focus-rounds``: the scheduler, every request
@@ -127,7 +128,7 @@ CASES: dict[str, CaseInfo] = {
     ),
     "compute-skip": CaseInfo(
         case_compute_skip,
-        "DyLLM and FOCUS vs the plain loop and the dual cache, batch 1",
+        "DyLLM vs the plain loop and the dual cache, batch 1",
         "dream",
     ),
     "polestar": CaseInfo(case_polestar, "Polestar-Cache's step cost vs the dual cache, its knobs", "dream"),

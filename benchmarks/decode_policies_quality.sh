@@ -2,7 +2,9 @@
 # Quality of each decode policy on a checkpoint (benchmarks/results/decode_policies_quality/README.md): per
 # policy P, `pdllm eval` on infilling and long-answer (vanilla and pdllm, every threshold, agreement with
 # `none`, unmask schedules recorded) plus the needle for `none`; evals spread over the visible GPUs, at most
-# PER_GPU at once on each (DyLLM, Polestar and FOCUS decode slowest). Results tarred into $OUT/quality.tgz.
+# PER_GPU at once on each (DyLLM and Polestar decode slowest). Results tarred into $OUT/quality.tgz.
+# The default POLICIES are the Dream/LLaDA ones; on an SDAR checkpoint run POLICIES="none focus" (FOCUS runs
+# on SDAR models only, and SDAR runs no other policy).
 # Usage: [MODEL=dir] [BLOCK=32] [POLICIES="a b"] [SAMPLES=8] [T=seconds] [PER_GPU=4] bash THIS
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
@@ -13,7 +15,7 @@ IFS=, read -ra LANES <<< "${CUDA_VISIBLE_DEVICES:-$(python -c "import torch; pri
 GPUS=${#LANES[@]}
 E="python -m pdllm.shared.app.cli eval --model $M --train-length 1024 --out $O --eval-batch 24 --threshold none,0.7,0.8,0.9"
 jobs_list=()
-for p in ${POLICIES:-none dual-cache prefix-cache sparse-dllm polestar dyllm focus}; do
+for p in ${POLICIES:-none dual-cache prefix-cache sparse-dllm polestar dyllm}; do
   ag=--agreement; [ "$p" = none ] && ag=
   for t in long-answer infilling; do
     jobs_list+=("--tasks $t --methods vanilla,pdllm --length-multiples 1 --depths 0,0.5,1 --samples $SAMPLES --block-length $B --decode-policy $p $ag --record-schedule $O/sched_${t}_$p.json --name ${t}_$p")

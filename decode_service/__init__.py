@@ -4,9 +4,9 @@ A request's path: ``server`` (``pdllm.v1.Decode``) -> ``request`` (:class:`Decod
 ``scheduler`` (admission, KV pulls, builds, one iteration at a time) -> ``sessions`` (what a request
 becomes) -> ``rounds`` / ``round_graphs`` (one batched forward per round over every session in the rounds,
 graphed per padded shape bucket; ``policy_rounds`` and ``polestar_rounds``: caching policies in them;
-``focus_rounds`` over ``split_rounds``: FOCUS, its rows changing after layer 1; ``dyllm_rounds`` over
-``layer_edits``: DyLLM, its cached activations edited inside each layer; ``block_rounds``: SDAR,
-``sdar_focus_rounds``: SDAR under FOCUS) -> the sampler.
+``dyllm_rounds`` over ``layer_edits``: DyLLM, its cached activations edited inside each layer;
+``block_rounds``: SDAR, ``sdar_focus_rounds`` over ``split_rounds``: SDAR under FOCUS, its rows changing
+after layer 1) -> the sampler.
 
 Beside it: ``worker`` (:class:`DecodeWorker`: chunk-only KV loading, the build, the in-process decode),
 ``local`` (the scheduler driven from the caller's thread: ``generate``, ``eval``), ``build`` (static decode

@@ -43,7 +43,7 @@ from pdllm.decode_service.request import BlockDecode, Started
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.round_packing import RoundRows
 from pdllm.decode_service.rounds import BatchSession, CachingSession
-from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
+from pdllm.shared.decode_policy import DyLLMConfig
 from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
@@ -52,14 +52,12 @@ from pdllm.shared.model.transformer import DiffusionLM
 def cache_slots(
     query_tokens: int,
     gen: GenerationConfig,
-    policy: CachePolicy | FocusConfig | DyLLMConfig | None = None,
+    policy: CachePolicy | DyLLMConfig | None = None,
     protected: int = 0,
 ) -> int:
     """Pool slots a policy session reserves for its cache, beyond its static KV: one per local row, except
     under Sparse-dLLM, whose cache holds only the rows it keeps (:func:`kept_count`, ``protected``: the
-    question's rows, always kept), and under FOCUS (two blocks: ``focus_rounds.focus_slots``)."""
-    if isinstance(policy, FocusConfig):
-        return 2 * gen.block
+    question's rows, always kept)."""
     rows = query_tokens + gen.gen_length  # DyLLM too: every local row's K/V
     if isinstance(policy, SparseDLLM):
         return kept_count(rows, SaliencyKeep(0, gen.block, policy.retention, policy.pool_kernel, protected))
@@ -208,7 +206,7 @@ def batch_session(
     device_sampler: bool = True,
 ) -> BatchSession:
     """A built request's session in the rounds: block diffusion, or under its batched decode policy, if it
-    has one (FOCUS: ``focus_rounds.py``)."""
+    has one (SDAR's FOCUS: ``sdar_focus_rounds.py``)."""
     if isinstance(built, BlockDecode):
         from pdllm.decode_service.block_rounds import BlockBatchSession  # it builds on rounds.py only
 
@@ -218,10 +216,6 @@ def batch_session(
             return SdarFocusSession.begin(model, built, pages, page_size)
 
         return BlockBatchSession.begin(model, built, pages, page_size)
-    if isinstance(built.cache_policy, FocusConfig):
-        from pdllm.decode_service.focus_rounds import FocusBatchSession  # it builds on rounds.py only
-
-        return FocusBatchSession.begin(model, built, pages, page_size)
     if isinstance(built.cache_policy, DyLLMConfig):
         from pdllm.decode_service.dyllm_rounds import DyLLMBatchSession  # it builds on rounds.py only
 

@@ -54,9 +54,9 @@ class StaticDecode:
     gen: GenerationConfig
     cache_stats: tuple[int, int] = (0, 0)  # KV tier hits / misses of its chunks (chunk-only)
     kv_source: str = "built"  # "built" | "handoff" | "handoff-failed-rebuilt"
-    # The decode policy its session runs under in the rounds: a caching one (``policy_rounds.py``),
-    # FOCUS's knobs (``focus_rounds.py``) or DyLLM's (``dyllm_rounds.py``); None: plain steps.
-    cache_policy: CachePolicy | FocusConfig | DyLLMConfig | None = None
+    # The decode policy its session runs under in the rounds: a caching one (``policy_rounds.py``) or
+    # DyLLM's knobs (``dyllm_rounds.py``); None: plain steps.
+    cache_policy: CachePolicy | DyLLMConfig | None = None
 
     @property
     def query_start(self) -> int:

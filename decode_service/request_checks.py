@@ -9,7 +9,8 @@ scheduler thread, and the caller gets INTERNAL instead of INVALID_ARGUMENT namin
 
 On an SDAR (block-diffusion) model a request runs exact block diffusion (``decode_service/sdar_decode.py``),
 plain or under FOCUS; :func:`check_block_diffusion` refuses, with INVALID_ARGUMENT naming the option, what that
-decode does not run.
+decode does not run. On Dream/LLaDA, :func:`check_policy_family` refuses decode policy ``focus`` (SDAR only)
+with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from pdllm.decode_service import sdar_decode
+from pdllm.decode_service import sdar_decode, sessions
 from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.decode_policy import DecodePolicyConfig
@@ -72,3 +73,12 @@ def check_block_diffusion(
             f"decode_policy {policy.name!r} is not supported by {_SDAR} (use decode_policy focus or none)",
             code=grpc.StatusCode.INVALID_ARGUMENT,
         )
+
+
+def check_policy_family(policy: DecodePolicyConfig, model: DiffusionLM) -> None:
+    """INVALID_ARGUMENT for a decode policy a Dream/LLaDA model does not run (``focus``: SDAR only,
+    ``sessions.check_policy_family``)."""
+    try:
+        sessions.check_policy_family(policy, model)
+    except ValueError as exc:
+        raise PdllmError(str(exc), code=grpc.StatusCode.INVALID_ARGUMENT) from exc

@@ -6,7 +6,7 @@ A round packs all sessions' local tokens into one ragged row: the GEMMs see ever
 (a decode step is weight-bound, so many sessions cost little more than one), attention is one varlen
 split-S call per layer over all sessions' page tables (``round_attention.PagedBatchAttention``), the LM
 head runs only on the rows still masked in each session's current block. A round may keep fewer rows of
-some sessions past a layer (FOCUS: ``split_rounds.py``).
+some sessions past a layer (SDAR's FOCUS: ``split_rounds.py``).
 
 Greedy sessions keep their response on the device (:class:`~pdllm.decode_service.device_state.
 DeviceDenoiseState`): one :class:`~pdllm.decode_service.device_state.DeviceBatch` per round finds their

@@ -19,8 +19,9 @@ the slots ``[P * page, s)`` (``P = s // page``, the page ``s`` falls in): the en
 session pages, then its region, ``s`` + the copied rows slots in all. An entry with no such rows reads
 the session's pages. So each query sees exactly the reference's keys (a set: attention is order-free):
 the cache, the rows of earlier model blocks (phase 1: all before the reach, as a selected row of block
-``m`` is), its own block's visible rows, each once. The selection is :class:`~.focus_rounds.FocusRound`'s
-(the window's queries and stored keys at layers 0 and 1, one host read for all FOCUS sessions).
+``m`` is), its own block's visible rows, each once. The selection is :class:`SdarFocusRound`'s (the
+window's queries and stored keys at layers 0 and 1, ``policies/focus_select.py``'s vectorized importance
+and selection, one host read for all FOCUS sessions of the round). Such rounds run eagerly.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from typing import ClassVar
 import torch
 
 from pdllm.decode_service.block_rounds import BlockBatchSession
-from pdllm.decode_service.focus_rounds import FocusRound, _copies
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
+from pdllm.decode_service.policies.focus_select import importance_batched, select_batched
 from pdllm.decode_service.request import BlockDecode
+from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.round_packing import RoundRows
 from pdllm.decode_service.split_rounds import SplitRows
+from pdllm.shared.generation.device_sampler import to_device
 from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.transformer import DiffusionLM
 
@@ -72,7 +75,7 @@ class SdarFocusSession(BlockBatchSession):
     def begin(  # type: ignore[override]
         cls, model: DiffusionLM, made: BlockDecode, pages: list[int], page_size: int
     ) -> SdarFocusSession:
-        check_model(model, block_diffusion=True)
+        check_model(model)
         assert made.focus is not None and not model.config.shift_logits
         base = BlockBatchSession.begin(model, made, pages, page_size)
         need = sdar_focus_slots(len(made.prompt) + made.gen.gen_length, made.gen, base.model_block, page_size)
@@ -169,7 +172,6 @@ class SdarFocusSplits:
     session: SdarFocusSession
     active: list[int]
     quota: int | None
-    lo: int = 0
 
     @property
     def hi(self) -> int:
@@ -191,19 +193,41 @@ class SdarFocusEntry:
         return SdarFocusRound(members)
 
 
-class SdarFocusRound(FocusRound):
-    """The SDAR FOCUS sessions of one round: :class:`~.focus_rounds.FocusRound` over their windows (the
-    active rows of a window are consecutive packed rows, from its first model block's), each model block's
-    region copied at every layer, and one :class:`~.split_rounds.SplitRows` per model block."""
+def _copies(
+    pairs: list[tuple[tuple[int, int], tuple[int, int]]], device: torch.device
+) -> torch.Tensor | None:
+    """``[4, n]`` long (source page, source slot, target page, target slot) of pool copies, or None."""
+    if not pairs:
+        return None
+    flat = [x for (src, dst) in pairs for x in (*src, *dst)]
+    return to_device(flat, torch.long, device).view(-1, 4).T
+
+
+class SdarFocusRound:
+    """The SDAR FOCUS sessions of one round (:class:`~.split_rounds.SplitGroup`): each model block's region
+    copied at every layer, layers 0-1's window queries and stored keys (the active rows of a window are
+    consecutive packed rows, from its first model block's), the selection of every session after layer 1
+    (one host read for all; sessions of one window width and knobs form one padded batch of the vectorized
+    selection), and one :class:`~.split_rounds.SplitRows` per model block."""
 
     def __init__(self, members: list[tuple[int, SdarFocusEntry]]) -> None:
         self.entries = members
         firsts: dict[int, tuple[int, SdarFocusSplits]] = {}
         for first, entry in members:
             firsts.setdefault(id(entry.step), (first, entry.step))
-        super().__init__(list(firsts.values()))  # type: ignore[arg-type]
+        self.members = list(firsts.values())
+        self.device = self.members[0][1].session.device
+        batches: dict[tuple[FocusConfig, int, int], list[int]] = {}
+        for i, (_, split) in enumerate(self.members):
+            key = (split.session.focus, split.hi, split.session.state.config.block)
+            batches.setdefault(key, []).append(i)
+        self.batches = list(batches.items())
+        self.captured: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.batches]
+        self.indices = [self._indices(rows, w) for (_, w, _), rows in self.batches]
+        self.copy = self._frozen_copies()  # layers 0-1
 
     def _frozen_copies(self) -> torch.Tensor | None:
+        """Layers 0-1: every model block's frozen rows into its region."""
         pairs = []
         for _, entry in self.entries:
             s, frozen = entry.step.session, entry.step.session.memory.frozen
@@ -212,7 +236,78 @@ class SdarFocusRound(FocusRound):
                 pairs += s.entry(entry.m, entry.a, [r for r in range(entry.a, entry.b) if frozen[r]])[2]
         return _copies(pairs, self.device)
 
-    def choose(self) -> list[SplitRows]:  # type: ignore[override]
+    def _indices(self, which: list[int], width: int) -> tuple[torch.Tensor, ...]:
+        """Packed rows of the forwarded window rows, their padded places, and the window's stored slots."""
+        packed, places, pages, slots = [], [], [], []
+        for i, m in enumerate(which):
+            first, split = self.members[m]
+            packed += [first + j for j in range(len(split.active))]
+            places += [i * width + r for r in split.active]
+            stored = [split.session.stored(r) for r in range(width)]
+            pages += [p for p, _ in stored]
+            slots += [o for _, o in stored]
+        flat = to_device([*packed, *places, *pages, *slots], torch.long, self.device)
+        n, m = len(packed), len(pages)
+        return flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + m], flat[2 * n + m :]
+
+    def __call__(
+        self,
+        layer: int,
+        base: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: PagedBatchAttention,
+    ) -> None:
+        kv = attention.kv[layer]  # [2, pages, Hkv, page_size, D]
+        if self.copy is not None:
+            src_p, src_s, dst_p, dst_s = self.copy
+            kv[:, dst_p, :, dst_s] = kv[:, src_p, :, src_s]
+        if layer >= SdarFocusEntry.layers:
+            return
+        for b, ((_, width, _), which) in enumerate(self.batches):
+            packed, places, pages, slots = self.indices[b]
+            r = len(which)
+            qpad = q.new_zeros(r * width, q.shape[1], q.shape[3])
+            qpad.index_copy_(0, places, q[0][:, packed].transpose(0, 1))
+            keys = kv[0][pages, :, slots]  # [r * width, Hkv, D], the window's fresh rows written in
+            self.captured[b][layer] = (
+                qpad.view(r, width, *qpad.shape[1:]).transpose(1, 2),
+                keys.view(r, width, *keys.shape[1:]).transpose(1, 2),
+            )
+
+    def selections(self) -> list[list[int]]:
+        """Every session's selected window rows (ascending; one host read for all)."""
+        chosen = []
+        for b, ((focus, _, limit), which) in enumerate(self.batches):
+            memories = [self.members[m][1].session.memory for m in which]
+            splits = [self.members[m][1] for m in which]
+
+            def table(values: list[list[bool]]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.bool).to(self.device)
+
+            masked, frozen = table([m.masked for m in memories]), table([m.frozen for m in memories])
+            valid = torch.ones_like(masked)
+            per = [
+                [m.reach, m.k_hist(focus.alpha), s.quota or 0] for m, s in zip(memories, splits, strict=True)
+            ]
+            reach, k_hist, quota = torch.tensor(per).to(self.device).unbind(1)
+            cap, queries, kernel = self.captured[b], valid & ~frozen, focus.pool_kernel
+            delta = importance_batched(*cap[1], queries, valid, kernel) - importance_batched(
+                *cap[0], queries, valid, kernel
+            )
+            chosen.append(select_batched(delta, masked, frozen, valid, reach, k_hist, quota, focus, limit))
+        host = torch.cat([c.flatten() for c in chosen]).cpu()  # the step's one read
+        out: list[list[int]] = [[] for _ in self.members]
+        at = 0
+        for (_, width, _), which in self.batches:
+            for m in which:
+                out[m] = host[at : at + width].nonzero().flatten().tolist()
+                at += width
+        return out
+
+    def choose(self) -> list[SplitRows]:
+        """Every session's selection (one host read), then per model block its rows past layer 1."""
         chosen = {id(step): sel for (_, step), sel in zip(self.members, self.selections(), strict=True)}
         out, pairs, seen = [], [], set()
         for _, entry in self.entries:

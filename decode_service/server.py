@@ -22,7 +22,7 @@ from pdllm.decode_service.handoff import start_pull, use_pulled
 from pdllm.decode_service.kv_receiver import KvReceiver
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig
 from pdllm.decode_service.request import DecodeRequest, Final, Partial, Started, StaticDecode
-from pdllm.decode_service.request_checks import check_block_diffusion, check_token_ids
+from pdllm.decode_service.request_checks import check_block_diffusion, check_policy_family, check_token_ids
 from pdllm.decode_service.scheduler import DecodeScheduler
 from pdllm.decode_service.sessions import SessionMaker, rounds_policy
 from pdllm.decode_service.worker import DecodeWorker
@@ -31,7 +31,7 @@ from pdllm.protos.pdllm.v1 import workers_pb2 as wpb
 from pdllm.protos.pdllm.v1 import workers_pb2_grpc
 from pdllm.shared.chunk_store import position_scheme
 from pdllm.shared.config import EngineConfig
-from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
+from pdllm.shared.decode_policy import DyLLMConfig
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.kv_transfer.payload import (
     CHUNK_KV,
@@ -108,6 +108,8 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
             sessions = self.sessions
             if sessions.block_diffusion:
                 check_block_diffusion(request.method.method, cfg, gen, policy, self.worker.model)
+            else:
+                check_policy_family(policy, self.worker.model)
             start_steps: Callable[[int], Steps[StaticDecode]] | None = None
             kv_tokens = 0
             if request.method.method == "vanilla":
@@ -209,7 +211,7 @@ class DecodeServicer(workers_pb2_grpc.DecodeServicer):
         cfg: EngineConfig,
         entry: DecodeRequest,
         layers_per_step: int | None = None,
-        cache_policy: CachePolicy | FocusConfig | DyLLMConfig | None = None,
+        cache_policy: CachePolicy | DyLLMConfig | None = None,
     ) -> Steps[StaticDecode]:
         """The session's build, in pieces of ``layers_per_step`` layers of its forward (None: one piece);
         from the request's pulled KV when its handoff arrived (decode-kv: no build, the KV is in its pages).

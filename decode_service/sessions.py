@@ -3,10 +3,10 @@
 One place decides it for the decode server and the in-process engine alike (no proto here), from the
 model family, the method and the decode policy's runtime (:data:`POLICY_RUNTIMES`):
 
-- Dream / LLaDA, any policy: a :class:`~.request.StaticDecode` that joins the rounds (pdllm over its static
-  KV; vanilla with its whole prompt as local rows), a policy's cache in pool pages after the static KV
-  (:meth:`SessionMaker.pool_slots`; FOCUS: its block K/V, ``focus_rounds.py``; DyLLM: every local row's
-  K/V, ``dyllm_rounds.py``);
+- Dream / LLaDA, any policy but ``focus``: a :class:`~.request.StaticDecode` that joins the rounds (pdllm
+  over its static KV; vanilla with its whole prompt as local rows), a policy's cache in pool pages after
+  the static KV (:meth:`SessionMaker.pool_slots`; DyLLM: every local row's K/V, ``dyllm_rounds.py``).
+  FOCUS measured no gain over plain decoding there: :func:`check_policy_family` refuses it;
 - SDAR (block diffusion), any method: exact block diffusion in the rounds (``block_rounds.py``, its cache in
   pool pages; under FOCUS with key regions after it, ``sdar_focus_rounds.py``).
 """
@@ -19,10 +19,11 @@ from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.block_diffusion import BlockKVCache
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
 from pdllm.decode_service.policies import CachePolicy, DecodePolicyConfig, make_policy
+from pdllm.decode_service.policies.focus import ONLY_SDAR
 from pdllm.decode_service.policy_rounds import cache_slots
 from pdllm.decode_service.request import Started, StaticDecode
 from pdllm.decode_service.sdar_focus_rounds import sdar_focus_slots
-from pdllm.shared.decode_policy import DyLLMConfig, FocusConfig
+from pdllm.shared.decode_policy import DyLLMConfig
 from pdllm.shared.generation.plain import prompt_tensor
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.layout import Request, decode_layout
@@ -31,11 +32,12 @@ from pdllm.shared.model.transformer import DiffusionLM
 
 @dataclass(frozen=True)
 class PolicyRuntime:
-    """How the decode worker runs a decode policy: ``caches``: it keeps local rows' K/V in pool pages;
-    ``sdar``: it runs on SDAR too, in the rounds (FOCUS)."""
+    """How the decode worker runs a decode policy: ``caches``: it keeps local rows' K/V in pool pages
+    (Dream/LLaDA); ``sdar``: it runs on SDAR, in the rounds (FOCUS); ``dream``: it runs on Dream/LLaDA."""
 
     caches: bool = False
     sdar: bool = False
+    dream: bool = True
 
 
 POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
@@ -45,7 +47,7 @@ POLICY_RUNTIMES: dict[str, PolicyRuntime] = {
     "sparse-dllm": PolicyRuntime(caches=True),
     "polestar": PolicyRuntime(caches=True),
     "dyllm": PolicyRuntime(caches=True),
-    "focus": PolicyRuntime(caches=True, sdar=True),
+    "focus": PolicyRuntime(sdar=True, dream=False),
 }
 
 
@@ -53,13 +55,20 @@ def runtime(policy: DecodePolicyConfig | None) -> PolicyRuntime:
     return POLICY_RUNTIMES["none" if policy is None else policy.name]
 
 
-def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | FocusConfig | DyLLMConfig | None:
-    """The policy a Dream/LLaDA request's session in the rounds runs under: a caching one, FOCUS's or
-    DyLLM's knobs (None: plain steps)."""
+def check_policy_family(policy: DecodePolicyConfig | None, model: DiffusionLM) -> None:
+    """ValueError for a decode policy the model's family does not run: ``focus`` on Dream/LLaDA
+    (:data:`~.policies.focus.ONLY_SDAR`). SDAR's own refusals are ``sdar_decode.check_decode_options``."""
+    if policy is not None and not sdar_decode.is_block_diffusion(model) and not runtime(policy).dream:
+        raise ValueError(ONLY_SDAR)
+
+
+def rounds_policy(policy: DecodePolicyConfig | None) -> CachePolicy | DyLLMConfig | None:
+    """The policy a Dream/LLaDA request's session in the rounds runs under: a caching one or DyLLM's knobs
+    (None: plain steps); ValueError for ``focus`` (SDAR only)."""
     if policy is None:
         return None
-    if policy.name == "focus":
-        return policy.focus_config()
+    if not runtime(policy).dream:
+        raise ValueError(ONLY_SDAR)
     if policy.name == "dyllm":
         return policy.dyllm_config()
     return make_policy(policy)
@@ -89,6 +98,7 @@ class SessionMaker:
                 assert model_block is not None
                 return sdar_focus_slots(block_slots(local_rows, gen), gen, model_block, self.page_size)
             return block_slots(local_rows, gen)
+        check_policy_family(policy, self.model)
         if not runtime(policy).caches:
             return 0
         assert policy is not None
@@ -102,6 +112,7 @@ class SessionMaker:
     ) -> Started:
         """A vanilla request over ``prompt`` (its BOS included)."""
         model = self.model
+        check_policy_family(policy, model)
         tensor = prompt_tensor(model, prompt)
         if self.block_diffusion:  # block diffusion, none or focus (reference: tests/reference/vanilla.py)
             if runtime(policy).sdar:

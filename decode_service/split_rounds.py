@@ -1,6 +1,6 @@
 """Rounds whose rows change between layers: the forward keeps fewer rows of some parts past a layer.
 
-A part of a round may carry a :class:`RowSplit` (FOCUS: ``focus_rounds.py``). Such a round
+A part of a round may carry a :class:`RowSplit` (SDAR's FOCUS: ``sdar_focus_rounds.py``). Such a round
 (:func:`split_forward`) runs layers ``[0, layers)`` over every packed row, as any round; then each kind of
 split chooses, for all its parts at once (:meth:`SplitGroup.choose`), the rows each keeps, its ``kv_len``
 and the K/V it stores from there on (:class:`SplitRows`). The forward compacts the hidden states and RoPE

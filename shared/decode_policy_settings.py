@@ -59,7 +59,8 @@ class DecodePolicySettings(Settings):
         "the KV before the current block), dual-cache (also the KV of the later blocks) or sparse-dllm "
         "(dual cache taken one step late, keeping only the KV the block attends to most), polestar (dual "
         "cache recomputing drifting cached rows), dyllm (per layer, only rows whose attention context moved "
-        "recompute) or focus (only the block tokens predicted decodable go past layer 1)",
+        "recompute) or focus (SDAR block-diffusion models only: only the block tokens predicted decodable go "
+        "past layer 1)",
     )
     cache_refresh_steps: int | None = Field(
         None,

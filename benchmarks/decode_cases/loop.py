@@ -215,7 +215,7 @@ def case_compute_skip(bench: Bench) -> None:
     a, case = bench.args, "compute-skip"
     ctx, gen = a.vanilla_context, a.skip_gen
     runs: dict[str, dict] = {}
-    for policy in (Policy("none"), Policy("dual-cache"), Policy("dyllm"), Policy("focus")):
+    for policy in (Policy("none"), Policy("dual-cache"), Policy("dyllm")):  # FOCUS: SDAR only (focus-batched)
         r = measure_loop(bench, case, "vanilla", ctx, gen, policy, warm="block")
         if r is not None:
             runs[policy.label] = r

@@ -17,7 +17,7 @@ from pdllm.decode_service.sessions import SessionMaker, rounds_policy
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.static_kv import StaticKV
 
-MIXED = ("none", "dual-cache", "sparse-dllm", "polestar", "dyllm", "focus")
+MIXED = ("none", "dual-cache", "sparse-dllm", "polestar", "dyllm")  # Dream shapes: FOCUS runs on SDAR only
 
 
 def mixed_sessions(

@@ -16,13 +16,13 @@ stateless (:class:`CachePolicy`); the session running them (the decode worker's 
 
 **Policies.** ``none`` (the plain loops), Fast-dLLM's ``prefix-cache`` / ``dual-cache`` (``fast_dllm.py``),
 ``sparse-dllm`` (``sparse_dllm.py``), ``polestar`` (``polestar.py``: the dual cache plus a drift-triggered
-recompute of cached rows). ``dyllm`` (``dyllm_base.py``) and ``focus`` (``focus*.py``) skip work inside the
-forward instead: :func:`make_policy` returns None for them.
+recompute of cached rows). ``dyllm`` (``dyllm_base.py``) and ``focus`` (``focus*.py``; SDAR only) skip
+work inside the forward instead: :func:`make_policy` returns None for them.
 
 **On the decode worker** every policy runs in the batched rounds; the one-request reference loops they are
 tested against are ``tests/reference/``'s. Caching policies (Polestar-Cache included) and plain sessions,
-vanilla or pdllm, run in ``policy_rounds.py`` and ``polestar_rounds.py``; FOCUS in ``focus_rounds.py`` on
-Dream/LLaDA and ``sdar_focus_rounds.py`` on SDAR (its rows change after layer 1, ``split_rounds.py``);
+vanilla or pdllm, run in ``policy_rounds.py`` and ``polestar_rounds.py``; FOCUS, on SDAR (block
+diffusion) models only, in ``sdar_focus_rounds.py`` (its rows change after layer 1, ``split_rounds.py``);
 DyLLM in ``dyllm_rounds.py`` (its cached K/V, contexts and FFN outputs edited inside each layer,
 ``layer_edits.py``).
 """

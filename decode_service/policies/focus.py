@@ -2,9 +2,10 @@
 
 A decode step forwards a whole block although it unmasks only a few of its tokens (§2: ~10%). FOCUS
 predicts which masked tokens are decodable from the first two layers and evicts the others from the rest
-of the forward (§4, Algorithm 1). Per step, over the current block's rows (SDAR: the generation block's
-window over the exact cache of earlier blocks; Dream/LLaDA: the semi-autoregressive block among the local
-rows, every other local row being context forwarded as in plain decoding):
+of the forward (§4, Algorithm 1). It runs on SDAR (block diffusion) models only; on Dream/LLaDA it measured
+no gain over plain decoding (a request naming it there is refused, ``decode_service/sessions.py``). Per
+step, over the current block's rows (the generation block's window over the exact cache of earlier
+blocks):
 
 1. **Importance delta** (§3.1-3.2, Eqs. 2-3): layers 0 and 1 run on every unfrozen row (Algorithm 1
    line 5); from their queries and keys, ``I_j = sum_{i,h} softmax_j(maxpool_j(S_ij^h))`` with
@@ -29,9 +30,8 @@ rows, every other local row being context forwarded as in plain decoding):
    of the block skip it at every layer and read its K/V from that forward. The block's last row has no
    right neighbour inside the block and counts as stable once decoded.
 5. **Unmasking** stays the sampler's (``sampler.DenoiseState``, confidence threshold or schedule): it
-   chooses among the *eligible* rows only, the masked rows of the selection whose logits were computed
-   (Dream predicts row j from row j - 1: that row must be forwarded too, which AR-context preservation
-   guarantees for the top K). Under the fixed schedule the budget is raised to the step's quota
+   chooses among the *eligible* rows only, the masked rows of the selection, whose logits were computed
+   (SDAR's logits are unshifted: row j's from row j). Under the fixed schedule the budget is raised to the step's quota
    (``DenoiseState.quota``), so the schedule (and the number of steps) is plain decoding's.
 
 **Degenerate knobs**: ``budget >= block length`` keeps every masked row (nothing evicted); with
@@ -39,8 +39,8 @@ rows, every other local row being context forwarded as in plain decoding):
 
 This module holds the per-request host state (:class:`FocusMemory`, :class:`FocusStats`; the knobs,
 :class:`FocusConfig`, are ``shared/decode_policy.py``'s). ``focus_select.py`` runs steps 1-3 vectorized over
-several requests (the rounds); the reference loop ``tests/reference/focus.py`` writes them out plainly for
-one request, and the rounds are held to it.
+several requests (the rounds, ``decode_service/sdar_focus_rounds.py``); the reference loop
+``tests/reference/focus.py`` writes them out plainly for one request, and the rounds are held to it.
 """
 
 from __future__ import annotations
@@ -51,27 +51,25 @@ from typing import Any
 
 from pdllm.shared.decode_policy import FocusConfig
 
-__all__ = ["FocusConfig", "FocusMemory", "FocusStats", "check_model"]
+__all__ = ["ONLY_SDAR", "FocusConfig", "FocusMemory", "FocusStats", "check_model"]
 
 
-def check_model(model: Any, block_diffusion: bool) -> None:
-    """FOCUS needs layers 0 and 1 for its delta; SDAR runs it block by block over the exact cache
-    (``block_diffusion``), Dream/LLaDA under ``denoise``'s semi-autoregressive blocks."""
+ONLY_SDAR = (
+    "decode policy 'focus' runs on block-diffusion (SDAR) models only; on Dream/LLaDA it measured no gain "
+    "over plain decoding"
+)
+"""The refusal of FOCUS on a Dream/LLaDA model (``decode_service/sessions.check_policy_family``)."""
+
+
+def check_model(model: Any) -> None:
+    """FOCUS runs block by block over the exact cache of an SDAR model and needs layers 0 and 1 for its
+    delta."""
     config = model.config
+    if config.block_size is None:
+        raise ValueError(f"{ONLY_SDAR} (got {config.family!r})")
     if config.num_layers < 2:
         raise ValueError(
             f"FOCUS needs a model of >= 2 layers (its delta reads layers 0 and 1), got {config.num_layers}"
-        )
-    is_sdar = config.block_size is not None
-    if block_diffusion and not is_sdar:
-        raise ValueError(
-            f"FOCUS block-diffusion decoding runs on SDAR models; {config.family!r} decodes under the "
-            "semi-autoregressive blocks of the shared sampler instead"
-        )
-    if not block_diffusion and is_sdar:
-        raise ValueError(
-            f"FOCUS on {config.family!r} (block diffusion) runs block by block over the exact cache "
-            "instead, not over full bidirectional attention"
         )
 
 

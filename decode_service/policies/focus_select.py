@@ -1,6 +1,6 @@
 """FOCUS's importance delta and selection (``focus.py``: Eq. 2-5, Algorithm 1 lines 7-18) for many
 requests at once, as tensor ops over their blocks padded to one width: the decode worker's rounds select
-every FOCUS request of a round with one call and one host read (``decode_service/focus_rounds.py``).
+every FOCUS request of a round with one call and one host read (``decode_service/sdar_focus_rounds.py``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch
 
 from pdllm.decode_service import sdar_decode
 from pdllm.decode_service.local import LocalDecoder, LocalJob
+from pdllm.decode_service.sessions import check_policy_family
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.prefill_service.trace import Trace
 from pdllm.prefill_service.worker import Ids, PrefillWorker, Selection
@@ -168,6 +169,8 @@ class PrefillingEngine:
         """Steps 3-6 of one request: what :meth:`generate` does before its denoising."""
         if self.block_diffusion:  # refuse before the prefill, not after it
             sdar_decode.check_decode_options(decode_policy, None)
+        else:
+            check_policy_family(decode_policy, self.model)
         sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
         return self.prepare_decode(sel, gen, decode_policy)
 
@@ -182,6 +185,8 @@ class PrefillingEngine:
     ) -> tuple[GenerationResult, Trace]:
         if self.block_diffusion:  # refuse before the prefill, not after it
             sdar_decode.check_decode_options(decode_policy, None)
+        else:
+            check_policy_family(decode_policy, self.model)
         sel = self.prefill(context_ids, question_ids, gen, instruction_ids)
         result = self.decode(sel, gen, progress=progress, decode_policy=decode_policy)
         return result, sel.trace

@@ -38,7 +38,8 @@ do not depend on it.
 SDAR (block-diffusion) checkpoints: vanilla decodes by block diffusion, pdllm by block diffusion over the
 selected chunks (``decode_service/sdar_decode.py``), either plain or under ``--decode-policy focus``;
 ``--block-length`` must be a multiple of the model's block size, and pdllm's chunk-only, top-B and decode
-policies other than focus are refused before the first sample.
+policies other than focus are refused before the first sample. FOCUS runs on SDAR only: on a Dream/LLaDA
+checkpoint ``--decode-policy focus`` is refused before the first sample too.
 
 This module checks the flags, loads the model and writes the reports; the flags are declared in
 ``eval_args.py``, the tasks, settings and samples in ``eval_settings.py``, and the grid that decodes and
@@ -59,6 +60,7 @@ from pathlib import Path
 import torch
 
 from pdllm.decode_service import sdar_decode
+from pdllm.decode_service.sessions import check_policy_family
 from pdllm.shared import settings as schema
 from pdllm.shared import settings_flags
 from pdllm.shared.app.eval_args import build_parser
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if sdar_decode.is_block_diffusion(loaded.model):  # refused before the first sample, not after it
         _check_sdar(loaded, methods, settings, train_length, GenerationConfig(**gen))
+    else:
+        check_policy_family(settings.decode_policy, loaded.model)
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     e = settings.engine_config(loaded, train_length, 16)

@@ -8,7 +8,8 @@ reads ``PDLLM_<FLAG>`` from the environment (what the Kubernetes manifests set).
 SDAR (block-diffusion) checkpoints serve too: the decode worker decodes each of their requests by exact
 block diffusion (``decode_service/server.py``), plain or under FOCUS; ``--cuda-graph``, a ``--decode-policy``
 other than none and focus and the engine defaults it cannot run (chunk-only, top-B) are refused at startup,
-with one line naming the flag.
+with one line naming the flag. ``--decode-policy focus`` runs on SDAR only: a Dream/LLaDA checkpoint refuses
+it at startup the same way.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def _engine(args: argparse.Namespace) -> Any:
         raise ValueError(
             f"--decode-policy {policy} is not supported on SDAR (block-diffusion) checkpoints: the decode "
             "worker decodes them by block diffusion, plain or under FOCUS (--decode-policy none or focus)"
+        )
+    if loaded.config.block_size is None and policy == "focus":  # the worker's refusal (sessions.py)
+        raise ValueError(
+            "--decode-policy focus runs on block-diffusion (SDAR) checkpoints only; on Dream/LLaDA it "
+            "measured no gain over plain decoding"
         )
     config = EngineConfig.from_settings(loaded.serving.engine, **given)
     store = _kv_store(args, loaded.config, args.dtype)

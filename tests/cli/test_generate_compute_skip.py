@@ -1,6 +1,6 @@
-"""`pdllm generate --decode-policy dyllm|focus` (the compute-skipping policies): both methods on a Dream
-checkpoint match the library, FOCUS runs on SDAR block by block (both methods), DyLLM on SDAR is one clear
-error, and bad knobs are one clear line (no stack trace)."""
+"""`pdllm generate --decode-policy dyllm|focus` (the compute-skipping policies): DyLLM, both methods on a
+Dream checkpoint, matches the library; FOCUS runs on SDAR block by block (both methods); FOCUS on Dream and
+DyLLM on SDAR are one clear error each, and bad knobs are one clear line (no stack trace)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ def _library(model_dir, policy: DecodePolicyConfig) -> tuple[str, dict]:
     ("flags", "policy"),
     [
         (["--decode-policy", "dyllm", "--dyllm-threshold", "0.9"], DecodePolicyConfig("dyllm", dyllm={"dyllm_threshold": 0.9})),
-        (["--decode-policy", "focus", "--focus-delayed-cache", "off"], DecodePolicyConfig("focus", focus={"focus_delayed_cache": "off"})),
     ],
-    ids=["dyllm", "focus"],
+    ids=["dyllm"],
 )  # fmt: skip
 def test_vanilla_matches_library(tiny_dir, capsys, flags: list[str], policy: DecodePolicyConfig) -> None:
     assert main(_generate(tiny_dir, "--method", "vanilla", *flags, "--json")) == 0
@@ -64,11 +63,22 @@ def test_vanilla_matches_library(tiny_dir, capsys, flags: list[str], policy: Dec
     assert cache["policy"] == policy.name
 
 
-@pytest.mark.parametrize("name", ["dyllm", "focus"])
-def test_pdllm_runs_and_names_the_policy(tiny_dir, capsys, name: str) -> None:
-    assert main([*_generate(tiny_dir, *PDLLM), "--decode-policy", name, "--json"]) == 0
+def test_pdllm_runs_and_names_the_policy(tiny_dir, capsys) -> None:
+    assert main([*_generate(tiny_dir, *PDLLM), "--decode-policy", "dyllm", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["trace"]["decode_policy"]
-    assert stats["policy"] == name and stats["forwards"] == GEN.steps
+    assert stats["policy"] == "dyllm" and stats["forwards"] == GEN.steps
+
+
+@pytest.mark.parametrize("method", [["--method", "vanilla"], PDLLM], ids=["vanilla", "pdllm"])
+def test_dream_refuses_focus(tiny_dir, capsys, method: list[str]) -> None:
+    """FOCUS runs on SDAR only: on a Dream checkpoint it is one clear line, before any forward."""
+    assert main([*_generate(tiny_dir, *method), "--decode-policy", "focus"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "decode policy 'focus' runs on block-diffusion (SDAR) models only; on Dream/LLaDA it measured no "
+        "gain over plain decoding" in err
+    )
+    assert "Traceback" not in err
 
 
 def test_sdar_vanilla_focus_runs_block_by_block(sdar_dir, capsys) -> None:

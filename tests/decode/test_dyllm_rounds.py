@@ -1,12 +1,11 @@
 """DyLLM (Dream / LLaDA) in the batched rounds (``decode_service/dyllm_rounds.py``): DyLLM sessions share
-each round's one forward with plain, dual-cache, Sparse-dLLM, Polestar and FOCUS sessions (pdllm and
-vanilla, arriving mid-block; FOCUS's rows compacted after layer 1 around them), and end with their
-reference loop's tokens and every DyLLM counter; the scheduler steps them in its one forward too.
+each round's one forward with plain, dual-cache, Sparse-dLLM and Polestar sessions (pdllm and vanilla,
+arriving mid-block), and end with their reference loop's tokens and every DyLLM counter; the scheduler
+steps them in its one forward too.
 
 Planted by hand (failures here, mixed rounds / scheduler, of 4 / 1):
 - the chosen rows compared with ``<=`` against 0.999 tau: 4 / 1;
 - the approximate context without its ``A_t ΔV`` update (``C_{t-1}`` alone): 4 / 1;
-- the packed rows not remapped after FOCUS's compaction (``remap`` a no-op): 4 / 0;
 - the K/V rows counted from the chosen rows instead of the incoming salient ones: 4 / 0;
 - the salient-column update reading each request's salient column list one entry late: 4 / 1.
 
@@ -54,7 +53,6 @@ from tests.decode.helpers import (
     session,
     static_decode,
 )
-from tests.decode.test_focus_rounds import focus_built, focus_session
 from tests.interpreter import run_under_interpreter
 from tests.model.helpers import tiny_model
 from tests.reference.compute_skip import run_compute_skip
@@ -110,13 +108,11 @@ def test_dyllm_sessions_share_mixed_rounds_and_equal_their_references(family: st
     dyllm = [dyllm_session(pool, m, dyllm_built(m, c, seed, knobs)) for c, seed, knobs in cases]
     built = StaticDecode(list(PROMPT), None, VANILLA_GEN, cache_policy=rounds_policy(_dyllm(KNOBS[1])))
     dyllm.append(dyllm_session(pool, m, built))
-    # Others in the same rounds: plain (device sampler), dual cache, Sparse-dLLM, Polestar-Cache, FOCUS.
+    # Others in the same rounds: plain (device sampler), dual cache, Sparse-dLLM, Polestar-Cache.
     plain = session(m, pool, CASES[1], 7)
     policies = [DecodePolicyConfig(n) for n in ("dual-cache", "sparse-dllm", "polestar")]
     others = [policy_session(m, pool, POLICY_CASES[4], 4, p) for p in policies]
-    focus = focus_session(pool, m, focus_built(m, POLICY_CASES[3], 3, {"focus_budget": 2}))
-    # FOCUS first: its rows dropped after layer 1 move every later session's packed rows.
-    order = [focus, dyllm[0], plain, others[0], dyllm[1], others[1], dyllm[3], others[2], dyllm[2]]
+    order = [dyllm[0], plain, others[0], dyllm[1], others[1], dyllm[3], others[2], dyllm[2]]
     assert rounds_with_arrivals(m, forward, order, DyLLMBatchSession) > 10
     for s, (tokens, cache) in zip(dyllm, want, strict=True):
         result = s.result()

@@ -1,18 +1,17 @@
 """FOCUS at a replayed retained share (``FocusConfig.replay_retained_frac`` f, benchmarks only): each step
 keeps the top ``ceil(f x block rows)`` masked rows by the importance delta (raised to a fixed schedule's
 quota), plus the rows FOCUS always adds (AR context, placeholders, decoded rows not frozen), in the
-vectorized selection and in the rounds (Dream and SDAR), which still equal the reference loop token for
+vectorized selection and in SDAR's rounds, which still equal the reference loop token for
 token and counter for counter; a session without the override beside them is untouched.
 
 Planted by hand, each seen failing, then reverted:
 - the top K taken in row order, not by dI (``select_batched``'s sort key the negated row index under the
   override) -> 11 of the 15 ``test_the_forced_selection_is_the_top_k_by_delta_plus_focus_rows`` cases and
-  ``test_forced_focus_rounds_forward_the_forced_rows_past_layer_1`` (dream, sdar) fail;
+  ``test_forced_focus_rounds_forward_the_forced_rows_past_layer_1`` fail;
 - K = floor(f x rows) instead of the ceiling (``.ceil()`` -> ``.floor()`` in ``select_batched``) -> 8 of
-  those 15 cases and both rounds tests fail;
+  those 15 cases and the rounds test fail;
 - the override leaking into the default path (``select_batched`` forcing f = 0.5 where none is set) ->
-  both rounds tests fail (their default session), and so do ``tests/decode/test_focus_rounds.py`` (7 of 8)
-  and ``tests/decode/test_sdar_focus_rounds.py`` (5 of 5).
+  the rounds test fails (its default session), and so does ``tests/decode/test_sdar_focus_rounds.py``.
 """
 
 from __future__ import annotations
@@ -24,21 +23,17 @@ from typing import Any
 import pytest
 import torch
 
-from pdllm.decode_service import focus_rounds
+from pdllm.decode_service import sdar_focus_rounds
 from pdllm.decode_service.block_rounds import block_slots, start_block_decode
 from pdllm.decode_service.policies.focus import FocusConfig
 from pdllm.decode_service.policies.focus_select import select_batched
 from pdllm.decode_service.policy_rounds import batch_session
-from pdllm.decode_service.request import StaticDecode
 from pdllm.decode_service.sdar_focus_rounds import sdar_focus_slots
-from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
-from pdllm.shared.model.attention import DenseAttention
+from pdllm.shared.generation.sampler import GenerationConfig
 from tests.decode.helpers import pool_for, round_forward, run_rounds
-from tests.decode.test_focus_rounds import focus_session
 from tests.model.helpers import tiny_model
 from tests.oracles.cases import ids
-from tests.reference.focus import FocusLogits, generate_focus_block_diffusion, run_focus
-from tests.reference.policy import vanilla_local_rows
+from tests.reference.focus import generate_focus_block_diffusion
 
 
 def exact_ceil(share: float, rows: int) -> int:
@@ -97,7 +92,7 @@ def _spy_selections(mp: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
         calls.append((*args, out))
         return out
 
-    mp.setattr(focus_rounds, "select_batched", spy)
+    mp.setattr(sdar_focus_rounds, "select_batched", spy)
     return calls
 
 
@@ -118,13 +113,6 @@ def _check_forced_calls(calls: list[tuple[Any, ...]]) -> int:
     return checked
 
 
-def _dream_reference(
-    m: Any, prompt: list[int], gen: GenerationConfig, focus: FocusConfig
-) -> GenerationResult:
-    local, positions = vanilla_local_rows(m.config.mask_token_id, torch.tensor(prompt), gen)
-    return run_focus(FocusLogits(m, local, positions, len(prompt), gen, focus, DenseAttention()))
-
-
 def _sdar_session(m: Any, pool: Any, prompt: list[int], gen: GenerationConfig, focus: FocusConfig) -> Any:
     made = start_block_decode(m, torch.tensor(prompt), gen, focus=focus)
     slots = sdar_focus_slots(block_slots(len(prompt), gen), gen, m.config.block_size, pool.page_size)
@@ -143,31 +131,20 @@ GENS = [
 FOCUS = [FocusConfig(replay_retained_frac=0.5), FocusConfig(replay_retained_frac=0.3), FocusConfig()]
 
 
-@pytest.mark.parametrize("family", ["dream", "sdar"])
-def test_forced_focus_rounds_forward_the_forced_rows_past_layer_1(family: str) -> None:
+def test_forced_focus_rounds_forward_the_forced_rows_past_layer_1() -> None:
     """Two forced sessions (one under a fixed schedule, one under a threshold) and a default one share the
     rounds: every forced selection is :func:`expected_rows` of its scores, and each session ends as its
     reference loop under the same config (tokens and every FOCUS counter)."""
-    m = tiny_model(family, seed=1, num_layers=4)
+    m = tiny_model("sdar", seed=1, num_layers=4)
     pool = pool_for(m, pages=256, page_size=8)
     prompts = [ids(9 + 2 * i, 40 + i) for i in range(3)]
     with pytest.MonkeyPatch.context() as mp:
         calls = _spy_selections(mp)
-        if family == "sdar":
-            sessions = [_sdar_session(m, pool, p, g, f) for p, g, f in zip(prompts, GENS, FOCUS, strict=True)]
-        else:
-            built = [
-                StaticDecode(p, None, g, cache_policy=f) for p, g, f in zip(prompts, GENS, FOCUS, strict=True)
-            ]
-            sessions = [focus_session(pool, m, b) for b in built]
+        sessions = [_sdar_session(m, pool, p, g, f) for p, g, f in zip(prompts, GENS, FOCUS, strict=True)]
         run_rounds(round_forward("eager", m, pool), sessions)
     assert _check_forced_calls(calls) > 10
     for s, p, g, f in zip(sessions, prompts, GENS, FOCUS, strict=True):
-        want = (
-            generate_focus_block_diffusion(m, torch.tensor(p), g, f)
-            if family == "sdar"
-            else _dream_reference(m, p, g, f)
-        )
+        want = generate_focus_block_diffusion(m, torch.tensor(p), g, f)
         got = s.result()
         assert (got.raw_tokens, got.cache) == (want.raw_tokens, want.cache), f
     assert all(s.result().cache["evicted"] > 0 for s in sessions[:2])  # the forced ones evicted rows

@@ -4,8 +4,8 @@ each round's one forward with plain SDAR sessions, arriving mid-block, and end w
 ``generate_block_diffusion``'s. Windows of one, two and three model blocks (4 positions each), prompts
 ending mid model block and on a block boundary, pages of 4, 8 and 16 slots (a model block starting at a
 page boundary or inside a page). The scheduler runs them in one round per iteration. Two of
-them run through the split-S kernel under the Triton interpreter too (``triton_rounds_case.py``). SDAR
-FOCUS is not in ``tests/oracles/focus.py`` (Dream/LLaDA only): its references are the reference loops.
+them run through the split-S kernel under the Triton interpreter too (``triton_rounds_case.py``). Their
+references are the reference loops (the from-scratch oracle is ``tests/oracles/focus_sdar.py``).
 
 Planted by hand (failures here, of 5; in ``tests/decode/test_sdar_decode_worker.py``'s FOCUS cases, of 3;
 in ``tests/engine/test_sdar_pdllm.py``, of the 16 tests ``-k focus`` selects):

@@ -1,7 +1,7 @@
 """Run under TRITON_INTERPRET=1 (by test_rounds.py): rounds through the split-S kernel == torch rounds,
 with dual-cache and sparse-dllm sessions among them (their cached steps read their cache as paged KV), and
-FOCUS sessions with a plain one (their entries' rows change after layer 1, their key regions paged KV),
-Dream/LLaDA's and SDAR's (an entry per model block of a window, each with its own page table)."""
+SDAR FOCUS sessions with a plain one (their entries' rows change after layer 1, their key regions paged KV:
+an entry per model block of a window, each with its own page table)."""
 
 from __future__ import annotations
 
@@ -37,43 +37,8 @@ def main() -> None:
     for s, expected in zip(sessions, want, strict=True):
         if s.state.tokens.tolist() != expected:
             raise SystemExit(f"triton rounds {s.state.tokens.tolist()} != alone {expected}")
-    focus_rounds()
     sdar_focus_rounds()
     print("ok")
-
-
-def focus_rounds() -> None:
-    """A pdllm and a vanilla FOCUS session beside a plain one, 4 layers, equal to their reference loops."""
-    from tests.decode.test_focus_rounds import (
-        FOCUS_KNOBS,
-        PROMPTS,
-        VANILLA_GENS,
-        focus_built,
-        focus_reference,
-        focus_session,
-        vanilla_built,
-        vanilla_reference,
-    )
-    from tests.model.helpers import tiny_model
-
-    m = tiny_model("dream", seed=0, num_layers=4)
-    pool = pool_for(m)
-    forward = GraphedRoundForward(m, pool, "triton", capture=False)
-    want = [focus_reference(m, POLICY_CASES[1], 1, FOCUS_KNOBS[1])]
-    want.append(vanilla_reference(m, PROMPTS[0], VANILLA_GENS[1], {}))
-    sessions = [focus_session(pool, m, focus_built(m, POLICY_CASES[1], 1, FOCUS_KNOBS[1]))]
-    sessions.append(focus_session(pool, m, vanilla_built(PROMPTS[0], VANILLA_GENS[1], {})))
-    plain = session(m, pool, CASES[0], 0)
-    active = [*sessions, plain]
-    while active:
-        decode_round(forward, active)
-        active = [s for s in active if not s.done]
-    for s, (tokens, cache) in zip(sessions, want, strict=True):
-        got = s.result()
-        if got.raw_tokens != tokens or got.cache != cache:
-            raise SystemExit(f"triton FOCUS rounds {got.raw_tokens} {got.cache} != {tokens} {cache}")
-    if plain.state.tokens.tolist() != alone(m, CASES[0], 0):
-        raise SystemExit("triton rounds: the plain session beside FOCUS differs from alone")
 
 
 def sdar_focus_rounds() -> None:

@@ -102,7 +102,7 @@ def test_loop_and_rounds_per_policy_with_same_run_baselines(report: tuple[Path, 
 def test_compute_skip_and_polestar_reuse_the_loop_baselines(report: tuple[Path, dict]) -> None:
     _, data = report
     skip = {r["policy"]: r for r in by_case(data, "compute-skip")}
-    assert set(skip) == {"none", "dual-cache", "dyllm", "focus"}
+    assert set(skip) == {"none", "dual-cache", "dyllm"}
     assert not data["cases"]["compute-skip"].get("skipped")
     loop = {(r["policy"], r["context_tokens"]): r for r in by_case(data, "loop")}
     for name in ("none", "dual-cache"):  # the same run, not measured twice
@@ -219,8 +219,8 @@ def test_e2e_against_vanilla_charges_gen_steps_at_the_timed_pace(report: tuple[P
 
 
 def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict]) -> None:
-    """16 pdllm requests cycling none, dual-cache, sparse-dllm, polestar, dyllm and focus: one model forward
-    per round, as for 16 dual-cache ones."""
+    """16 pdllm requests cycling none, dual-cache, sparse-dllm, polestar and dyllm: one model forward per
+    round, as for 16 dual-cache ones."""
     _, data = report
     rows = {r["policy"]: r for r in by_case(data, "mixed")}
     assert set(rows) == {"dual-cache", "none", "mixed", "mixed-eager-layers"}
@@ -231,7 +231,6 @@ def test_mixed_policies_ride_in_one_forward_per_round(report: tuple[Path, dict])
         "sparse-dllm",
         "polestar",
         "dyllm",
-        "focus",
     }
     for r in rows.values():
         assert r["batch"] == 16 and r["forwards_per_round"] == 1.0 and r["forwards"] == r["rounds"]

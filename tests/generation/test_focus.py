@@ -1,15 +1,15 @@
 """FOCUS (``decode_service/policies/focus.py``, its reference loop ``tests/reference/focus.py``) on tiny fp32
-models of 4 layers (layers >= 2 exist to evict from): SDAR block by block over its exact cache, Dream and
-LLaDA under the semi-AR blocks, vanilla and over a pdllm-style static KV backend.
+SDAR models of 4 layers (layers >= 2 exist to evict from), block by block over the exact cache; Dream and
+LLaDA refuse it (SDAR only).
 
 Identities: a budget of the block length evicts nothing; without the intra-block cache every step then
 forwards every row and equals plain decoding token for token, in the reference loop and in the decode
-worker's rounds. The importance (Eq. 2) and the selection (Algorithm 1), one request's and the vectorized
-ones the rounds use, are held to from-scratch computations.
+worker's rounds. The sampler chooses among the eligible rows only.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,17 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdllm.decode_service.policies.focus import FocusConfig
+from pdllm.decode_service.policies.focus import ONLY_SDAR, FocusConfig
 from pdllm.decode_service.worker import DecodeWorker
 from pdllm.shared.decode_policy import DecodePolicyConfig
-from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult, denoise
-from pdllm.shared.model.attention import AttentionBackend, DenseAttention, PrefixAttention, RecordKV
+from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig
 from pdllm.shared.model.transformer import DiffusionLM
-from tests.reference.focus import (
-    FocusLogits,
-    generate_focus_block_diffusion,
-    run_focus,
-)
+from tests.reference.focus import generate_focus_block_diffusion
 from tests.reference.vanilla import generate_vanilla
 
 from ..model.helpers import tiny_model
@@ -37,12 +32,9 @@ PROMPTS = [
     [1, 5, 6, 7, 8, 9, 10],
     [4, 44, 55, 66, 3, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24],
 ]
-FAMILIES = ["sdar", "dream", "llada"]
 # (gen_length, steps, block_length, threshold)
 SCHEDULES = [(16, 16, 4, None), (16, 8, 8, None), (16, 16, 8, 0.05), (16, 16, 16, 0.04)]
 PAPER = FocusConfig()  # alpha 1.5, MaxPool kernel 3, intra-block cache on
-OTHER = FocusConfig(alpha=1.2, pool_kernel=5, delayed_cache=False)
-FIXED = FocusConfig(budget=2, pool_kernel=1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,65 +57,15 @@ def _gen(gen: int, steps: int, block: int | None, threshold: float | None, **kw:
     )
 
 
-def _local(
-    model: DiffusionLM, head: list[int], gen: GenerationConfig, first: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    local = torch.tensor(head + [model.config.mask_token_id] * gen.gen_length)
-    return local, torch.arange(first, first + local.numel())
-
-
-def _reference(
-    model: DiffusionLM,
-    head: list[int],
-    gen: GenerationConfig,
-    focus: FocusConfig,
-    inner: AttentionBackend | None = None,
-    first: int = 0,
-) -> GenerationResult:
-    if model.config.block_size is not None:
-        return generate_focus_block_diffusion(model, torch.tensor(head), gen, focus)
-    local, positions = _local(model, head, gen, first)
-    return run_focus(
-        FocusLogits(model, local, positions[None], len(head), gen, focus, inner or DenseAttention())
-    )
-
-
-def _static(model: DiffusionLM, length: int) -> PrefixAttention:
-    """pdllm's static chunk KV, as the method's backend reads it: K/V of ``length`` context tokens."""
-    ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(length))
-    record = RecordKV(DenseAttention())
-    with torch.inference_mode():
-        model.hidden_states(ids, attention=record)
-    return PrefixAttention(list(zip(record.keys, record.values, strict=True)))
-
-
-def _plain_over(
-    model: DiffusionLM, head: list[int], gen: GenerationConfig, inner: AttentionBackend, first: int
-) -> GenerationResult:
-    """Plain decoding over the static KV (every local row every step), the reference's own loop."""
-    local, positions = _local(model, head, gen, first)
-    p = len(head)
-
-    def logits_fn(response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        local[p:] = response
-        return model(local[None], positions[None], inner, logits_at=(at + p)[None])[0]
-
-    with torch.inference_mode():
-        return denoise(gen, model.config.mask_token_id, model.config.eos_token_id, logits_fn)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=str)
-def test_budget_of_the_block_without_the_intra_block_cache_is_plain_decoding(
-    family: str, schedule: tuple
-) -> None:
-    model, gen = _model(family, seed=1), _gen(*schedule)
+def test_budget_of_the_block_without_the_intra_block_cache_is_plain_decoding(schedule: tuple) -> None:
+    model, gen = _model("sdar", seed=1), _gen(*schedule)
     plain = generate_vanilla(model, PROMPTS[0], gen)
     for focus in (
         FocusConfig(budget=gen.block, delayed_cache=False),
         FocusConfig(alpha=1e6, delayed_cache=False),
     ):
-        out = _reference(model, PROMPTS[0], gen, focus)
+        out = generate_focus_block_diffusion(model, torch.tensor(PROMPTS[0]), gen, focus)
         assert out.raw_tokens == plain.raw_tokens and out.steps == plain.steps
         assert out.cache["rows_forwarded"] == out.cache["rows_plain"] and out.cache["evicted"] == 0
     knobs = {"focus_budget": gen.block, "focus_delayed_cache": "off"}
@@ -132,30 +74,26 @@ def test_budget_of_the_block_without_the_intra_block_cache_is_plain_decoding(
 
 
 @pytest.mark.parametrize("family", ["dream", "llada"])
-def test_budget_of_the_block_over_static_kv_is_plain_decoding(family: str) -> None:
-    """Composed with chunk selection: the method's backend reads the static KV, FOCUS sees local rows."""
-    model, gen = _model(family, seed=2), _gen(16, 16, 8, None)
-    inner = _static(model, 20)
-    plain = _plain_over(model, PROMPTS[1], gen, inner, first=20)
-    out = _reference(model, PROMPTS[1], gen, FocusConfig(budget=8, delayed_cache=False), inner, first=20)
-    assert out.raw_tokens == plain.raw_tokens
-    evicting = _reference(model, PROMPTS[1], gen, PAPER, inner, first=20)
-    assert evicting.cache["evicted"] > 0 and evicting.steps == plain.steps  # the schedule is kept
+def test_dream_and_llada_are_refused(family: str) -> None:
+    """FOCUS runs on SDAR only: the reference loop and the decode worker refuse a Dream/LLaDA model before
+    any forward, with one message."""
+    gen, model = _gen(8, 8, 4, None), _model(family)
+    with pytest.raises(ValueError, match=rf"^{re.escape(ONLY_SDAR)} \(got '{family}'\)$"):
+        generate_focus_block_diffusion(model, torch.tensor(PROMPTS[0]), gen, PAPER)
+    worker = DecodeWorker(model)
+    for run in (
+        lambda: worker.vanilla(PROMPTS[0], gen, DecodePolicyConfig("focus")),
+        lambda: worker.decode_job(PROMPTS[0][3:], None, gen, DecodePolicyConfig("focus")),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError, match=rf"^{re.escape(ONLY_SDAR)}$"):
+            run()
 
 
-def test_unsupported_families_are_refused() -> None:
-    gen = _gen(8, 8, 4, None)
-    with pytest.raises(ValueError, match="runs block by block over the exact cache"):
-        FocusLogits(tiny_model("sdar", num_layers=4), *_pair(gen), 3, gen, PAPER, DenseAttention())
-    with pytest.raises(ValueError, match="block-diffusion decoding runs on SDAR models; 'dream'"):
-        generate_focus_block_diffusion(_model("dream"), torch.tensor(PROMPTS[0]), gen, PAPER)
+def test_a_one_layer_model_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a model of >= 2 layers"):
-        DecodeWorker(tiny_model("llada", num_layers=1)).vanilla(PROMPTS[0], gen, DecodePolicyConfig("focus"))
-
-
-def _pair(gen: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    local = torch.tensor([1, 2, 3] + [96] * gen.gen_length)
-    return local, torch.arange(local.numel())[None]
+        DecodeWorker(tiny_model("sdar", num_layers=1)).vanilla(
+            PROMPTS[0], _gen(8, 8, 4, None), DecodePolicyConfig("focus")
+        )
 
 
 def test_sampler_chooses_among_eligible_rows_only() -> None:

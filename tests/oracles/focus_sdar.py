@@ -3,17 +3,22 @@
 The generation blocks are ``block_diffusion.py``'s (aligned to absolute multiples of the generation block
 length; the first finishes the prompt's partial block). FOCUS's block is the *window*: the positions from
 the generation block's aligned start (where the exact cache of earlier blocks ends) to its end, so the
-first window holds the prompt's tail (decoded rows) before the first answer slots. Per generation block,
+first window holds the prompt's tail (decoded rows) before the first answer slots. (FOCUS runs on SDAR
+only: on Dream/LLaDA it measured no gain over plain decoding.) Per generation block,
 the cached prefix ``[0, start)`` is recomputed exactly: one block-causal forward over its final tokens
 (the prompt, then the answer's finished blocks), its RoPE'd K/V per layer kept. Per step over the window
 (rows ``0 .. w-1`` at positions ``start + r``), with a key set written out per query (block-causal: window
 row ``j`` is visible to row ``i`` iff ``(start + j) // bs <= (start + i) // bs``; the prefix always):
 
 1. Layers 0 and 1 run on every unfrozen row; their window keys are every row's latest K/V (a frozen row's
-   from the step that froze it). Importance (``focus.importance``, over the forwarded queries and all
+   from the step that froze it). Importance (:func:`importance`, Eq. 2, over the forwarded queries and all
    ``w`` window keys, no mask: the block's rows only) gives ``dI = I(1) - I(0)``.
-2. Budget and selection as ``focus.py``'s oracle (Eq. 4-5, top K by dI, predecessors, placeholder
-   integrity, decoded unfrozen rows); under the fixed schedule K >= the step's quota.
+2. Budget (Eqs. 4-5): ``K = min(B, max(ceil(alpha * Nbar), N_sigma))``, ``Nbar`` the decode's mean tokens
+   unmasked per step so far (1 before its first step, kept across windows), ``N_sigma`` the masked rows
+   with ``dI >= std(dI)`` (population std); a fixed ``budget`` replaces it; under the fixed schedule
+   K >= the step's quota. Selection (Algorithm 1 lines 16-18): the K masked rows of largest dI (ties: the
+   lower row), their predecessors, every masked row from the visible prefix's end up to the selection's
+   last row (placeholder integrity), the decoded rows not frozen.
 3. Layers >= 2 run on the selected rows; their window keys are rows ``[0, reach)`` (reach: one past every
    row ever forwarded past layer 1 in this window), each with the K/V of the last step that forwarded it.
 4. Logits are unshifted (SDAR): every selected masked row is eligible; the sampler (``plain.py``'s rules:
@@ -35,8 +40,31 @@ import torch
 import torch.nn.functional as F
 
 from .block_diffusion import spans
-from .focus import COUNTERS, importance
 from .plain import finish, greedy, head, project, rope, schedule
+
+
+def importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> list[float]:
+    """Eq. 2 from queries ``[Hq, n, D]`` and the block's keys ``[Hkv, B, D]``."""
+    heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[2]
+    keys = k.double().repeat_interleave(heads // kv_heads, dim=0)
+    scores = torch.einsum("hid,hjd->hij", q.double(), keys) / math.sqrt(d)
+    r = kernel // 2
+    padded = F.pad(scores, (r, r), value=float("-inf"))
+    pooled = padded.unfold(-1, kernel, 1).amax(-1)
+    return torch.softmax(pooled, dim=-1).sum(dim=(0, 1)).tolist()
+
+
+# what FOCUS counts per request (the runtime's ``FocusStats`` names)
+COUNTERS = (
+    "forwards",
+    "rows_forwarded",
+    "rows_plain",
+    "rows_prefix",
+    "focused",
+    "evicted",
+    "frozen",
+    "decoded",
+)
 
 
 def _prefix_kv(model, seq: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

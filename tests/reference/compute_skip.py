@@ -5,19 +5,19 @@ They are not ``CachePolicy``\\ s (a cache policy plans which local rows a step f
 them and their one-request loops are built here (``vanilla.py``, ``static_kv.py`` and ``sdar.py`` call
 them):
 
-- :func:`compute_skip_logits`: the policy's logits function over any method's local rows and attention
-  backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`; pdllm:
-  the static chunk KV backend, ``static_kv.static_compute_skip_logits``);
-- :func:`run_compute_skip`: that loop to the end (``generate_vanilla``); FOCUS is driven by its
-  session, which hands the sampler the eligible rows;
+- :func:`compute_skip_logits`: Dream/LLaDA: DyLLM's logits function over any method's local rows and
+  attention backend ``inner`` (vanilla: dense over prompt + response, :func:`vanilla_compute_skip_logits`;
+  pdllm: the static chunk KV backend, ``static_kv.static_compute_skip_logits``); FOCUS is refused there
+  (SDAR only, ``policies/focus.ONLY_SDAR``);
+- :func:`run_compute_skip`: that loop to the end (``generate_vanilla``);
 - :func:`compute_skip_sdar_session`: SDAR (block diffusion): FOCUS block by block over the exact cache, over
   the whole prompt (vanilla; :func:`generate_compute_skip_sdar` runs it to the end) or over pdllm's
   block-causal prefix (``sdar.py``); DyLLM is refused (its caches assume full bidirectional
   attention over every local row).
 
 These are the policies' reference loops (one request). The decode worker and the engine run both in the
-batched rounds instead (``decode_service/dyllm_rounds.py``, ``focus_rounds.py``, ``sdar_focus_rounds.py``),
-equal to these loops token for token.
+batched rounds instead (``decode_service/dyllm_rounds.py``, ``sdar_focus_rounds.py``), equal to these loops
+token for token.
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ from __future__ import annotations
 import torch
 
 from pdllm.decode_service.block_diffusion import BlockKVCache
+from pdllm.decode_service.policies.focus import ONLY_SDAR
 from pdllm.shared.decode_policy import DecodePolicyConfig
 from pdllm.shared.generation.sampler import GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend, DenseAttention
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.reference.block_diffusion import BlockDiffusionSession, run_to_end
 from tests.reference.dyllm import DyLLMBase, DyLLMLogits
-from tests.reference.focus import FocusBlockSession, FocusLogits, run_focus
+from tests.reference.focus import FocusBlockSession
 from tests.reference.policy import run_policy, vanilla_local_rows
 
-ComputeSkipLogits = DyLLMBase | FocusLogits
+ComputeSkipLogits = DyLLMBase
 
 
 def compute_skip_logits(
@@ -54,7 +55,7 @@ def compute_skip_logits(
         dyllm = config.dyllm_config()
         return DyLLMLogits(model, local, positions, response_start, gen, dyllm, inner)
     if config.name == "focus":
-        return FocusLogits(model, local, positions, response_start, gen, config.focus_config(), inner)
+        raise ValueError(ONLY_SDAR)
     raise ValueError(f"decode policy {config.name!r} is not a compute-skipping policy (dyllm, focus)")
 
 
@@ -64,7 +65,7 @@ def vanilla_compute_skip_logits(
     gen: GenerationConfig,
     config: DecodePolicyConfig,
 ) -> ComputeSkipLogits:
-    """The vanilla step under DyLLM / FOCUS: local rows prompt + response, dense attention over them."""
+    """The vanilla step under DyLLM: local rows prompt + response, dense attention over them."""
     local, positions = vanilla_local_rows(model.config.mask_token_id, prompt, gen)
     return compute_skip_logits(model, local, positions, prompt.numel(), gen, config, DenseAttention())
 
@@ -72,8 +73,6 @@ def vanilla_compute_skip_logits(
 @torch.inference_mode()
 def run_compute_skip(logits_fn: ComputeSkipLogits, progress: bool = False) -> GenerationResult:
     """The policy's loop to the end; the result's ``cache`` holds its name and counters."""
-    if isinstance(logits_fn, FocusLogits):
-        return run_focus(logits_fn)
     return run_policy(logits_fn, progress)
 
 

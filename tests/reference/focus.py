@@ -1,21 +1,16 @@
-"""FOCUS's reference loop (``decode_service/policies/focus.py`` says what the method does): one request,
-its own per-layer loop over the model's modules.
+"""FOCUS's reference loop on SDAR (``decode_service/policies/focus.py`` says what the method does): one
+request, its own per-layer loop over the model's modules.
 
 :class:`FocusReference` is one request's step, plainly: layers 0-1 over every unfrozen row, the delta and
 selection (:func:`importance`, :func:`select`: Eq. 2-5 and Algorithm 1 line by line, in Python sets), layers
->= 2 over the selected rows, the LM head over the eligible rows only (:func:`eligible_rows`). It runs
+>= 2 over the selected rows, the LM head over the eligible rows only (:func:`eligible_rows`). It runs inside
+block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window over the exact cache
+of the earlier blocks), :class:`FocusBlockSession` (run to the end by :func:`generate_focus_block_diffusion`
+and ``tests/reference/sdar.py``), over the whole prompt (vanilla) or over pdllm's block-causal prefix of the
+selected chunks (``decode_service/sdar_decode.py``).
 
-- for SDAR inside block diffusion's block loop (its ``step`` hook, :func:`focus_block_step`: the window
-  over the exact cache of the earlier blocks), :class:`FocusBlockSession` (run to the end by
-  :func:`generate_focus_block_diffusion` and ``tests/reference/sdar.py``), over the whole prompt (vanilla) or
-  over pdllm's block-causal prefix of the selected chunks (``decode_service/sdar_decode.py``);
-- for Dream/LLaDA as a logits function (:class:`FocusLogits`) under ``denoise``'s semi-autoregressive
-  blocks, over any method's backend (``inner``: dense attention for vanilla, pdllm's static chunk KV
-  backend), driven by :class:`FocusSession` (a ``DenoiseSession`` that hands the sampler the eligible
-  rows: the sampler still decides what to unmask, among those only).
-
-The decode worker and the engine run FOCUS in the batched rounds (``decode_service/focus_rounds.py``,
-``sdar_focus_rounds.py``), held to these loops token for token and counter for counter.
+The decode worker and the engine run FOCUS in the batched rounds (``decode_service/sdar_focus_rounds.py``),
+held to these loops token for token and counter for counter.
 
 Layer 1 runs whole on every unfrozen row (the paper finishes it on the selected rows only, Algorithm 1
 line 21: the same values for them); the counters report layers >= 2, as the paper's Table 5 does.
@@ -24,7 +19,6 @@ line 21: the same values for them); the counters report layers >= 2, as the pape
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +26,11 @@ import torch.nn.functional as F
 
 from pdllm.decode_service.block_diffusion import PREFILL_PIECE_TOKENS, BlockKVCache
 from pdllm.decode_service.policies.focus import FocusConfig, FocusMemory, FocusStats, check_model
-from pdllm.shared.generation.sampler import DenoiseSession, DenoiseState, GenerationConfig, GenerationResult
+from pdllm.shared.generation.sampler import DenoiseState, GenerationConfig, GenerationResult
 from pdllm.shared.model.attention import AttentionBackend
 from pdllm.shared.model.transformer import DiffusionLM
 from tests.reference.block_diffusion import BlockDiffusionSession, BlockStep, run_to_end
-from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, inner_rows, keys_in_row_order
-from tests.reference.policy import check_local_rows
+from tests.reference.focus_layers import BlockKV, RowsAttention, SdarRows, keys_in_row_order
 
 
 def _ceil_count(value: float) -> int:
@@ -103,11 +96,10 @@ def select(
     return Selection(rows, sorted(top), max(memory.reach, rows[-1] + 1), n_sigma)
 
 
-def eligible_rows(rows: list[int], masked: list[bool], lead: int) -> list[int]:
-    """Masked block rows the sampler may unmask: forwarded, and so is the row their logits come from
-    (``lead`` = 1 on Dream: row j - 1; the block's first row reads the context row before the block)."""
-    kept = set(rows)
-    return [j for j in rows if masked[j] and (lead == 0 or j == 0 or j - 1 in kept)]
+def eligible_rows(rows: list[int], masked: list[bool]) -> list[int]:
+    """Masked block rows the sampler may unmask: the forwarded ones (SDAR's logits are unshifted: row j's
+    come from row j)."""
+    return [j for j in rows if masked[j]]
 
 
 @dataclass
@@ -140,7 +132,6 @@ class FocusReference:
 
     def __init__(self, model: DiffusionLM, focus: FocusConfig, block_length: int) -> None:
         self.model, self.focus, self.block_length = model, focus, block_length
-        self.lead = 1 if model.config.shift_logits else 0
         self.memory = FocusMemory()
         self.stats = FocusStats()
         self.store = BlockKV(model, 1, block_length)
@@ -198,9 +189,9 @@ class FocusReference:
             x = layer(x, cos, sin, phase1)
         hidden = model.model.norm(x)
 
-        eligible = eligible_rows(sel.rows, mem.masked, self.lead)
+        eligible = eligible_rows(sel.rows, mem.masked)
         where1 = {r: i for i, r in enumerate(rows1)}
-        src = torch.tensor([where1[lo + j - self.lead] for j in eligible], device=dev)
+        src = torch.tensor([where1[lo + j] for j in eligible], device=dev)
         computed = model.lm_head(hidden[:, src])[0]
         slot = {r: i for i, r in enumerate(at_rows)}
         rows_at = torch.tensor([slot[j] for j in eligible], device=dev)
@@ -272,7 +263,7 @@ class FocusBlockSession(BlockDiffusionSession):
         prefill_piece: int = PREFILL_PIECE_TOKENS,
         prefix: BlockKVCache | None = None,
     ) -> None:
-        check_model(model, block_diffusion=True)
+        check_model(model)
         with torch.inference_mode():  # its block store, as the session's cache, holds inference tensors
             self.reference = FocusReference(model, focus, config.block)
         step = focus_block_step(self.reference, prompt.numel())
@@ -297,94 +288,3 @@ def generate_focus_block_diffusion(
     :class:`FocusBlockSession` to the end)."""
     session = FocusBlockSession(model, prompt, config, focus, prefix=prefix)
     return run_to_end(session, config, progress)
-
-
-class FocusLogits:
-    """Dream/LLaDA under FOCUS (reference): a logits function over the local rows (vanilla: prompt +
-    response; pdllm: query suffix + response, ``inner`` reading the static chunk KV), like
-    ``tests/reference/policy.PolicyLogits``. Its ineligible rows' logits are zeros: drive it with :class:`FocusSession`,
-    which hands the sampler :attr:`eligible` (a plain ``denoise`` would not, and is refused)."""
-
-    def __init__(
-        self,
-        model: DiffusionLM,
-        local: torch.Tensor,
-        positions: torch.Tensor,
-        response_start: int,
-        gen: GenerationConfig,
-        focus: FocusConfig,
-        inner: AttentionBackend,
-    ) -> None:
-        check_model(model, block_diffusion=False)
-        check_local_rows(local, positions, response_start, gen)
-        self.model, self.local, self.positions, self.gen = model, local, positions[0], gen
-        self.response_start, self.inner = response_start, inner
-        self.reference = FocusReference(model, focus, gen.block)
-        self.state: DenoiseState | None = None
-        self.eligible: torch.Tensor | None = None
-
-    def bind(self, state: DenoiseState) -> None:
-        """The sampler state it serves (its block, and the fixed schedule's quota)."""
-        self.state = state
-
-    def __call__(self, response: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        if self.state is None:
-            raise RuntimeError("FocusLogits needs its DenoiseState bound (drive it with FocusSession)")
-        if self.eligible is not None:
-            raise RuntimeError("the last step's eligible rows never reached the sampler (use FocusSession)")
-        self.local[self.response_start :] = response
-        lo, hi = (self.response_start + x for x in self.state.spans[self.state.block])
-        self.reference.start(self.state.block, self.local[lo:hi])
-        logits, self.eligible = self.reference.step(
-            self.local,
-            self.positions,
-            lo,
-            hi,
-            at + self.response_start,
-            inner_rows(self.inner),
-            self.state.quota(),
-        )
-        return logits
-
-    def take_eligible(self) -> torch.Tensor:
-        """The last call's eligible rows (once)."""
-        assert self.eligible is not None, "no step taken"
-        eligible, self.eligible = self.eligible, None
-        return eligible
-
-
-class FocusSession(DenoiseSession):
-    """A :class:`FocusLogits` request advanced one step at a time (a ``DenoiseSession``); its result
-    carries FOCUS's counters."""
-
-    def __init__(self, logits_fn: FocusLogits) -> None:
-        config = logits_fn.model.config
-        super().__init__(
-            logits_fn.gen, config.mask_token_id, config.eos_token_id, logits_fn, logits_fn.local.device
-        )
-        logits_fn.bind(self.state)
-        self.focus_logits = logits_fn
-
-    def step(self) -> torch.Tensor:
-        start = time.perf_counter()
-        fn, state = self.focus_logits, self.state
-        lo = state.spans[state.block][0]
-        logits = fn(state.tokens, state.positions())
-        picked = state.update(logits, fn.take_eligible())
-        fn.reference.observe((picked - lo).tolist())
-        self.seconds += time.perf_counter() - start
-        return picked
-
-    def result(self) -> GenerationResult:
-        result = super().result()
-        result.cache = self.focus_logits.reference.summary()
-        return result
-
-
-@torch.inference_mode()
-def run_focus(logits_fn: FocusLogits) -> GenerationResult:
-    """A :class:`FocusSession` to the end."""
-    session = FocusSession(logits_fn)
-    while not session.done:
-        session.step()
-    return session.result()

@@ -1,16 +1,14 @@
 """What FOCUS's reference forwards (``focus.py``) attend to: the block rows' K/V kept across steps, and the
 method's attention given which rows query and which rows are keys. (The rounds keep the block's K/V in pool
-pages instead: ``decode_service/focus_rounds.py``, ``sdar_focus_rounds.py``.)
+pages instead: ``decode_service/sdar_focus_rounds.py``.)
 
 A FOCUS step forwards only some rows of the block past layer 1, and skips frozen rows at every layer; the
 rows it does not forward are still attended to through the K/V of the last step that forwarded them. So
 every request keeps, per layer, the K/V of its block's rows (:class:`BlockKV`: one slot per request, K
 after RoPE, like every cache here); a forward writes its fresh rows in and reads the keys in row order.
 
-The method's own attention sees the chosen query rows and key rows (:data:`RowsAttention`): Dream/LLaDA
-pass their backend as is (:func:`inner_rows`: dense attention, or pdllm's static chunk KV read by the
-method's backend; none of them masks local rows), SDAR builds its block-causal mask over the exact cache
-of the earlier blocks for exactly those rows (:class:`SdarRows`).
+The method's own attention sees the chosen query rows and key rows (:data:`RowsAttention`): SDAR builds its
+block-causal mask over the exact cache of the earlier blocks for exactly those rows (:class:`SdarRows`).
 """
 
 from __future__ import annotations
@@ -51,12 +49,6 @@ class BlockKV:
     def block(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot ``slot``'s keys and values as ``[1, Hkv, width, D]`` views (the forward's layout)."""
         return self.keys[layer][slot].transpose(0, 1)[None], self.values[layer][slot].transpose(0, 1)[None]
-
-
-def inner_rows(inner: AttentionBackend) -> RowsAttention:
-    """Dream/LLaDA: the method's backend for any rows (it masks no local row: every query sees every key
-    it is given, plus the method's static KV)."""
-    return lambda q_rows, k_rows: inner
 
 
 @dataclass

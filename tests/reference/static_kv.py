@@ -160,8 +160,8 @@ def static_compute_skip_logits(
     decode_attention: str,
     static_policy: DecodePolicy | None = None,
 ) -> ComputeSkipLogits:
-    """Step 7 of a pdllm request under a compute-skipping policy (DyLLM, FOCUS): its loop over the query +
-    answer rows around the same static-KV attention as :func:`static_policy_logits`."""
+    """Step 7 of a pdllm request under a compute-skipping policy (DyLLM; FOCUS is SDAR only): its loop over
+    the query + answer rows around the same static-KV attention as :func:`static_policy_logits`."""
     local, positions, inner = static_local_rows(model, query, static, gen, decode_attention, static_policy)
     return compute_skip_logits(model, local, positions, len(query), gen, config, inner)
 

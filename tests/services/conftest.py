@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from pdllm.decode_service.focus_rounds import FocusRound
+from pdllm.decode_service.sdar_focus_rounds import SdarFocusRound
 
 
 @pytest.fixture
 def focus_round_sizes(monkeypatch) -> list[int]:
-    """The FOCUS sessions of every batched round taken while the test runs (per kind: Dream/LLaDA's,
-    ``decode_service/focus_rounds.py``, SDAR's, ``sdar_focus_rounds.py``), in order."""
+    """The FOCUS sessions of every batched round taken while the test runs (SDAR's,
+    ``decode_service/sdar_focus_rounds.py``), in order."""
     sizes: list[int] = []
-    init = FocusRound.__init__
+    init = SdarFocusRound.__init__
 
-    def counting(self: FocusRound, members: list) -> None:
-        sizes.append(len(members))
+    def counting(self: SdarFocusRound, members: list) -> None:
         init(self, members)
+        sizes.append(len(self.members))
 
-    monkeypatch.setattr(FocusRound, "__init__", counting)
+    monkeypatch.setattr(SdarFocusRound, "__init__", counting)
     return sizes

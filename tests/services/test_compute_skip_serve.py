@@ -1,11 +1,12 @@
-"""DyLLM and FOCUS (the compute-skipping decode policies) over gRPC
-(`serve --role all` in process): a request naming one rides in the decode worker's batched rounds, and its answer equals the in-process engine's / ``generate_vanilla``'s
-token for token; the trace names the policy and carries its counters (``DecodePolicyTrace.counters``); bad
-knobs are INVALID_ARGUMENT naming the field."""
+"""DyLLM (a compute-skipping decode policy) over gRPC on a Dream checkpoint (`serve --role all` in
+process): a request naming it rides in the decode worker's batched rounds, and its answer equals the
+in-process engine's / ``generate_vanilla``'s token for token; the trace names the policy and carries its
+counters (``DecodePolicyTrace.counters``); bad knobs are INVALID_ARGUMENT naming the field. FOCUS runs on
+SDAR only (``test_sdar_serve.py``): a Dream request naming it is INVALID_ARGUMENT, and ``serve
+--decode-policy focus`` on a Dream checkpoint is refused at startup."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -17,7 +18,7 @@ from pdllm.shared.prompt import encode_prompt
 from pdllm.shared.rpc.errors import InvalidRequestError
 from tests.reference.vanilla import generate_vanilla
 
-from .test_all_in_one import CONTEXT, QUESTION
+from .test_all_in_one import CONTEXT, QUESTION, serve_all
 from .test_decode_policy_serve import GEN, METHOD, _ask, _engine_answer, deployment, loaded, tiny_dir  # noqa: F401
 
 # (wire settings, the DecodePolicyConfig the engine runs): the paper's defaults and some knobs set.
@@ -27,13 +28,12 @@ POLICIES = [
         {"decode_policy": "dyllm", **(d := {"dyllm_threshold": 0.9, "dyllm_full_steps": 2})},
         DecodePolicyConfig("dyllm", dyllm=d),
     ),
-    ({"decode_policy": "focus"}, DecodePolicyConfig("focus")),
-    (
-        {"decode_policy": "focus", **(f := {"focus_budget": 2, "focus_delayed_cache": "off"})},
-        DecodePolicyConfig("focus", focus=f),
-    ),
 ]
-IDS = ["dyllm", "dyllm-knobs", "focus", "focus-knobs"]
+IDS = ["dyllm", "dyllm-knobs"]
+ONLY_SDAR = (
+    "decode policy 'focus' runs on block-diffusion (SDAR) models only; on Dream/LLaDA it measured no gain "
+    "over plain decoding"
+)
 
 
 def _counters(response) -> dict[str, Any]:
@@ -64,11 +64,9 @@ def test_vanilla_with_a_compute_skipping_policy_equals_the_library(deployment, l
     expected = generate_vanilla(loaded.model, prompt, GenerationConfig(**GEN), policy=policy)
     assert list(response.token_ids) == expected.token_ids
     assert _counters(response) == _nonzero(expected.cache)
-    # What plain decoding computes bounds what the policy did (FOCUS counts layers >= 2: none on this
-    # 2-layer checkpoint, which still exercises its selection and eligible rows).
+    # What plain decoding computes bounds what the policy did.
     trace = response.trace.decode_policy
-    plain = "rows_total" if policy.name == "dyllm" else "rows_plain"
-    assert trace.counters[plain] >= trace.rows_forwarded and trace.forwards == GEN["steps"]
+    assert trace.counters["rows_total"] >= trace.rows_forwarded and trace.forwards == GEN["steps"]
 
 
 @pytest.mark.parametrize(
@@ -110,16 +108,26 @@ def test_bad_knobs_are_invalid_argument(deployment, values: dict, message: str) 
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.message
 
 
-def test_concurrent_focus_requests_share_rounds(deployment, loaded, focus_round_sizes) -> None:  # noqa: F811
-    """FOCUS requests in flight together ride in the same batched rounds (``decode_service/focus_rounds.py``)
-    and each still answers as the engine does (pdllm) and as the reference loop does (vanilla)."""
+@pytest.mark.parametrize(
+    "values",
+    [
+        {**METHOD, "kv_mode": "full-mask", "decode_policy": "focus"},
+        {"method": "vanilla", "decode_policy": "focus"},
+        {"method": "vanilla", "decode_policy": "focus", "focus_budget": 2},
+    ],
+    ids=["pdllm", "vanilla", "vanilla-knobs"],
+)
+def test_focus_on_dream_is_invalid_argument(deployment, values: dict) -> None:  # noqa: F811
+    """FOCUS runs on SDAR only: a Dream request naming it is refused before it is scheduled, one line."""
+    with pytest.raises(InvalidRequestError) as info:
+        _ask(deployment.address, **values)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.message.startswith(ONLY_SDAR)
+    assert "Traceback" not in info.value.message
+    assert list(_ask(deployment.address, method="vanilla").token_ids)  # the worker still serves
 
-    asks = [{**METHOD, "kv_mode": "full-mask"}, {"method": "vanilla"}, {**METHOD, "kv_mode": "full-mask"}]
-    with ThreadPoolExecutor(len(asks)) as pool:
-        responses = list(pool.map(lambda v: _ask(deployment.address, decode_policy="focus", **v), asks))
-    policy = DecodePolicyConfig("focus")
-    pdllm = _engine_answer(loaded, "full-mask", policy).token_ids
-    prompt = encode_prompt(loaded.tokenizer, CONTEXT, QUESTION).vanilla(loaded.config.bos_token_id)
-    vanilla = generate_vanilla(loaded.model, prompt, GenerationConfig(**GEN), policy=policy).token_ids
-    assert [list(r.token_ids) for r in responses] == [pdllm, vanilla, pdllm]
-    assert max(focus_round_sizes) >= 2  # some round advanced several FOCUS requests at once
+
+def test_serve_decode_policy_focus_on_dream_is_refused_at_startup(tiny_dir) -> None:  # noqa: F811
+    with pytest.raises(
+        ValueError, match=r"--decode-policy focus runs on block-diffusion \(SDAR\) checkpoints only"
+    ):
+        serve_all(tiny_dir, "--decode-policy", "focus")
