@@ -192,9 +192,6 @@ class DyLLMRound:
         self.new_k: torch.Tensor | None = None
         self.chosen: torch.Tensor | None = None
 
-    def remap(self, index: list[int]) -> None:
-        self.rows = to_device(index, torch.long, self.rows.device).index_select(0, self.rows)
-
     def _entries_of(self, attention: PagedBatchAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """The DyLLM entries' page tables and KV lengths in ``attention`` (selected once per attention: a
         round has one, and one more past a split)."""

@@ -39,10 +39,6 @@ class LayerEdits(Protocol):
         """The layer's FFN output ``[1, T, H]`` (before the residual add); returns it, edited."""
         ...
 
-    def remap(self, index: list[int]) -> None:
-        """The round's packed rows were compacted: old packed row -> new one (-1: dropped)."""
-        ...
-
 
 class PartEdit(Protocol):
     """One part's edit; :meth:`group` gathers a round's edits of one kind, as (attention entry, first

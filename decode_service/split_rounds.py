@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdllm.decode_service.layer_edits import group_edits
 from pdllm.decode_service.round_attention import PagedBatchAttention
 from pdllm.decode_service.round_packing import PackedRound, part_writes
 from pdllm.shared.generation.device_sampler import to_device
@@ -153,8 +152,8 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
     ids, positions, rows = forward.inputs(packed)
     attention = forward.attention(packed)
     attention.stores = [*attention.stores, *hooks]
-    edits = group_edits(packed) if packed.edits else []
-    attention.edits = edits
+    if packed.edits:  # splits are SDAR's FOCUS, layer edits Dream's DyLLM: one model, never both
+        raise ValueError("a round with a row split carries no layer edits")
     layers = model.model.layers
     with ExitStack() as stack:
         for _, store in packed.stores:
@@ -172,9 +171,6 @@ def split_forward(forward: EagerRoundForward, packed: PackedRound) -> torch.Tens
         x, cos, sin = x[:, keep], cos[:, keep], sin[:, keep]
         rest = forward.attention(after.packed)
         rest.stores = [*rest.stores, *hooks]
-        for e in edits:
-            e.remap(after.index)
-        rest.edits = edits
         x = forward.run_layers(packed, layers[at:], x, cos, sin, rest)
         hidden = model.model.norm(x)
     rows = to_device(after.index, torch.long, device).index_select(0, rows)
