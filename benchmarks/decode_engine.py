@@ -111,7 +111,8 @@ from benchmarks.decode_cases.mixed import case_mixed  # noqa: E402
 from benchmarks.decode_cases.polestar_tpf import case_polestar_tpf  # noqa: E402
 from benchmarks.decode_cases.replay import Replay  # noqa: E402
 from benchmarks.decode_cases.report import write  # noqa: E402
-from benchmarks.decode_cases.rounds import ROUND_POLICIES, Prompt, case_rounds, case_rounds_e2e, sessions  # noqa: E402, F401
+from benchmarks.decode_cases.rounds import ROUND_POLICIES, Prompt, case_rounds, sessions  # noqa: E402, F401
+from benchmarks.decode_cases.rounds_e2e import case_rounds_e2e  # noqa: E402
 from benchmarks.decode_cases.serve import case_serve  # noqa: E402
 from benchmarks.e2e_speedup import QUERY_TOKENS  # noqa: E402
 from benchmarks.harness import Run, add_run_args, default_out, run_meta  # noqa: E402
@@ -210,6 +211,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--schedule-select", default=None,
                     help="--schedule: only its samples with these key=value fields, e.g. method=pdllm,threshold=0.9")  # fmt: skip
     ap.add_argument("--e2e-contexts", default=None, help="rounds-e2e: contexts (default 8192,16384,32768)")
+    ap.add_argument("--policy-knobs", default="", type=_knobs,
+                    help="rounds: policy settings instead of the papers', e.g. sparse_delay_steps=0,"
+                         "polestar_recompute=per-layer (each applies to the policy its prefix names)")  # fmt: skip
     ap.add_argument("--tag", default=None,
                     help="store this run's cases as <case>+TAG (default: +replayed with --schedule, else none)")  # fmt: skip
     ap.add_argument("--e2e-gens", default=None, help="rounds-e2e: gen lengths (default 32,256; smoke 16)")
@@ -263,6 +267,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.polestar_gen = pick(args.polestar_gen, 32, 16)
     args.tpf_depths = [float(x) for x in pick(args.tpf_depths, "0,0.25,0.5,0.75,1", "0.5").split(",")]
     return args
+
+
+def _knobs(text: str) -> dict[str, object]:
+    """``a=1,b=x`` -> {"a": 1, "b": "x"}: numbers as numbers (the decode-policy settings validate them)."""
+    pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 or not p[0].strip() for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        try:
+            out[k.strip()] = json.loads(v.strip())
+        except ValueError:
+            out[k.strip()] = v.strip()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""The decode worker's batched rounds: the ``rounds`` and ``rounds-e2e`` cases, ``--profile``, and the
-sessions, pool and timed runs they (and ``mixed``) share."""
+"""The decode worker's batched rounds: the ``rounds`` case, ``--profile``, and the sessions, pool and timed
+runs it shares with ``rounds-e2e`` (``rounds_e2e.py``) and ``mixed``."""
 
 from __future__ import annotations
 
@@ -41,13 +41,26 @@ class Prompt:
         return 0 if self.static is None else self.static.shape[3]
 
 
+def policy_knobs(policy: str, knobs: dict[str, object]) -> dict[str, object]:
+    """The ``--policy-knobs`` settings that belong to ``policy`` (``sparse_*``: sparse-dllm, ``polestar_*``,
+    ``dyllm_*``, ``focus_*``; ``cache_refresh_steps``: every caching policy)."""
+    prefix = policy.removesuffix("-dllm").replace("-", "_") + "_"
+    return {
+        k: v
+        for k, v in knobs.items()
+        if k.startswith(prefix) or (k == "cache_refresh_steps" and policy != "none")
+    }
+
+
 def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n: int,  # type: ignore[no-untyped-def]
-             gens: list[GenerationConfig] | None = None, knobs: dict[str, float] | None = None) -> list[BatchSession]:  # fmt: skip
+             gens: list[GenerationConfig] | None = None, knobs: dict[str, float] | None = None,
+             settings: dict[str, object] | None = None) -> list[BatchSession]:  # fmt: skip
     """``n`` sessions under ``policy`` over ``prompt``, made as the decode worker makes them
     (``SessionMaker.pool_slots``, ``policy_rounds.batch_session``; vanilla: the prompt as local rows).
     ``gens``: each session's own settings (a replayed schedule each), else ``gen`` for all; ``knobs``: the
-    policy's ``replay_*`` fields (``Replay.knobs``: its recorded work forced)."""
-    cfg = None if policy == "none" else DecodePolicyConfig(policy)
+    policy's ``replay_*`` fields (``Replay.knobs``: its recorded work forced); ``settings``: its own knobs
+    (``--policy-knobs``; none: the papers')."""
+    cfg = None if policy == "none" else DecodePolicyConfig(policy, **policy_knobs(policy, settings or {}))
     run_as = rounds_policy(cfg)
     if knobs and run_as is not None:
         run_as = replace(run_as, **knobs)
@@ -69,12 +82,12 @@ def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n:
     return out
 
 
-def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None, counter=None, gens=None, knobs=None) -> dict:  # type: ignore[no-untyped-def]  # fmt: skip
+def timed_run(forward, model, pool, prompt, gen, policy, n, limit_s, blocks=None, counter=None, gens=None, knobs=None, settings=None) -> dict:  # type: ignore[no-untyped-def]  # fmt: skip
     """Decode ``n`` sessions together until done or the first block boundary past ``limit_s``
     (``blocks``: exactly that many blocks); pages returned. ``counter``: the forwards of the rounds.
     ``gens``: the sessions' replayed schedules (``replay.py``); a "block" is then ``gen.block`` rounds;
     ``knobs``: the policy's replayed work (:func:`sessions`). ``caches``: every session's counters."""
-    active = sessions(model, pool, prompt, gen, policy, n, gens, knobs)
+    active = sessions(model, pool, prompt, gen, policy, n, gens, knobs, settings)
     every = list(active)
     device = pool.kv.device
     sync(device)
@@ -183,17 +196,19 @@ def round_cell(bench: Bench, case: str, part_rows: list[dict], method: str, cont
     knobs = None if replay is None else replay.knobs(policy)  # its recorded work, where recorded
     try:
         args = (st.forward, model, st.pool, prompt, gen, policy, n, bench.args.cell_s)
-        first = timed_run(*args, gens=gens, knobs=knobs)  # captures the buckets
-        second = timed_run(*args, blocks=first["blocks"], counter=bench.counter, gens=gens, knobs=knobs)
+        own_knobs = policy_knobs(policy, bench.args.policy_knobs)
+        first = timed_run(*args, gens=gens, knobs=knobs, settings=own_knobs)  # captures the buckets
+        second = timed_run(*args, blocks=first["blocks"], counter=bench.counter, gens=gens, knobs=knobs,
+                           settings=own_knobs)  # fmt: skip
     except Exception as exc:  # e.g. out of memory: recorded, the rest still runs
         bench.error(case, where, exc)
         return
     tokens = n * second["blocks"] * gen.block
     timed = f"{second['blocks']}/{gen.num_blocks}"
-    own: dict = {"replayed": False}
+    own: dict = {"replayed": False} | ({"policy_knobs": own_knobs} if own_knobs else {})
     if replay is not None:
         tokens = replayed_tokens([g.schedule for g in gens or [] if g.schedule], second["rounds"])
-        timed, own = f"{second['rounds']} rounds", replay.columns(gen, n)
+        timed, own = f"{second['rounds']} rounds", own | replay.columns(gen, n)
         own |= replay.sparsity(policy, second["caches"], model.config.num_layers)
     fpr = per_round(second["forwards"], second["rounds"])
     part_rows.append({"case": case, **where, "tokens_per_s": tokens / second["seconds"],
@@ -310,94 +325,3 @@ def profile_rounds(bench: Bench, prompt: Prompt, gen: GenerationConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(out))
     print(f"[profile] {path}", flush=True)
-
-
-def vanilla_steps(bench: Bench, case: str, rows: list[dict], context: int, gen_len: int, whole: Prompt,
-                  steps: int) -> None:  # fmt: skip
-    """The papers' baseline: one token per step, no cache, each step a forward over the whole prompt and
-    answer; every step costs the same, so ``steps`` of them are timed (after two warm-up steps that
-    capture the graph) and the gen length is charged at that pace. Never replayed."""
-    where = {
-        "policy": "none",
-        "method": "vanilla",
-        "context_tokens": context,
-        "gen_length": gen_len,
-        "batch": 1,
-    }
-    if bench.left() <= 0:
-        bench.skip(case, where, "time budget spent")
-        return
-    st, gen = rounds_state(bench), bench.gen(gen_len)
-    steps = max(1, min(steps, gen_len - 2))
-    try:
-        active = sessions(bench.model, st.pool, whole, gen, "none", 1)
-        device = st.pool.kv.device
-        for _ in range(2):
-            decode_round(st.forward, active)
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            decode_round(st.forward, active)
-        sync(device)
-        step_s = (time.perf_counter() - start) / steps
-        for s in active:
-            st.pool.release(s.pages)
-    except Exception as exc:  # e.g. out of memory: recorded, the rest still runs
-        bench.error(case, where, exc)
-        return
-    rows.append({"case": case, **where, "tokens_per_s": 1.0 / step_s, "round_ms": step_s * 1e3,
-                 "forwards_per_round": 1.0, "tpf": 1.0, "peak_gib": peak_gib(device), "cache_bytes": 0,
-                 "static_kv_bytes": 0, "timed_blocks": f"{steps} steps (x gen)", "forwards": steps,
-                 "rounds": steps, "cache": {}, "replayed": False})  # fmt: skip
-    print(f"[done] {case} {json.dumps(where)}: {step_s * 1e3:.1f} ms a step", flush=True)
-
-
-def case_rounds_e2e(bench: Bench) -> None:
-    a, case = bench.args, "rounds-e2e"
-    bench.use("dream")
-    st = rounds_state(bench)
-    rows: list[dict] = []
-    for context in a.e2e_contexts:
-        ctx_ids = bench.context(context)
-        gen0 = GenerationConfig(gen_length=32, steps=32, block_length=a.block)
-        try:
-            prompt, st.fixed_s[context] = pdllm_prompt(bench.engine("rounds"), ctx_ids, bench.query(), gen0)
-        except Exception as exc:
-            bench.error(case, {"context_tokens": context, "phase": "prefill"}, exc)
-            continue
-        whole = Prompt(bench.whole_prompt(context), None, 0)
-        for gen_len in a.e2e_gens:
-            for policy in ("none", "dual-cache"):
-                round_cell(bench, case, rows, "pdllm", context, gen_len, 1, prompt, policy)
-            round_cell(bench, case, rows, "vanilla", context, gen_len, 1, whole, "dual-cache")
-            if a.e2e_vanilla_steps > 0:
-                vanilla_steps(bench, case, rows, context, gen_len, whole, a.e2e_vanilla_steps)
-    drop_rounds(bench)
-    round_speedups(rows)
-    e2e = []
-    speed = {(r["policy"], r["method"], r["context_tokens"], r["gen_length"]): r for r in rows}
-    for r in rows:
-        r["fixed_phases_s"] = st.fixed_s[r["context_tokens"]] if r["method"] == "pdllm" else 0.0
-        base = speed.get(("dual-cache", "vanilla", r["context_tokens"], r["gen_length"]))
-        plain = speed.get(("none", "vanilla", r["context_tokens"], r["gen_length"]))
-        if r["method"] == "pdllm" and base:
-            mine = r["fixed_phases_s"] + r["gen_length"] / r["tokens_per_s"]
-            theirs = r["gen_length"] / base["tokens_per_s"]
-            r["e2e_s"], r["e2e_speedup_vs_dual_cache_whole_prompt"] = mine, theirs / mine
-            slow = r["gen_length"] / plain["tokens_per_s"] if plain else None
-            # end to end, not the rounds' tokens/s: the fixed phases count against pdllm
-            r["speedup_vs_vanilla"] = slow / mine if slow else None
-            e2e.append({"context_tokens": r["context_tokens"], "gen_length": r["gen_length"],
-                        "pdllm_policy": r["policy"], "pdllm_s": mine, "dual_cache_whole_prompt_s": theirs,
-                        "speedup": theirs / mine, "vanilla_s": slow, "speedup_vs_vanilla": r["speedup_vs_vanilla"],
-                        "vanilla_steps_timed": plain["rounds"] if plain else None})  # fmt: skip
-        bench.add(r)
-    bench.meta(case)["e2e"] = e2e
-    bench.meta(case)["pdllm_fixed_phases_s"] = dict(st.fixed_s)
-    bench.meta(case)["setup"] = (
-        "batch 1; pdllm seconds per request = fixed phases (prefill, scoring, build; warm, once per context) "
-        "+ gen / its rounds' tokens/s, against Fast-dLLM's dual cache on the whole prompt in the same rounds "
-        "(its first refresh is its prefill), and vanilla decoding (one token per step, no cache: every step a "
-        f"forward over the whole prompt and answer, {a.e2e_vanilla_steps} steps timed after two warm-up steps, "
-        "times gen; its row's tokens/s = 1 / step). pdllm rows' speedup_vs_vanilla is end to end."
-    ) + ("" if bench.replay is None else " " + bench.replay.note())

@@ -199,6 +199,27 @@ def test_a_replayed_run_updates_beside_the_one_token_per_step_rows(
     )
 
 
+def test_policy_knobs_reach_their_policy_only(report: tuple[Path, dict], tmp_path: Path) -> None:
+    """``--policy-knobs sparse_delay_steps=0``: Sparse-dLLM takes its cache at a block's first step, so it
+    forwards the dual cache's rows (with the paper's delay of 1 it forwards a second full step per block);
+    the dual cache's rows carry no knobs. A value the settings refuse is a recorded error, not a crash."""
+    _, data = report
+    argv = ["--smoke", "--cases", "rounds", "--rounds-policies", "dual-cache,sparse-dllm", "--batches", "1"]
+    assert main([*argv, "--policy-knobs", "sparse_delay_steps=0", "--out", str(tmp_path)]) == 0
+    rows = {(r["policy"], r["method"]): r for r in by_case(json.loads((tmp_path / "decode_engine.json").read_text()), "rounds")}  # fmt: skip
+    default = {(r["policy"], r["method"]): r for r in by_case(data, "rounds") if r["batch"] == 1}
+    for method in ("vanilla", "pdllm"):
+        sparse, dual = rows["sparse-dllm", method], rows["dual-cache", method]
+        assert sparse["policy_knobs"] == {"sparse_delay_steps": 0} and "policy_knobs" not in dual
+        assert sparse["cache"]["rows_forwarded"] == dual["cache"]["rows_forwarded"]
+        assert default["sparse-dllm", method]["cache"]["rows_forwarded"] > dual["cache"]["rows_forwarded"]
+        assert sparse["cache_bytes"] == default["sparse-dllm", method]["cache_bytes"]  # still keeps r = 0.5
+    bad = tmp_path / "bad"
+    assert main([*argv, "--policy-knobs", "sparse_delay_steps=-1", "--out", str(bad)]) == 0
+    errors = json.loads((bad / "decode_engine.json").read_text())["cases"]["rounds"]["errors"]
+    assert errors and all("sparse_delay_steps" in e["error"] for e in errors)
+
+
 def test_e2e_against_vanilla_charges_gen_steps_at_the_timed_pace(report: tuple[Path, dict]) -> None:
     """rounds-e2e's vanilla baseline: one token per step without a cache, its step timed and charged gen
     times; pdllm's speedup over it counts pdllm's fixed phases."""
