@@ -18,7 +18,8 @@ BOS + a ``--vanilla-context`` (1K) context + a 24-token question, every row loca
 ``--pdllm-context`` (16K) context through the engine's prefill, selection and static-KV build (C=1024, K=4,
 full-mask), the question + answer local. Policies at the papers' knobs: Sparse-dLLM r = 0.5, s = 3, one-step
 delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyLLM and FOCUS their defaults
-(FOCUS runs on SDAR only: ``focus-batched``).
+(FOCUS runs on SDAR only: ``focus-batched``); ``--policy-knobs sparse_delay_steps=0,polestar_recompute=per-layer``
+runs other settings in the rounds cases, each to the policy its prefix names (those rows carry ``policy_knobs``).
 
 Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and ``serve``):
   loop           the in-process denoising loop, batch 1 (vanilla: ``tests/reference/vanilla.py``; pdllm:
