@@ -45,6 +45,11 @@ from pdllm.kernels.split_s_attention import SplitSConfig, split_s_attention
 from pdllm.kernels.split_s_tuner import call_cost, predicted_ms
 from pdllm.kernels.split_s_tuning import config_to_dict, select_config
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, str(ROOT))
+from benchmarks.attention_ragged import PAGE, RAGGED_CELLS, SMOKE_CELLS, ragged_markdown, ragged_rows  # noqa: E402
+
 HQ, HKV, D = 28, 4, 128
 
 
@@ -424,12 +429,18 @@ def _cfg_label(cfg: dict) -> str:
     )
 
 
-def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict], skipped: list[dict]) -> None:
+def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict], skipped: list[dict],
+                  ragged: list[dict] | None = None) -> None:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (r["batch"], r["Lq"], r["S"], r["C"]))
-    (out / "attention.json").write_text(
-        json.dumps({"meta": meta, "decode": rows, "decode_skipped": skipped, "prefill": prefill}, indent=1)
-    )
+    data = {
+        "meta": meta,
+        "decode": rows,
+        "decode_skipped": skipped,
+        "prefill": prefill,
+        "ragged": ragged or [],
+    }
+    (out / "attention.json").write_text(json.dumps(data, indent=1))
     names = sorted({k for r in rows for k in r["latency_us"]})
     fmt = _fmt
     lines = [f"# Attention benchmark — {meta['device']}, {meta['date']}", "", f"`{meta['command']}`", "",
@@ -466,6 +477,8 @@ def write_outputs(out: Path, meta: dict, rows: list[dict], prefill: list[dict], 
                 + " | ".join(fmt(r["latency_us"].get(n)) for n in pn)
                 + " |"
             )
+    if ragged:
+        lines += ragged_markdown(ragged)
     errs = [(*(r[k] for k in ("batch", "N", "Lq", "S", "C") if k in r), r["errors"]) for r in rows + prefill
             if r.get("errors")]  # fmt: skip
     if errs:
@@ -523,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a handful of shapes")
     ap.add_argument("--grid", action="store_true", help="the shape table + grid (split-S, default, SDPA)")
     ap.add_argument("--sweep", action="store_true", help="time kernel configs first")
+    ap.add_argument("--ragged", action="store_true", help="the ragged decode batches (on with --grid)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument(
         "--table", type=Path, default=None, help="tuned config table (default: the committed one)"
@@ -596,7 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, skipped = decode_rows(grid, dev, dtype, opts,
                                 checkpoint=lambda r, sk: write_outputs(a.out, meta, r, [], sk))  # fmt: skip
     prefill = prefill_rows(dev, dtype, prefill_sizes, 64 if not a.smoke else 16, a.reps)
-    write_outputs(a.out, meta, rows, prefill, skipped)
+    ragged = []
+    if a.ragged or a.grid:
+        cells = SMOKE_CELLS if a.smoke else RAGGED_CELLS
+        ragged = ragged_rows(dev, dtype, cells, HQ, HKV, D, meta["hbm_peak_GBps"], meta["gemm_peak_TFLOPs"],
+                             time_us, a.reps, page=16 if a.smoke else PAGE)  # fmt: skip
+    write_outputs(a.out, meta, rows, prefill, skipped, ragged)
     print((a.out / "attention.md").read_text())
     return 0
 

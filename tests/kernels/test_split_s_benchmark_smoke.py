@@ -1,5 +1,6 @@
 """``benchmarks/attention.py --smoke --grid`` on CPU under the Triton interpreter: the decode rows keep their
-JSON shape, gain the tuned-vs-default and roofline fields, and skipped cells are recorded with a reason."""
+JSON shape, gain the tuned-vs-default and roofline fields, and skipped cells are recorded with a reason; the
+ragged decode batches come with the grid."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def test_attention_benchmark_grid_smoke(tmp_path: Path) -> None:
     assert reasons[2, 1].startswith("time budget") and "--max-call-ms" in reasons[64, 64]
     md = (tmp_path / "attention.md").read_text()
     assert "Skipped cells (2)" in md and "h:64x64w4s2" in md
+    # the ragged decode batches ride with --grid: each cell's entry point and SDPA baseline checked
+    ragged = report["ragged"]
+    assert [r["entries"] for r in ragged] == [3, 4] and "## Ragged decode batches" in md
+    for r in ragged:
+        assert set(r["latency_us"]) == {"ragged", "sdpa_gathered"} and not r["errors"]
+        assert r["max_abs_err"]["ragged"] < 2e-3 and r["max_abs_err"]["sdpa_gathered"] < 2e-3
