@@ -7,8 +7,8 @@ its own rows' fresh K/V as local keys (bidirectional over both, as decode rows a
 
 - ``ragged``: ``kernels.ragged_attention.ragged_attention`` over the pool (one split-S call for the batch);
 - ``sdpa_gathered``: each entry's keys gathered into contiguous tensors beforehand (not timed), then one
-  ``scaled_dot_product_attention`` per entry (the loop is captured in the CUDA graph with the rest, so its
-  launches cost what a graph replay costs);
+  ``scaled_dot_product_attention`` per entry with GQA in the kernel, outputs left per entry (the loop is
+  captured in the CUDA graph with the rest, so its launches cost what a graph replay costs);
 - ``flex_packed``: every entry's rows packed into one sequence and ``flex_attention`` with a document mask
   (compiled; CUDA only), the keys gathered and packed beforehand.
 
@@ -84,23 +84,28 @@ class RaggedCase:
             self.keys.append(torch.cat([self.k_pages[pg, :, slots % page], self.k[own]]))
             self.values.append(torch.cat([self.v_pages[pg, :, slots % page], self.v[own]]))
         self.starts = starts
-        self.out = torch.empty_like(self.q)
+        # [1, H, rows or keys, d] per entry, made before any timing
+        self.per_entry = [
+            (self.q[a:b].transpose(0, 1)[None].contiguous(), k.transpose(0, 1)[None].contiguous(),
+             v.transpose(0, 1)[None].contiguous())
+            for a, b, k, v in zip(starts[:-1], starts[1:], self.keys, self.values, strict=True)
+        ]  # fmt: skip
 
     def ragged(self, kernel: str) -> torch.Tensor:
         return ragged_attention(self.q, self.k, self.v, self.batch, self.k_pages, self.v_pages, kernel=kernel)
 
+    def sdpa_calls(self) -> list[torch.Tensor]:
+        """One SDPA call per entry over its gathered keys (GQA in the kernel, as the grid's baseline)."""
+        return [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for q, k, v in self.per_entry]
+
     def sdpa(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Per entry over its gathered keys; ``dtype`` (the reference): computed and returned in it."""
-        rep = self.hq // self.hkv
-        out = self.out if dtype is None else torch.empty(self.q.shape, dtype=dtype, device=self.q.device)
-        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            a, b = self.starts[i], self.starts[i + 1]
-            q = self.q[a:b].transpose(0, 1)[None]  # [1, Hq, rows, d]
-            kk = k.transpose(0, 1).repeat_interleave(rep, 0)[None]
-            vv = v.transpose(0, 1).repeat_interleave(rep, 0)[None]
+        """The per-entry SDPA outputs packed ``[T, Hq, D]``, computed in ``dtype`` (None: the inputs')."""
+        out = torch.empty(self.q.shape, dtype=dtype or self.q.dtype, device=self.q.device)
+        for i, (q, k, v) in enumerate(self.per_entry):
             if dtype is not None:
-                q, kk, vv = q.to(dtype), kk.to(dtype), vv.to(dtype)
-            out[a:b] = F.scaled_dot_product_attention(q, kk, vv)[0].transpose(0, 1).to(out.dtype)
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            out[self.starts[i] : self.starts[i + 1]] = o[0].transpose(0, 1)
         return out
 
     def flex(self) -> Callable[[], torch.Tensor]:
@@ -141,7 +146,7 @@ def ragged_rows(dev: str, dtype: torch.dtype, cells: list[RaggedCell], hq: int, 
         kernel = "triton" if dev == "cuda" else "torch"
         impls: dict[str, Callable[[], object]] = {
             "ragged": lambda c=case, k=kernel: c.ragged(k),
-            "sdpa_gathered": case.sdpa,
+            "sdpa_gathered": case.sdpa_calls,
         }
         errors: dict[str, str] = {}
         if dev == "cuda":
@@ -152,7 +157,7 @@ def ragged_rows(dev: str, dtype: torch.dtype, cells: list[RaggedCell], hq: int, 
         lat, err = {}, {}
         for name, fn in impls.items():
             try:
-                got = fn()
+                got = case.sdpa() if name == "sdpa_gathered" else fn()  # the same calls, packed
                 err[name] = float((got.float() - ref).abs().max())  # type: ignore[union-attr]
                 lat[name], _ = time_us(fn, reps, target_s=0.1)
             except Exception as exc:  # a failing implementation is recorded per cell
