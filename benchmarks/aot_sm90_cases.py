@@ -30,19 +30,23 @@ BATCH1 = (1, 32, 4, 1024)
 def main_case(
     set_: str, bm: int, bn: int, warps: int, stages: int, *, local: bool = True, single: bool = False,
     fused: bool = False, fill: bool = False, maxnreg: int | None = None, dtype: str = "bfloat16", note: str = "",
-    row_lse: bool = False,
+    row_lse: bool = False, partials_16bit: bool = False,
 ) -> dict:  # fmt: skip
-    """The main split-S kernel as :func:`~pdllm.kernels.split_s_attention._launch` compiles it."""
+    """The main split-S kernel as :func:`~pdllm.kernels.split_s_attention._launch` compiles it
+    (``partials_16bit``: ``SplitSConfig.partials_16bit``, the partials in the input dtype)."""
     const = dict(G=HQ // HKV, HKV=HKV, D=D, PAGE=PAGE, BLOCK_M=bm, BLOCK_N=bn, HAS_LOCAL=local,
                  HAS_FILL=fill, SINGLE=single, FUSED=fused and not single,
                  PRECISION="ieee" if dtype == "float32" else "tf32", ROW_LSE=row_lse)  # fmt: skip
-    return _case(set_, "split_s", const, warps, stages, maxnreg, dtype, note)
+    case = _case(set_, "split_s", const, warps, stages, maxnreg, dtype, note)
+    return case | ({"partials": "act"} if partials_16bit else {})
 
 
-def merge_case(set_: str, block_r: int = MERGE_BLOCK_R, warps: int = MERGE_WARPS, note: str = "") -> dict:
+def merge_case(set_: str, block_r: int = MERGE_BLOCK_R, warps: int = MERGE_WARPS, note: str = "",
+               partials_16bit: bool = False) -> dict:  # fmt: skip
     """The separate split merge (launched whenever a call has more than one split and no fused merge)."""
     const = dict(BLOCK_R=block_r, D=D, ROW_LSE=False)
-    return _case(set_, "merge", const, warps, MERGE_STAGES, None, "bfloat16", note)
+    case = _case(set_, "merge", const, warps, MERGE_STAGES, None, "bfloat16", note)
+    return case | ({"partials": "act"} if partials_16bit else {})
 
 
 def hopper_case(
@@ -109,6 +113,11 @@ def batch1() -> list[dict]:
         main_case("batch1", bm, bn, w, st, single=True, note="one split (no partials)"),
         main_case("batch1", 32, bn, 2, st, note="32-row blocks, 2 warps"),
         main_case("batch1", 16, bn, 2, st, note="16-row blocks, 2 warps"),
+        main_case("batch1", bm, bn, w, st, single=single, partials_16bit=True, note="16-bit partials"),
+        merge_case("batch1", partials_16bit=True, note="16-bit partials"),
+        main_case(
+            "batch1", bm, bn, w, st, fused=True, partials_16bit=True, note="fused merge, 16-bit partials"
+        ),
     ]
 
 

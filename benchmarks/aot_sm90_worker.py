@@ -79,6 +79,8 @@ def _signature(fn: object, case: dict) -> tuple[dict, dict, dict]:
             sig[n] = f"tensordesc<{act[1:]}{boxes[n]}>"
         else:
             t = _MAIN_PTRS.get(n, "act" if n in ("KD", "VD") else "i32")
+            if n == "OP" and case.get("partials") == "act":  # SplitSConfig.partials_16bit
+                t = "act"
             sig[n] = act if t == "act" else t
     attrs = {
         (i,): [["tt.divisibility", 16]]

@@ -274,10 +274,16 @@ def launch_sizes(
     return max_q_len, max_kv_len
 
 
+def partial_dtype(dtype: torch.dtype, cfg: SplitSConfig) -> torch.dtype:
+    """The dtype of the split partials: the input's with ``partials_16bit`` and 16-bit inputs, else fp32."""
+    return dtype if cfg.partials_16bit and dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def launch_key(dtype: torch.dtype, head_dim: int, page: int, cfg: SplitSConfig) -> tuple:
     """Key of a refused launch in :func:`~pdllm.kernels.resources.guarded`: every config field the compiled
     kernel depends on (``maxnreg`` too: a capped and an uncapped config are different kernels)."""
-    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.fused_merge, cfg.maxnreg)
+    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.fused_merge, cfg.maxnreg,
+             partial_dtype(dtype, cfg))  # fmt: skip
     return ("split_s_attention", dtype, head_dim, page, *tiles)
 
 
@@ -314,7 +320,9 @@ def _launch(
         o_part = lse = out  # unused by the kernel when SINGLE
         ops = opt = oph = lss = lst = 0
     else:
-        o_part = torch.empty(plan.num_splits, total_q, hq, d, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(
+            plan.num_splits, total_q, hq, d, dtype=partial_dtype(q.dtype, config), device=q.device
+        )
         lse = torch.empty(plan.num_splits, total_q, hq, dtype=torch.float32, device=q.device)
         ops, opt, oph, _ = o_part.stride()
         lss, lst, _ = lse.stride()

@@ -39,7 +39,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK, D], tl.float32)
         for s in range(0, n_split):
             ls = tl.load(LSE + s * s_lss + l_off, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-            po = tl.load(OP + s * s_ops + o_off, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+            po = tl.load(OP + s * s_ops + o_off, mask=ok[:, None], other=0.0, cache_modifier=CACHE).to(
+                tl.float32
+            )
             m_new = tl.maximum(m, ls)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_safe)
@@ -77,7 +79,7 @@ if triton is not None:
                     s_ot, s_oh, s_ops, s_opt, s_oph, s_lss, s_lst, G: tl.constexpr, HKV: tl.constexpr,
                     SINGLE: tl.constexpr, ROW_LSE: tl.constexpr):  # fmt: skip
         """A program's rows once its keys are done: normalized output (one split: the final rows, and
-        with ``ROW_LSE`` their natural-log log-sum-exp) or the split's fp32 partial and base-2 LSE."""
+        with ``ROW_LSE`` their natural-log log-sum-exp) or the split's partial (in ``OP``'s dtype) and base-2 LSE."""
         o = o_acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
         if SINGLE:
@@ -87,5 +89,5 @@ if triton is not None:
                 tl.store(RLSE + tok * (G * HKV) + head, lse * 0.6931471805599453, mask=row_ok)
         else:
             ptr = OP + pid_s * s_ops + tok[:, None] * s_opt + head[:, None] * s_oph + offs_d[None, :]
-            tl.store(ptr, o, mask=row_ok[:, None])
+            tl.store(ptr, o.to(OP.dtype.element_ty), mask=row_ok[:, None])  # fp32, or 16-bit partials
             tl.store(LSE + pid_s * s_lss + tok * s_lst + head, lse, mask=row_ok)

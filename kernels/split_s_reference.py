@@ -39,6 +39,10 @@ class SplitSConfig:
     # ptxas register cap per thread (Triton's ``maxnreg`` launch option, NVIDIA only); None = no cap. A
     # lower count can fit more programs per SM at the price of spills. The interpreter and reference ignore it.
     maxnreg: int | None = None
+    # Store each split's partial output in the input's 16-bit dtype (bf16 / fp16 inputs; fp32 inputs keep
+    # fp32 partials) instead of fp32: half the partial traffic; the merge still accumulates in fp32. The
+    # reference ignores it (its partials are exact).
+    partials_16bit: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):

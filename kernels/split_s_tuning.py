@@ -43,10 +43,11 @@ TABLE_VERSION = 1
 # The SplitSConfig fields a table entry may set (num_splits / num_sms belong to a call / a device).
 CONFIG_FIELDS = (
     "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm", "partial_cost",
-    "fused_merge", "maxnreg",
+    "fused_merge", "maxnreg", "partials_16bit",
 )  # fmt: skip
-# Fields written only when set: an entry without one has the default (None), so older tables load unchanged.
-OPTIONAL_FIELDS = ("maxnreg",)
+# Fields written only when not at their default: an entry without one has the default, so older tables load
+# (and are written) unchanged.
+OPTIONAL_FIELDS = ("maxnreg", "partials_16bit")
 ENTRY_FIELDS = {"device", "bucket", "config", "us", "default_us", "shape"}
 SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, for the heuristic's residency estimate
 SCRATCH_BYTES = 4096  # allowance for reductions and layout conversions outside the tiles
@@ -119,9 +120,12 @@ class TunedTable:
 
 
 def config_to_dict(cfg: SplitSConfig) -> dict:
-    """The table's fields of ``cfg``; :data:`OPTIONAL_FIELDS` only where not None."""
+    """The table's fields of ``cfg``; :data:`OPTIONAL_FIELDS` only where not at their default."""
+    default = SplitSConfig()
     return {
-        f: getattr(cfg, f) for f in CONFIG_FIELDS if f not in OPTIONAL_FIELDS or getattr(cfg, f) is not None
+        f: getattr(cfg, f)
+        for f in CONFIG_FIELDS
+        if f not in OPTIONAL_FIELDS or getattr(cfg, f) != getattr(default, f)
     }
 
 
