@@ -19,7 +19,7 @@ BOS + a ``--vanilla-context`` (1K) context + a 24-token question, every row loca
 full-mask), the question + answer local. Policies at the papers' knobs: Sparse-dLLM r = 0.5, s = 3, one-step
 delay; Polestar-Cache 8 clusters, top 2, update threshold 4, int8 residuals; DyLLM and FOCUS their defaults
 (FOCUS runs on SDAR only: ``focus-batched``); ``--policy-knobs sparse_delay_steps=0,polestar_recompute=per-layer``
-runs other settings in the rounds cases, each to the policy its prefix names (those rows carry ``policy_knobs``).
+runs other settings in the rounds cases, each to the policy that owns it (those rows carry ``policy_knobs``).
 
 Cases (default: every case but ``rounds-e2e``, ``mixed``, ``polestar-tpf`` and ``serve``):
   loop           the in-process denoising loop, batch 1 (vanilla: ``tests/reference/vanilla.py``; pdllm:
@@ -117,6 +117,7 @@ from benchmarks.decode_cases.rounds_e2e import case_rounds_e2e  # noqa: E402
 from benchmarks.decode_cases.serve import case_serve  # noqa: E402
 from benchmarks.e2e_speedup import QUERY_TOKENS  # noqa: E402
 from benchmarks.harness import Run, add_run_args, default_out, run_meta  # noqa: E402
+from pdllm.shared.decode_policy_settings import KNOB_GROUPS  # noqa: E402
 
 NAME = "decode_engine"
 
@@ -275,8 +276,11 @@ def _knobs(text: str) -> dict[str, object]:
     pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
     if any(len(p) != 2 or not p[0].strip() for p in pairs):
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+    known = {"cache_refresh_steps", *(k for group in KNOB_GROUPS.values() for k in group)}
     out: dict[str, object] = {}
     for k, v in pairs:
+        if k.strip() not in known:  # a name no policy owns would be dropped without a word
+            raise argparse.ArgumentTypeError(f"{k.strip()!r} is no policy knob; known: {sorted(known)}")
         try:
             out[k.strip()] = json.loads(v.strip())
         except ValueError:

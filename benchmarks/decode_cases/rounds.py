@@ -24,6 +24,7 @@ from pdllm.decode_service.round_graphs import GraphedRoundForward
 from pdllm.decode_service.rounds import BatchSession, EagerRoundForward, decode_round
 from pdllm.decode_service.sessions import SessionMaker, rounds_policy
 from pdllm.shared.app.engine import PrefillingEngine
+from pdllm.shared.decode_policy_settings import KNOB_GROUPS
 from pdllm.shared.generation.sampler import GenerationConfig
 from pdllm.shared.static_kv import StaticKV
 
@@ -42,14 +43,10 @@ class Prompt:
 
 
 def policy_knobs(policy: str, knobs: dict[str, object]) -> dict[str, object]:
-    """The ``--policy-knobs`` settings that belong to ``policy`` (``sparse_*``: sparse-dllm, ``polestar_*``,
-    ``dyllm_*``, ``focus_*``; ``cache_refresh_steps``: every caching policy)."""
-    prefix = policy.removesuffix("-dllm").replace("-", "_") + "_"
-    return {
-        k: v
-        for k, v in knobs.items()
-        if k.startswith(prefix) or (k == "cache_refresh_steps" and policy != "none")
-    }
+    """The ``--policy-knobs`` settings that belong to ``policy`` (the settings' own knob groups;
+    ``cache_refresh_steps``: every caching policy)."""
+    own = KNOB_GROUPS.get(policy, ())
+    return {k: v for k, v in knobs.items() if k in own or (k == "cache_refresh_steps" and policy != "none")}
 
 
 def sessions(model, pool, prompt: Prompt, gen: GenerationConfig, policy: str, n: int,  # type: ignore[no-untyped-def]

@@ -218,6 +218,8 @@ def test_policy_knobs_reach_their_policy_only(report: tuple[Path, dict], tmp_pat
     assert main([*argv, "--policy-knobs", "sparse_delay_steps=-1", "--out", str(bad)]) == 0
     errors = json.loads((bad / "decode_engine.json").read_text())["cases"]["rounds"]["errors"]
     assert errors and all("sparse_delay_steps" in e["error"] for e in errors)
+    with pytest.raises(SystemExit):  # a name no policy owns is refused, not dropped
+        main([*argv, "--policy-knobs", "sparse_delay=0", "--out", str(bad)])
 
 
 def test_e2e_against_vanilla_charges_gen_steps_at_the_timed_pace(report: tuple[Path, dict]) -> None:
