@@ -63,3 +63,32 @@ def make_problem(
         v_local=rnd(total_q, hkv, head_dim) if local else None,
         page_fill=table.page_fill,
     )
+
+
+def float64_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-S oracle, float64: per row and head, softmax attention over its request's paged slots below
+    ``kv_len`` that are tokens (``page_fill``), gathered slot by slot through the page table, then its own
+    rows' local keys (query head h reading KV head h // group); returns the outputs ``[T, Hq, D]`` (zeros
+    with no key) and each row's natural-log log-sum-exp of its scaled scores ``[T, Hq]`` (-inf with none)."""
+    t, hq, d = p.q.shape
+    hkv, page = p.k_pages.shape[1], p.k_pages.shape[2]
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float64)
+    offs = p.q_offsets.tolist()
+    for b, kv_len in enumerate(p.kv_lens.tolist()):
+        q0, q1 = offs[b], offs[b + 1]
+        fill = p.page_fill
+        slots = [(int(p.page_table[b, j // page]), j % page) for j in range(kv_len)
+                 if fill is None or j % page < int(fill[b, j // page])]  # fmt: skip
+        for h in range(hq):
+            g = h // (hq // hkv)
+            ks = [p.k_pages[pg, g, s] for pg, s in slots]
+            vs = [p.v_pages[pg, g, s] for pg, s in slots]
+            if p.k_local is not None and p.v_local is not None:
+                ks += [p.k_local[r, g] for r in range(q0, q1)]
+                vs += [p.v_local[r, g] for r in range(q0, q1)]
+            if ks and q1 > q0:
+                scores = p.q[q0:q1, h].double() @ torch.stack(ks).double().T / d**0.5
+                lse[q0:q1, h] = torch.logsumexp(scores, -1)
+                out[q0:q1, h] = torch.softmax(scores, -1) @ torch.stack(vs).double()
+    return out, lse

@@ -28,30 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # as a script: `te
 from pdllm.decode_service.round_attention import gathered_attention, row_lse  # noqa: E402
 from pdllm.kernels.split_s_reference import SplitSConfig, split_s_attention_reference  # noqa: E402
 from tests.interpreter import run_under_interpreter  # noqa: E402
-from tests.kernels.helpers import Problem, make_problem  # noqa: E402
+from tests.kernels.helpers import Problem, float64_attention, make_problem  # noqa: E402
 
 
 def oracle_lse(p: Problem) -> torch.Tensor:
     """``[T, Hq]`` float64: per row and head, ``logsumexp(q·k / sqrt(D))`` over the request's paged slots
     below ``kv_len`` that are tokens (``page_fill``), then its own rows' local keys; -inf with no key."""
-    t, hq, d = p.q.shape
-    hkv, page = p.k_pages.shape[1], p.k_pages.shape[2]
-    out = torch.full((t, hq), float("-inf"), dtype=torch.float64)
-    offs = p.q_offsets.tolist()
-    for b, kv_len in enumerate(p.kv_lens.tolist()):
-        q0, q1 = offs[b], offs[b + 1]
-        fill = p.page_fill
-        slots = [(int(p.page_table[b, j // page]), j % page) for j in range(kv_len)
-                 if fill is None or j % page < int(fill[b, j // page])]  # fmt: skip
-        for h in range(hq):
-            g = h // (hq // hkv)
-            keys = [p.k_pages[pg, g, s] for pg, s in slots]
-            if p.k_local is not None:
-                keys += [p.k_local[r, g] for r in range(q0, q1)]
-            if keys and q1 > q0:
-                k = torch.stack(keys).double()
-                out[q0:q1, h] = torch.logsumexp(p.q[q0:q1, h].double() @ k.T / d**0.5, -1)
-    return out
+    return float64_attention(p)[1]
 
 
 def problems(gen: torch.Generator) -> list[Problem]:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # as a script: `te
 from pdllm.kernels.split_s_attention import launch_key, partial_dtype  # noqa: E402
 from pdllm.kernels.split_s_reference import SplitSConfig  # noqa: E402
 from tests.interpreter import run_under_interpreter  # noqa: E402
-from tests.kernels.helpers import Problem, make_problem  # noqa: E402
+from tests.kernels.helpers import float64_attention, make_problem  # noqa: E402
 
 ON, OFF = SplitSConfig(partials_16bit=True), SplitSConfig()
 
@@ -45,27 +45,6 @@ def test_the_flag_round_trips_through_the_table_json_and_is_absent_when_off() ->
         assert st.config_from_dict(json.loads(json.dumps(st.config_to_dict(cfg)))) == cfg
 
 
-def oracle(p: Problem) -> torch.Tensor:
-    """Float64 attention per row over its request's paged slots (holes skipped) and its own rows."""
-    t, hq, d = p.q.shape
-    hkv, page = p.k_pages.shape[1], p.k_pages.shape[2]
-    out = torch.zeros(t, hq, d, dtype=torch.float64)
-    offs = p.q_offsets.tolist()
-    for b, kv_len in enumerate(p.kv_lens.tolist()):
-        q0, q1 = offs[b], offs[b + 1]
-        fill = p.page_fill
-        slots = [(int(p.page_table[b, j // page]), j % page) for j in range(kv_len)
-                 if fill is None or j % page < int(fill[b, j // page])]  # fmt: skip
-        for h in range(hq):
-            g = h // (hq // hkv)
-            ks = [p.k_pages[pg, g, s] for pg, s in slots] + [p.k_local[r, g] for r in range(q0, q1)]
-            vs = [p.v_pages[pg, g, s] for pg, s in slots] + [p.v_local[r, g] for r in range(q0, q1)]
-            if ks and q1 > q0:
-                k, v = torch.stack(ks).double(), torch.stack(vs).double()
-                out[q0:q1, h] = torch.softmax(p.q[q0:q1, h].double() @ k.T / d**0.5, -1) @ v
-    return out
-
-
 def test_kernel_under_interpreter() -> None:
     run_under_interpreter(Path(__file__), "kernel", timeout_s=300)
 
@@ -78,7 +57,7 @@ def _case_kernel() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for p in (make_problem(gen, [5, 3, 4], [[40, 7], [33], [17, 9]], 2, 4, 16, 16, dtype=dtype),
                   make_problem(gen, [6, 2], [[64, 30], [16, 16, 1]], 1, 7, 32, 8, dtype=dtype)):  # fmt: skip
-            want = oracle(p)
+            want = float64_attention(p)[0]
             for fused in (False, True):
                 base = SplitSConfig(block_m=16, block_n=16, num_splits=3, fused_merge=fused)
                 out32 = split_s_attention(*p.args(), config=base)
