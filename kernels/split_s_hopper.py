@@ -17,7 +17,13 @@ whole tiles through TMA or pointer loads; no ``page_fill`` under ``tma``).
 Features (``mode``): a feature the Triton build or device lacks, a layout TMA cannot address, or a compile
 failure drops to the next mode down (logged once per cause); :class:`LaunchInfo` says what ran.
 
-Selection: :func:`paged_kernel` returns this launcher when ``$PDLLM_SPLIT_S`` is ``hopper``, else today's.
+Measured against today's kernel on an H200 (``benchmarks/results/split_s_hopper_ab.md``): ``auto``
+1.33-1.55x slower, and wrong on a ragged cell (max abs error 1.5e-2 against 4.9e-4) though right under the
+interpreter, so a warp-specialized schedule is suspect; ``tma`` 0.97-1.04x and right everywhere. The
+default mode is therefore ``tma``; ``auto`` runs only when asked for by name.
+
+Selection: :func:`paged_kernel` returns this launcher (mode ``tma``) when ``$PDLLM_SPLIT_S`` is
+``hopper``, else today's.
 """
 
 from __future__ import annotations
@@ -136,7 +142,7 @@ def split_s_attention_hopper(
     max_kv_len: int | None = None,
     workspace: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
-    mode: str = "auto",
+    mode: str = "tma",
     info: LaunchInfo | None = None,
 ) -> torch.Tensor:
     """:func:`~pdllm.kernels.split_s_attention.split_s_attention`'s contract through the Hopper kernel;
@@ -299,7 +305,7 @@ def span_pages(split_size: int, page: int) -> int:
 
 def paged_kernel() -> Callable[..., torch.Tensor]:
     """The split-S launcher ``$PDLLM_SPLIT_S`` names: unset/empty/``default`` today's kernel, ``hopper``
-    this variant (mode ``auto``). Read per call so a process can switch; anything else raises."""
+    this variant (mode ``tma``). Read per call so a process can switch; anything else raises."""
     choice = os.environ.get(ENV, "").strip().lower()
     if choice in ("", "default"):
         return split_s_attention

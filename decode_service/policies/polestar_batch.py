@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdllm.shared.generation.device_sampler import to_device
+
 from .polestar import _project
 from .polestar_device_store import DeviceClusteredHidden, _bits
 from .polestar_store import quantize
@@ -49,7 +51,8 @@ class StackedLayer:
     @property
     def cluster_valid(self) -> torch.Tensor:
         """``[S, K]`` bool: real clusters."""
-        c = torch.tensor([k for _, k, _ in self.sizes], device=self.assign.device)
+        # a pinned copy: a pageable one would sync the device inside an update round
+        c = to_device([k for _, k, _ in self.sizes], torch.long, self.assign.device)
         return torch.arange(self.centroids.shape[1], device=c.device) < c[:, None]
 
     @classmethod
@@ -211,7 +214,7 @@ def kmeans_batched(x: torch.Tensor, valid: torch.Tensor, ks: list[int], rounds: 
     device = x.device
     u = F.normalize(x.float(), dim=-1)
     n = valid.sum(1)
-    ksz = torch.tensor(ks, device=device)
+    ksz = to_device(ks, torch.long, device)
     j = torch.arange(kk, device=device)
     init = torch.div(j[None] * n[:, None], ksz[:, None].clamp_min(1), rounding_mode="floor").clamp_max(
         length - 1

@@ -49,3 +49,14 @@ def test_sdpa_baseline_and_entry_point_read_the_same_keys() -> None:
         keys = [k + r for k, r in zip(cell.kv, cell.rows, strict=True)]
         assert flops == 4 * sum(r * k for r, k in zip(cell.rows, keys, strict=True)) * HQ * D
         assert nbytes == (sum(keys) * HKV * D * 2 + 2 * sum(cell.rows) * HQ * D) * 4
+
+
+def test_profile_driver_runs_the_entry_point_on_cpu(capsys) -> None:
+    """``benchmarks/attention_profile.py`` (the ncu driver) runs the entry point's torch path once on CPU
+    and reports its error against SDPA."""
+    from benchmarks.attention_profile import main
+
+    assert main([]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("smoke: 2 entries, 8 rows")
+    assert float(line.rsplit(" ", 1)[1]) < 1e-5
