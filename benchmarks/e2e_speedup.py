@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pdllm.decode_service.worker import DECODE_ATTENTIONS
 from pdllm.shared.app.engine import PrefillingEngine
 from pdllm.shared.config import EngineConfig
 from pdllm.shared.generation.plain import generate_plain
@@ -88,8 +89,9 @@ def pdllm_roofline(counts: Counts, ecfg: EngineConfig, n_ctx: int, static_tokens
             "decode_step_floor_ms": step * 1e3, "roofline_s": prefill + score + build + steps * step}  # fmt: skip
 
 
-def gpu_check(device: torch.device) -> dict:
-    """Fast path == reference path on this device (fp32 tiny models): every decode attention, graphs on."""
+def gpu_check(device: torch.device, modes: tuple[str, ...] = DECODE_ATTENTIONS) -> dict:
+    """Fast path == reference path on this device (fp32 tiny models): every decode attention (``modes``),
+    the triton one through CUDA graphs on CUDA (the torch one cannot be captured)."""
     from pdllm.shared.layout import make_request
     from pdllm.shared.reference import reference_generate
 
@@ -120,11 +122,11 @@ def gpu_check(device: torch.device) -> dict:
             ref = reference_generate(
                 model, make_request(context, query, cfg.bos_token_id, ecfg, 512), ecfg, gen
             )
-            for mode in ("segments", "buffer", "triton"):
+            for mode in modes:
                 report["cases"] += 1
                 try:
                     engine = PrefillingEngine(model, None, ecfg, decode_attention=mode, reuse_chunks=False,
-                                              cuda_graph=device.type == "cuda" and mode != "segments")  # fmt: skip
+                                              cuda_graph=device.type == "cuda" and mode == "triton")  # fmt: skip
                     got, trace = engine.generate(context, query, gen)
                     same = got.raw_tokens == ref.result.raw_tokens and trace.selected == ref.selected
                     detail = "" if same else f"{got.raw_tokens} vs {ref.result.raw_tokens}"

@@ -189,6 +189,12 @@ class CapturedRound:
         return self.model.logits_from_hidden(hidden, rows[None])[0]
 
 
+CAPTURE_NEEDS_TRITON = (
+    "CUDA-graph rounds need the triton decode attention: the torch one reads each request's row offsets "
+    "on the host, which a captured graph cannot replay (run it without CUDA graphs)"
+)
+
+
 class GraphedRoundForward:
     """A round's forward through :class:`CapturedRound` buckets (least recently used evicted beyond
     ``capacity``). ``capture`` False: the same padded buffers, run eagerly."""
@@ -204,6 +210,8 @@ class GraphedRoundForward:
     ) -> None:
         """``layer_graphs``: rounds that run eagerly (a policy decides inside the forward) replay each
         layer's work around the attention (:class:`LayerGraphs`)."""
+        if capture and kernel != "triton":
+            raise ValueError(CAPTURE_NEEDS_TRITON)
         if capture and pool.kv.device.type != "cuda":
             raise ValueError("CUDA-graph rounds need the model and KV pool on a CUDA device")
         self.model, self.pool, self.kernel, self.capture, self.capacity = (

@@ -22,6 +22,7 @@ from pdllm.decode_service.build import build_static_steps
 from pdllm.decode_service.local import LocalDecoder, LocalJob
 from pdllm.decode_service.policies import DecodePolicyConfig
 from pdllm.decode_service.request import StaticDecode
+from pdllm.decode_service.round_graphs import CAPTURE_NEEDS_TRITON
 from pdllm.decode_service.sessions import SessionMaker, rounds_policy
 from pdllm.kernels import HAS_TRITON
 from pdllm.shared.chunk_prefill import chunk_prefill
@@ -69,6 +70,8 @@ class DecodeWorker:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if decode_attention == "triton" and not (self._gpu_kernels or (HAS_TRITON and interpreted)):
             raise ValueError('decode_attention "triton" needs CUDA with Triton, or TRITON_INTERPRET=1')
+        if cuda_graph and decode_attention == "torch" and self.device.type == "cuda":
+            raise ValueError(CAPTURE_NEEDS_TRITON)  # before a request, not at its first round
         self.decode_attention = decode_attention
         self.cuda_graph = cuda_graph
         self.local = LocalDecoder(model, decode_attention, cuda_graph)

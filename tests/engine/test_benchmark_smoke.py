@@ -26,3 +26,15 @@ def test_e2e_benchmark_smoke(tmp_path: Path) -> None:
     assert row["context_length"] == 160 and row["selected"] == [0, 1, 2]
     assert set(row["phases_s"]) == {"prefill", "score", "select", "build", "decode"}
     assert "| 160 |" in (tmp_path / "e2e_speedup.md").read_text()
+
+
+def test_device_check_runs_the_engine_modes_against_the_reference() -> None:
+    """The benchmark's fast == reference check (run on the GPU before timing) on CPU with the torch decode
+    attention: every case ends in the reference's tokens (a stale mode name counts as a mismatch)."""
+    import torch
+
+    from benchmarks.e2e_speedup import gpu_check
+
+    report = gpu_check(torch.device("cpu"), modes=("torch",))
+    assert report["cases"] == 8 and report["mismatches"] == []
+    assert gpu_check(torch.device("cpu"), modes=("segments",))["mismatches"]  # a name the engine refuses

@@ -43,3 +43,12 @@ def test_attention_benchmark_grid_smoke(tmp_path: Path) -> None:
     for r in ragged:
         assert set(r["latency_us"]) == {"ragged", "sdpa_gathered"} and not r["errors"]
         assert r["max_abs_err"]["ragged"] < 2e-3 and r["max_abs_err"]["sdpa_gathered"] < 2e-3
+
+
+def test_cudnn_paged_ab_lists_its_cells_off_cuda(tmp_path) -> None:
+    """``benchmarks/cudnn_paged_ab.py`` imports without cudnn-frontend and, off CUDA, names what it would
+    time and writes nothing."""
+    cmd = [sys.executable, str(ROOT / "benchmarks/cudnn_paged_ab.py"), "--smoke", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "cudnn_paged" in out and "B16 Lq96 KV32768" in out
+    assert not list(tmp_path.iterdir())

@@ -70,3 +70,15 @@ def test_concurrent_requests_share_round_graphs_and_answer_exactly(tmp_path, mon
     (forward,) = forwards
     # 3 requests x 8 steps: at most one bucket per number of active sessions, reused by every later step
     assert 1 <= forward.captures <= 3 and forward.replays > forward.captures
+
+
+def test_captured_rounds_refuse_the_torch_attention(tmp_path) -> None:
+    """The torch decode attention reads each request's row offsets on the host, which a captured round
+    cannot replay (a GPU run crashed inside the capture): the graphed forward refuses it by name."""
+    from pdllm.decode_service.kv_pool import DecodeKVPool
+
+    model = load_model(make_tiny_checkpoint(tmp_path / "tiny"), load_tokenizer=False).model
+    pool = DecodeKVPool.with_pages(model, 4, 16)
+    with pytest.raises(ValueError, match="need the triton decode attention"):
+        GraphedRoundForward(model, pool, "torch", capture=True)
+    GraphedRoundForward(model, pool, "torch", capture=False)  # the padded buckets, run eagerly: allowed
