@@ -354,10 +354,17 @@ def _launch(
         num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
     )  # fmt: skip
     if not single and not fused:
-        n_rows = total_q * hq
-        block_r = 16
-        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-            o_part, lse, out, row_lse, plan.num_splits, n_rows, ops, lss,
-            BLOCK_R=block_r, D=d, ROW_LSE=lse_out is not None, num_warps=4,
-        )  # fmt: skip
+        launch_merge(o_part, lse, out, row_lse, plan.num_splits, total_q * hq, ops, lss, lse_out is not None)
     return out
+
+
+def launch_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, row_lse: torch.Tensor,
+                 num_splits: int, n_rows: int, ops: int, lss: int, want_lse: bool) -> None:  # fmt: skip
+    """The second launch of a multi-split call: each row's split partials merged by log-sum-exp, split by
+    split, into ``out`` (and ``row_lse`` when ``want_lse``). Loading every split at once measured slower
+    (``benchmarks/results/attention_notes.md``)."""
+    block_r = 16
+    _merge_kernel[(triton.cdiv(n_rows, block_r),)](
+        o_part, lse, out, row_lse, num_splits, n_rows, ops, lss,
+        BLOCK_R=block_r, D=out.shape[-1], ROW_LSE=want_lse, num_warps=4,
+    )  # fmt: skip

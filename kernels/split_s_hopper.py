@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from pdllm.kernels.resources import guarded, smem_limit, warn_once
-from pdllm.kernels.split_s_attention import LOG2E, _num_sms, launch_sizes, split_s_attention
+from pdllm.kernels.split_s_attention import LOG2E, _num_sms, launch_merge, launch_sizes, split_s_attention
 from pdllm.kernels.split_s_hopper_ws import fit_stages, group_pad, ws_descriptors, ws_unsupported
 from pdllm.kernels.split_s_reference import (
     SplitSConfig,
@@ -49,7 +49,6 @@ try:
     import triton
     import triton.language as tl
 
-    from pdllm.kernels.split_s_attention import _merge_kernel
     from pdllm.kernels.split_s_hopper_tma import _split_s_hopper_kernel, launch_pointer_q  # noqa: F401
     from pdllm.kernels.split_s_hopper_ws import _split_s_ws_kernel
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
@@ -271,12 +270,7 @@ def _launch(
                                    (ops, opt, oph, lss, lst), single, lse_out is not None)  # fmt: skip
     info.tma, info.ws, info.kernel, info.num_stages = mode != "plain", mode == "auto", kernel, stages
     if not single:
-        n_rows = total_q * hq
-        block_r = 16
-        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-            o_part, lse, out, row_lse, plan.num_splits, n_rows, ops, lss,
-            BLOCK_R=block_r, D=d, ROW_LSE=lse_out is not None, num_warps=4,
-        )  # fmt: skip
+        launch_merge(o_part, lse, out, row_lse, plan.num_splits, total_q * hq, ops, lss, lse_out is not None)
     return out
 
 

@@ -55,6 +55,10 @@ def candidates(bucket: ShapeBucket) -> list[SplitSConfig]:
         SplitSConfig(programs_per_sm=1.0, min_split_tokens=256),  # fewer, longer splits
         SplitSConfig(programs_per_sm=3.0, min_split_tokens=64),  # more, shorter splits
         SplitSConfig(fused_merge=True),
+        # won Lq-96 buckets on an H100 (64x32 tiles capped at 128 registers: 4 programs per SM)
+        SplitSConfig(block_n=32, programs_per_sm=4.0, maxnreg=128),
+        # won batch 1 x 1K keys on an H100 (one stage: 3 programs per SM; 16-bit split partials)
+        SplitSConfig(num_stages=1, programs_per_sm=3.0, partials_16bit=True),
     ]
     if bucket.rows <= 32:
         out += [SplitSConfig(block_m=m, num_warps=2, programs_per_sm=4.0) for m in (16, 32)]

@@ -70,6 +70,34 @@ def case_split_s() -> None:
                 assert int(ws.abs().sum()) == 0
 
 
+def case_split_s_merge() -> None:
+    """The split merge with the row LSE: requests whose later splits see no key (-inf partials), rows that
+    see no key at all, rows not a multiple of the merge's row block, many splits (9)."""
+    from pdllm.kernels import split_s_attention as sa
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        # (q_lens, chunk lens, hkv, group, page, dtype, splits, tol, local)
+        ([5, 3, 1], [[70, 20], [9], [33, 33]], 2, 3, 16, torch.float32, 9, 1e-5, True),
+        ([7], [[100]], 1, 5, 16, torch.float16, 3, 2e-3, True),
+        ([2, 6], [[1], [64, 64, 64]], 2, 2, 32, torch.float32, 5, 1e-5, True),
+        ([3, 2], [[40], []], 1, 2, 16, torch.float32, 3, 1e-5, False),  # no key at all: -inf rows
+    ]
+    for q_lens, chunks, hkv, group, page, dtype, splits, tol, local in cases:
+        p = make_problem(gen, q_lens, chunks, hkv, group, 32, page, local=local, dtype=dtype)
+        cfg = sa.SplitSConfig(block_m=16, block_n=16, num_splits=splits)
+        want_lse = torch.empty(p.q.shape[:2], dtype=torch.float32)
+        want = sa.split_s_attention_reference(*p.args(), config=cfg, lse_out=want_lse)
+        lse = torch.full(p.q.shape[:2], 7.0)
+        got = sa.split_s_attention(*p.args(), config=cfg, lse_out=lse)
+        tag = (q_lens, splits)
+        assert torch.isfinite(got).all(), tag
+        assert _rel(got, want) < tol, (tag, _rel(got, want))
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), tag
+        fin = torch.isfinite(want_lse)
+        assert (lse[fin] - want_lse[fin]).abs().max() < tol * 10, tag
+
+
 def kernel_variants() -> list[tuple[int, int, bool]]:
     """Every (block_m, block_n, fused_merge) the tuner can write into the table or the heuristic can pick:
     the other fields (warps, stages, split policy) do not change what the kernel computes."""

@@ -58,11 +58,15 @@ def test_a_bad_cap_is_refused(bad: object) -> None:
         st.config_from_dict({"maxnreg": bad})
 
 
-def test_the_committed_table_loads_uncapped() -> None:
+def test_the_committed_table_loads_with_its_caps() -> None:
+    """A capped entry (the H100's Lq-96 64x32 tiles run at 128 registers) loads capped, the rest uncapped."""
     table = st.load_table(st.DEFAULT_TABLE)
-    assert table.entries and all(cfg.maxnreg is None for cfg in table.entries.values())
     raw = json.loads(st.DEFAULT_TABLE.read_text())
-    assert all("maxnreg" not in e["config"] for e in raw["entries"])
+    assert table.entries and len(table.entries) == len(raw["entries"])
+    for e in raw["entries"]:
+        bucket = st.ShapeBucket(**e["bucket"])
+        assert table.entries[(e["device"], bucket)].maxnreg == e["config"].get("maxnreg")
+    assert any(cfg.maxnreg == 128 for cfg in table.entries.values())
 
 
 def test_candidates_file_parses_capped_candidates(tmp_path: Path) -> None:

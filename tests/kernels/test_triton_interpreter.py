@@ -15,6 +15,7 @@ CASES = Path(__file__).with_name("interpreter_cases.py")
     "case",
     [
         "split_s",
+        "split_s_merge",
         "split_s_configs",
         "split_s_tuner",
         "retention",
