@@ -614,11 +614,14 @@ def _answer(name: str, stdout: str) -> str | None:
                 if isinstance(d, dict):
                     return str(d.get("answer", d.get("text", ""))).strip()
         return lines[0].strip() if lines else None
-    if name.startswith("eval"):  # the report's rows: "| pdllm | 512 | 100 | 100.0 |"
-        cells = [
-            re.split(r"\s*\|\s*", ln.strip("| ")) for ln in lines if re.match(r"^\| (pdllm|vanilla) \|", ln)
-        ]
-        return " ".join(f"{c[0]}@{c[1]}={c[-1]}%" for c in cells) or None
+    if name.startswith("eval"):  # the accuracy table's rows: "| pdllm | 1/step | 512 | 100 | 100.0 |"
+        cells, section = [], ""
+        for ln in lines:
+            if ln.startswith("## "):
+                section = ln  # "## needle (exact match, %)", then "## needle (tokens per forward)"
+            elif "%" in section and re.match(r"^\| (pdllm|vanilla) \|", ln):
+                cells.append(re.split(r"\s*\|\s*", ln.strip("| ")))
+        return " ".join(f"{c[0]}@{c[-3]}={c[-1]}%" for c in cells) or None
     for ln in lines:  # demo: "answer: '9712217'"
         m = re.match(r"answer:\s*(.*)$", ln)
         if m:

@@ -32,3 +32,16 @@ def test_kernel_check_smoke(tmp_path: Path) -> None:
     assert starved and {r["path"] for r in starved} <= {"reference", "cublas"}
     assert any(r["path"] == "reference" for r in starved)
     assert (tmp_path / "kernel_check.md").read_text().count("| yes |") == len(rows)
+
+
+def test_eval_answer_reads_the_accuracy_table_only() -> None:
+    """The CLI check's summary of ``pdllm eval``: exact-match cells, not the tokens-per-forward table after."""
+    from benchmarks.kernel_check import _answer
+
+    report = "\n".join([
+        "# Long-context retrieval", "## needle (exact match, %)", "| method | threshold | length | 50% | mean |",
+        "| pdllm | 1/step | 512 | 100 | 100.0 |", "| vanilla | 1/step | 512 | 0 | 0.0 |",
+        "## needle (tokens per forward)", "| method | threshold | length | 50% | all |",
+        "| pdllm | 1/step | 512 | 0.75 | 0.75 |",
+    ])  # fmt: skip
+    assert _answer("eval-default-dtype", report) == "pdllm@512=100.0% vanilla@512=0.0%"
