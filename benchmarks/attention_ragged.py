@@ -117,8 +117,9 @@ class RaggedCase:
                                         torch.tensor(self.cell.rows, device=dev))  # fmt: skip
         doc_k = torch.repeat_interleave(torch.arange(len(self.keys), device=dev),
                                         torch.tensor([k.shape[0] for k in self.keys], device=dev))  # fmt: skip
+        # compiled: built block by block (eagerly the dense [rows, keys] mask of the largest cell needs 82 GB)
         mask = create_block_mask(lambda b, h, qi, ki: doc_q[qi] == doc_k[ki], None, None, doc_q.numel(),
-                                 doc_k.numel(), device=str(dev))  # fmt: skip
+                                 doc_k.numel(), device=str(dev), _compile=True)  # fmt: skip
         q = self.q.transpose(0, 1)[None]
         k = torch.cat(self.keys).transpose(0, 1)[None]
         v = torch.cat(self.values).transpose(0, 1)[None]
