@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+from pdllm.kernels.split_s_attention import MERGE_UNROLLED_ROWS
 from pdllm.kernels.split_s_hopper_ws import group_pad
 from pdllm.kernels.split_s_reference import SplitSConfig, plan_splits
 from pdllm.kernels.split_s_tuning import ShapeBucket, _lookup, load_table
@@ -42,9 +43,10 @@ def main_case(
 
 
 def merge_case(set_: str, block_r: int = MERGE_BLOCK_R, warps: int = MERGE_WARPS, note: str = "",
-               partials_16bit: bool = False) -> dict:  # fmt: skip
-    """The separate split merge (launched whenever a call has more than one split and no fused merge)."""
-    const = dict(BLOCK_R=block_r, D=D, ROW_LSE=False)
+               partials_16bit: bool = False, nsp: int = 0) -> dict:  # fmt: skip
+    """The separate split merge (launched whenever a call has more than one split and no fused merge);
+    ``nsp`` > 0: its loop over splits unrolled to ``nsp`` (``NSP``), 0: rolled."""
+    const = dict(BLOCK_R=block_r, D=D, ROW_LSE=False, NSP=nsp)
     case = _case(set_, "merge", const, warps, MERGE_STAGES, None, "bfloat16", note)
     return case | ({"partials": "act"} if partials_16bit else {})
 
@@ -106,9 +108,17 @@ def batch1() -> list[dict]:
     """Batch 1, Lq 32, S 4, C 1024: its selected config, the merge, and its fused / one-split variants."""
     cfg, single = _selected(BATCH1)
     bm, bn, w, st = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
+    b, lq, s, c = BATCH1
+    splits = plan_splits(s * c + lq, b, HKV, lq * HQ // HKV, cfg, NUM_SMS).num_splits
     return [
         main_case("batch1", bm, bn, w, st, single=single, note="selected"),
-        merge_case("batch1", note="selected"),
+        merge_case(
+            "batch1",
+            MERGE_UNROLLED_ROWS,
+            nsp=1 << (splits - 1).bit_length(),
+            note=f"selected: {splits} splits, unrolled",
+        ),  # fmt: skip
+        merge_case("batch1", note="rolled"),
         main_case("batch1", bm, bn, w, st, fused=True, note="fused merge"),
         main_case("batch1", bm, bn, w, st, single=True, note="one split (no partials)"),
         main_case("batch1", 32, bn, 2, st, note="32-row blocks, 2 warps"),

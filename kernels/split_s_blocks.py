@@ -53,6 +53,28 @@ if triton is not None:
         return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
 
     @triton.jit
+    def _merge_splits_unrolled(OP, LSE, o_off, l_off, ok, n_split, s_ops, s_lss,
+                               BLOCK: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+        # _merge_splits over NSP >= n_split splits, unrolled: no load's address waits on an earlier
+        # split's result, so the compiler may issue them ahead of the running max and sums.
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, D], tl.float32)
+        for s in tl.static_range(NSP):
+            live = ok & ((tl.zeros([BLOCK], tl.int32) + s) < n_split)
+            ls = tl.load(LSE + s * s_lss + l_off, mask=live, other=float("-inf"))
+            po = tl.load(OP + s * s_ops + o_off, mask=live[:, None], other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, ls)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(ls - m_safe)
+            acc = acc * alpha[:, None] + po * w[:, None]
+            w_sum = w_sum * alpha + w
+            m = m_new
+        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
+
+    @triton.jit
     def _page_rows(PT, PF, b, h, n0, arange_n, end, s_pt, s_kp, s_kh,
                    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FILL: tl.constexpr):  # fmt: skip
         """Element offsets of the K/V rows of logical slots ``n0 + arange_n`` and which are tokens."""

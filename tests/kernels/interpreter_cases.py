@@ -71,8 +71,9 @@ def case_split_s() -> None:
 
 
 def case_split_s_merge() -> None:
-    """The split merge with the row LSE: requests whose later splits see no key (-inf partials), rows that
-    see no key at all, rows not a multiple of the merge's row block, many splits (9)."""
+    """The split merge with the row LSE, unrolled (the default up to 32 splits, padded to a power of two)
+    and split by split: requests whose later splits see no key (-inf partials), rows that see no key at all,
+    rows not a multiple of the merge's row block, many splits (9 -> 16 unrolled)."""
     from pdllm.kernels import split_s_attention as sa
 
     gen = torch.Generator().manual_seed(3)
@@ -88,14 +89,17 @@ def case_split_s_merge() -> None:
         cfg = sa.SplitSConfig(block_m=16, block_n=16, num_splits=splits)
         want_lse = torch.empty(p.q.shape[:2], dtype=torch.float32)
         want = sa.split_s_attention_reference(*p.args(), config=cfg, lse_out=want_lse)
-        lse = torch.full(p.q.shape[:2], 7.0)
-        got = sa.split_s_attention(*p.args(), config=cfg, lse_out=lse)
-        tag = (q_lens, splits)
-        assert torch.isfinite(got).all(), tag
-        assert _rel(got, want) < tol, (tag, _rel(got, want))
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), tag
-        fin = torch.isfinite(want_lse)
-        assert (lse[fin] - want_lse[fin]).abs().max() < tol * 10, tag
+        for unroll_max in (sa.MERGE_UNROLL_MAX, 0):  # 0: every call merges split by split
+            default, sa.MERGE_UNROLL_MAX = sa.MERGE_UNROLL_MAX, unroll_max
+            lse = torch.full(p.q.shape[:2], 7.0)
+            got = sa.split_s_attention(*p.args(), config=cfg, lse_out=lse)
+            sa.MERGE_UNROLL_MAX = default
+            tag = (q_lens, splits, unroll_max)
+            assert torch.isfinite(got).all(), tag
+            assert _rel(got, want) < tol, (tag, _rel(got, want))
+            assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), tag
+            fin = torch.isfinite(want_lse)
+            assert (lse[fin] - want_lse[fin]).abs().max() < tol * 10, tag
 
 
 def kernel_variants() -> list[tuple[int, int, bool]]:
