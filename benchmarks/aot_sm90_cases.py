@@ -94,14 +94,17 @@ def tuned() -> list[dict]:
     seen: dict[tuple, list[tuple[int, int, int, int]]] = {}
     for shape in SHAPES:
         cfg, single = _selected(shape)
-        key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, single, cfg.fused_merge)
+        key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, single, cfg.fused_merge,
+               cfg.maxnreg or 0, cfg.partials_16bit)  # fmt: skip
         seen.setdefault(key, []).append(shape)
     out = []
-    for (bm, bn, w, st, single, fused), shapes in sorted(seen.items()):
+    for (bm, bn, w, st, single, fused, cap, p16), shapes in sorted(seen.items()):
         lqs = sorted({sh[1] for sh in shapes})
         note = f"{len(shapes)} shapes, Lq {'/'.join(map(str, lqs))}"
-        out.append(main_case("tuned", bm, bn, w, st, single=single, fused=fused, note=note))
-    return out + [merge_case("tuned", note="every multi-split call")]
+        out.append(main_case("tuned", bm, bn, w, st, single=single, fused=fused, maxnreg=cap or None,
+                             partials_16bit=p16, note=note))  # fmt: skip
+    return out + [merge_case("tuned", note="every multi-split call: rolled (more than 32 splits)"),
+                  merge_case("tuned", MERGE_UNROLLED_ROWS, nsp=16, note="every multi-split call: unrolled (9-16 splits)")]  # fmt: skip
 
 
 def batch1() -> list[dict]:
