@@ -30,10 +30,24 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _merge_step(m, w_sum, acc, ls, po):
+        # One split folded into a row's running merge: its base-2 log-sum-exp ``ls`` and fp32 partial ``po``.
+        m_new = tl.maximum(m, ls)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(ls - m_safe)
+        return m_new, w_sum * alpha + w, acc * alpha[:, None] + po * w[:, None]
+
+    @triton.jit
+    def _merge_result(m, w_sum, acc):
+        # The merged output and the row's total base-2 log-sum-exp (-inf where no split saw a key).
+        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
+
+    @triton.jit
     def _merge_splits(OP, LSE, o_off, l_off, ok, n_split, s_ops, s_lss,
                       BLOCK: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-        # Each split's partial output weighted by exp2 of its base-2 log-sum-exp; returns the merged output
-        # and the row's total base-2 log-sum-exp (-inf where no split saw a key).
+        # Each split's partial output weighted by exp2 of its base-2 log-sum-exp, split by split.
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         w_sum = tl.zeros([BLOCK], tl.float32)
         acc = tl.zeros([BLOCK, D], tl.float32)
@@ -42,15 +56,8 @@ if triton is not None:
             po = tl.load(OP + s * s_ops + o_off, mask=ok[:, None], other=0.0, cache_modifier=CACHE).to(
                 tl.float32
             )
-            m_new = tl.maximum(m, ls)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(ls - m_safe)
-            acc = acc * alpha[:, None] + po * w[:, None]
-            w_sum = w_sum * alpha + w
-            m = m_new
-        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-        return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
+            m, w_sum, acc = _merge_step(m, w_sum, acc, ls, po)
+        return _merge_result(m, w_sum, acc)
 
     @triton.jit
     def _merge_splits_unrolled(OP, LSE, o_off, l_off, ok, n_split, s_ops, s_lss,
@@ -64,15 +71,8 @@ if triton is not None:
             live = ok & ((tl.zeros([BLOCK], tl.int32) + s) < n_split)
             ls = tl.load(LSE + s * s_lss + l_off, mask=live, other=float("-inf"))
             po = tl.load(OP + s * s_ops + o_off, mask=live[:, None], other=0.0).to(tl.float32)
-            m_new = tl.maximum(m, ls)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(ls - m_safe)
-            acc = acc * alpha[:, None] + po * w[:, None]
-            w_sum = w_sum * alpha + w
-            m = m_new
-        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-        return out, tl.where(w_sum == 0.0, float("-inf"), m + tl.log2(w_sum))
+            m, w_sum, acc = _merge_step(m, w_sum, acc, ls, po)
+        return _merge_result(m, w_sum, acc)
 
     @triton.jit
     def _page_rows(PT, PF, b, h, n0, arange_n, end, s_pt, s_kp, s_kh,
