@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -41,6 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.attention import time_us  # noqa: E402
+from benchmarks.harness import write_report  # noqa: E402
 from pdllm.kernels.split_s_tuner import call_cost, graph_time_us  # noqa: E402
 
 HQ, HKV, D, PAGE = 28, 4, 128, 64
@@ -121,20 +122,6 @@ class Case:
         return pool_out, local_out, lse
 
 
-def eager_us(fn: Callable[[], object], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def measure(make: Callable[[int], Callable[[], torch.Tensor]], reps: int, ref: torch.Tensor,
             unpack: Callable[[torch.Tensor], torch.Tensor] = lambda o: o) -> dict:  # fmt: skip
     """Check copy 0's output against ``ref``, then time all ``reps`` copies per replay; failures recorded."""
@@ -153,7 +140,7 @@ def measure(make: Callable[[int], Callable[[], torch.Tensor]], reps: int, ref: t
             except Exception as err:  # noqa: BLE001 - capture refused: time eagerly, and say so
                 row["timing"] = f"eager (graph: {type(err).__name__}: {str(err)[:160]})"
                 torch.cuda.synchronize()
-                row["us"] = eager_us(run) / reps
+                row["us"] = time_us(run, 20, graph=False)[0] / reps
         except Exception as err:  # noqa: BLE001 - recorded per implementation, the run goes on
             row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
             row["trace"] = traceback.format_exc(limit=4)[-1000:]
@@ -362,10 +349,12 @@ def markdown(meta: dict, rows: list[dict], skipped: list[str]) -> str:
 
 
 def write(out: Path, meta: dict, rows: list[dict], skipped: list[str]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"meta": meta, "cells": rows, "skipped": skipped}
-    (out / "cudnn_paged_ab.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "cudnn_paged_ab.md").write_text(markdown(meta, rows, skipped))
+    write_report(
+        out,
+        "cudnn_paged_ab",
+        {"meta": meta, "cells": rows, "skipped": skipped},
+        markdown(meta, rows, skipped),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -264,7 +264,8 @@ def run_meta(script: str, argv: list[str] | None, run: Run) -> dict:
 
 def write_report(out: Path, name: str, report: dict, markdown: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    # default=str: a value JSON lacks (a dtype, a path) is written as its text, not a lost report
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(markdown)
 
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
-import random
 import sys
 import time
 import traceback
@@ -35,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.attention import time_us  # noqa: E402
+from benchmarks.attention_ragged import ragged_cell  # noqa: E402
+from benchmarks.harness import write_report  # noqa: E402
 from pdllm.kernels import split_s_attention as sa  # noqa: E402
 from pdllm.kernels import split_s_hopper as sh  # noqa: E402
 from pdllm.kernels.split_s_reference import split_s_attention_reference  # noqa: E402
@@ -68,11 +68,10 @@ def uniform(batch: int, lq: int, kv: int) -> Cell:
 
 
 def ragged(n: int, rows: tuple[int, int], kv: tuple[int, int], seed: int) -> Cell:
-    """``n`` requests, query rows and KV tokens each drawn uniformly (KV not page-aligned: ragged tails)."""
-    rnd = random.Random(seed)
-    q = tuple(rnd.randint(*rows) for _ in range(n))
-    k = tuple(rnd.randint(*kv) for _ in range(n))
-    return Cell(f"ragged {n} req, Lq {rows[0]}-{rows[1]}, KV {kv[0]}-{kv[1]}", q, k)
+    """``n`` requests, query rows and KV tokens each drawn uniformly (KV not page-aligned: ragged tails),
+    as the attention grid's ragged cells draw them."""
+    c = ragged_cell(n, rows, kv, seed)
+    return Cell(f"ragged {n} req, Lq {rows[0]}-{rows[1]}, KV {kv[0]}-{kv[1]}", c.rows, c.kv)
 
 
 GRID = [
@@ -252,10 +251,8 @@ def markdown(meta: dict, rows: list[dict], skipped: list[str]) -> str:
 
 
 def write(out: Path, meta: dict, rows: list[dict], skipped: list[str]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "cells": rows, "skipped": skipped}
-    (out / "split_s_hopper_ab.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "split_s_hopper_ab.md").write_text(markdown(meta, rows, skipped))
+    write_report(out, "split_s_hopper_ab", report, markdown(meta, rows, skipped))
 
 
 def main(argv: list[str] | None = None) -> int:
