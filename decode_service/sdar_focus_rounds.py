@@ -283,15 +283,13 @@ class SdarFocusRound:
             memories = [self.members[m][1].session.memory for m in which]
             splits = [self.members[m][1] for m in which]
 
-            def table(values: list[list[bool]]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.bool).to(self.device)
-
-            masked, frozen = table([m.masked for m in memories]), table([m.frozen for m in memories])
+            masked = to_device([m.masked for m in memories], torch.bool, self.device)
+            frozen = to_device([m.frozen for m in memories], torch.bool, self.device)
             valid = torch.ones_like(masked)
             per = [
                 [m.reach, m.k_hist(focus.alpha), s.quota or 0] for m, s in zip(memories, splits, strict=True)
             ]
-            reach, k_hist, quota = torch.tensor(per).to(self.device).unbind(1)
+            reach, k_hist, quota = to_device(per, torch.long, self.device).unbind(1)
             cap, queries, kernel = self.captured[b], valid & ~frozen, focus.pool_kernel
             delta = importance_batched(*cap[1], queries, valid, kernel) - importance_batched(
                 *cap[0], queries, valid, kernel
