@@ -215,7 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--e2e-contexts", default=None, help="rounds-e2e: contexts (default 8192,16384,32768)")
     ap.add_argument("--policy-knobs", default="", type=_knobs,
                     help="rounds: policy settings instead of the papers', e.g. sparse_delay_steps=0,"
-                         "polestar_recompute=per-layer (each applies to the policy its prefix names)")  # fmt: skip
+                         "polestar_recompute=per-layer (each applies to the policy that owns it, KNOB_GROUPS)")  # fmt: skip
     ap.add_argument("--tag", default=None,
                     help="store this run's cases as <case>+TAG (default: +replayed with --schedule, else none)")  # fmt: skip
     ap.add_argument("--e2e-gens", default=None, help="rounds-e2e: gen lengths (default 32,256; smoke 16)")
